@@ -1,0 +1,131 @@
+"""The two places where ECQ must own amqtt 0.12.1's behaviour, and every use of its internals.
+
+Plugin events cannot do what SPEC.md section 1 asks, because in stock amqtt 0.12.1:
+
+1. ``ProtocolHandler.handle_publish`` queues an incoming QoS 1 PUBLISH and sends its PUBACK at once,
+   before anything is stored; then ``Broker._handle_message_delivery`` logs a warning for any topic
+   starting with ``$`` and ends that client's message loop. So ``BrokerProtocolHandler.handle_publish``
+   is wrapped: a PUBLISH under ``$ECQ/`` goes to :meth:`EcqPlugin.handle_ecq_publish`, which stores the
+   write and only then acknowledges it (MQTT 3.1.1 section 4.3.2: PUBACK after taking ownership).
+2. ``topic_filtering`` plugins see a SUBSCRIBE's filter but not its QoS, and ECQ queues are read only at
+   QoS 1. So ``Broker.add_subscription`` is wrapped: for a ``$ECQ/`` filter the plugin grants QoS 1 or
+   refuses with return code 0x80 (MQTT 3.1.1 section 3.9.3).
+
+Both wrappers find the plugin in the handler's or broker's own PluginManager, so several brokers in one
+process work independently and a broker without the ECQ plugin behaves exactly as stock amqtt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from amqtt.broker import Broker, BrokerContext
+from amqtt.errors import AMQTTError
+from amqtt.mqtt.constants import QOS_1
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+from amqtt.mqtt.puback import PubackPacket
+from amqtt.mqtt.pubcomp import PubcompPacket
+from amqtt.mqtt.publish import PublishPacket
+from amqtt.mqtt.pubrec import PubrecPacket
+
+from ecq.topics import is_ecq_topic
+
+if TYPE_CHECKING:
+    from ecq.plugin import EcqPlugin
+
+SUBACK_FAILURE = 0x80
+_QOS2_PUBREL_TIMEOUT_S = 10.0
+_plugin_class: type | None = None
+
+
+def install(plugin_class: type) -> None:
+    """Wrap the two amqtt methods once per process; ``plugin_class`` is the class to dispatch to."""
+    global _plugin_class
+    if _plugin_class is not None:
+        return
+    _plugin_class = plugin_class
+    original_publish = BrokerProtocolHandler.handle_publish
+    original_subscribe = Broker.add_subscription
+
+    async def handle_publish(handler: BrokerProtocolHandler, packet: PublishPacket) -> None:
+        plugin = _find_plugin(handler.plugins_manager)
+        if plugin is None or packet.topic_name is None or not is_ecq_topic(packet.topic_name):
+            return await original_publish(handler, packet)
+        return await plugin.handle_ecq_publish(handler, packet)
+
+    async def add_subscription(broker: Broker, subscription: tuple[str, int], session: Any) -> int:
+        plugin = _find_plugin(broker.plugins_manager)
+        topic_filter, qos = subscription
+        if plugin is not None and is_ecq_topic(topic_filter):
+            granted = plugin.grant_subscription(session.client_id, topic_filter, qos)
+            if granted is None:
+                return SUBACK_FAILURE
+            subscription = (topic_filter, granted)
+        return await original_subscribe(broker, subscription, session)
+
+    BrokerProtocolHandler.handle_publish = handle_publish
+    Broker.add_subscription = add_subscription
+
+
+def _find_plugin(plugins_manager: Any) -> EcqPlugin | None:
+    for plugin in plugins_manager.plugins:
+        if isinstance(plugin, _plugin_class):
+            return plugin
+    return None
+
+
+def client_id(handler: BrokerProtocolHandler) -> str | None:
+    """The clientid of the connection served by ``handler``."""
+    return handler.session.client_id if handler.session else None
+
+
+def live_connection(context: BrokerContext, clientid: str) -> BrokerProtocolHandler | None:
+    """The handler of the newest connection of ``clientid`` (amqtt keeps it in ``Broker.sessions``)."""
+    return context._broker_instance.sessions.get(clientid, (None, None))[1]
+
+
+def connection_is_open(handler: BrokerProtocolHandler | None) -> bool:
+    """True until the handler's reader loop has stopped (disconnect, takeover, broker shutdown)."""
+    return handler is not None and handler.writer is not None and not handler._reader_stopped.is_set()
+
+
+async def close_connection(handler: BrokerProtocolHandler) -> None:
+    """Close a client connection the way amqtt closes the old one on a session takeover."""
+    await handler.handle_connection_closed()
+    await handler.stop()
+
+
+async def acknowledge(handler: BrokerProtocolHandler, qos: int, packet_id: int | None) -> None:
+    """Finish an incoming PUBLISH's QoS flow: PUBACK for QoS 1; PUBREC, wait PUBREL, PUBCOMP for QoS 2.
+
+    Raises TimeoutError when a QoS 2 PUBREL does not come within 10 s.
+    """
+    if qos == QOS_1:
+        await handler._send_packet(PubackPacket.build(packet_id))
+    elif qos == 2:
+        pubrel = asyncio.get_running_loop().create_future()
+        handler._pubrel_waiters[packet_id] = pubrel
+        try:
+            await handler._send_packet(PubrecPacket.build(packet_id))
+            await asyncio.wait_for(pubrel, _QOS2_PUBREL_TIMEOUT_S)
+        finally:
+            handler._pubrel_waiters.pop(packet_id, None)
+        await handler._send_packet(PubcompPacket.build(packet_id))
+
+
+async def publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: bytes) -> None:
+    """Send a QoS 1 PUBLISH on ``handler`` and wait for its PUBACK (amqtt waits at most 5 s).
+
+    Raises TimeoutError when no PUBACK came, ConnectionError when the connection is closed or closes.
+    """
+    if not connection_is_open(handler):
+        raise ConnectionError("connection closed")
+    try:
+        await handler.mqtt_publish(topic, payload, QOS_1, retain=False)
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise
+        raise ConnectionError("connection closed while waiting for PUBACK") from None  # amqtt cancelled the waiter
+    except (AMQTTError, OSError) as exc:
+        raise ConnectionError(f"send failed: {exc}") from exc

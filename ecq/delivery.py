@@ -1,0 +1,161 @@
+"""Delivery of one queue to its one online consumer (SPEC.md section 1, "Delivery").
+
+A :class:`Consumer` is attached to the live MQTT connection of ``<clientid>`` while that connection
+holds the ``$ECQ/<clientid>/#`` subscription. It keeps at most ``window`` (``reader_batch_size``)
+unacked QoS 1 PUBLISHes in flight. Each PUBACK marks its seqno acked; ``acked`` advances to the
+highest seqno below which every message handed to the connection is acked, and is saved through the
+writer pool. Seqnos acked out of order are saved too, so a reconnect never redelivers them.
+Detaching (disconnect, takeover, unsubscribe) drops the inflight window; the next attach resumes
+after ``acked``: what was sent but not acked is delivered again (MQTT 3.1.1 section 4.4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ecq.store import AckState, Message, SaveAck, Store
+from ecq.topics import delivery_topic
+from ecq.writer import PoolClosed, WriterPool
+
+log = logging.getLogger(__name__)
+
+# publish(connection, topic, payload) -> awaits the PUBACK; raises TimeoutError when none came in time,
+# ConnectionError when the connection is gone.
+Publish = Callable[[Any, str, bytes], Awaitable[None]]
+
+
+def now_ms() -> int:
+    """Wall-clock time in milliseconds since the Unix epoch (the unit of every ECQ timestamp)."""
+    return time.time_ns() // 1_000_000
+
+
+class Consumer:
+    """Delivery state of the queue of ``clientid``; at most one attached connection at a time."""
+
+    def __init__(self, clientid: str, state: AckState, *, store: Store, pool: WriterPool, publish: Publish,
+                 window: int, read_timeout: float, retention_s: float) -> None:
+        self.clientid = clientid
+        self.state = state
+        self.connection: Any = None
+        self.inflight: dict[int, asyncio.Task] = {}
+        self.saves_pending = 0              # SaveAck ops submitted and not yet committed
+        self._store, self._pool, self._publish = store, pool, publish
+        self._window, self._read_timeout, self._retention_ms = window, read_timeout, int(retention_s * 1000)
+        self._cursor = state.acked          # highest seqno handed to the current connection
+        self._handed: deque[int] = deque()  # seqnos handed to this connection, oldest first, not yet folded
+        self._wake = asyncio.Event()
+        self._pump_task: asyncio.Task | None = None
+
+    @property
+    def online(self) -> bool:
+        """True while a connection is attached."""
+        return self.connection is not None
+
+    def attach(self, connection: Any) -> None:
+        """Start delivering to ``connection``; a different connection already attached is detached first."""
+        if connection is self.connection:
+            self.wake()
+            return
+        self.detach()
+        self.connection = connection
+        self._pump_task = asyncio.create_task(self._pump(), name=f"ecq-deliver-{self.clientid}")
+        self.wake()
+
+    def detach(self) -> None:
+        """Stop delivering; unacked inflight messages will be delivered again on the next attach."""
+        if self._pump_task:
+            self._pump_task.cancel()
+        for task in self.inflight.values():
+            task.cancel()
+        self.inflight.clear()
+        self._handed.clear()
+        self._cursor = self.state.acked
+        self.connection = None
+        self._pump_task = None
+
+    def wake(self) -> None:
+        """Ask the pump to look for new messages (after an append, an ack, or a heartbeat)."""
+        self._wake.set()
+
+    async def _pump(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            free = self._window - len(self.inflight)
+            if free <= 0:
+                continue
+            try:
+                messages = await asyncio.wait_for(self._read(free), self._read_timeout)
+            except TimeoutError:
+                log.warning("ECQ read for %s timed out after %.1fs; retrying", self.clientid, self._read_timeout)
+                asyncio.get_running_loop().call_later(self._read_timeout, self.wake)
+                continue
+            for message in messages:
+                self._hand_out(message)
+            if len(messages) == free:
+                self.wake()  # there may be more once slots free up; the next round checks
+            if self._fold_acked():
+                self._save()
+
+    async def _read(self, limit: int) -> list[Message]:
+        min_ts = now_ms() - self._retention_ms
+        return await asyncio.get_running_loop().run_in_executor(
+            None, self._store.read_after, self.clientid, self._cursor, limit, min_ts)
+
+    def _hand_out(self, message: Message) -> None:
+        self._cursor = message.seqno
+        self._handed.append(message.seqno)
+        if message.seqno not in self.state.above:
+            task = asyncio.create_task(self._deliver(message), name=f"ecq-send-{self.clientid}-{message.seqno}")
+            self.inflight[message.seqno] = task
+
+    async def _deliver(self, message: Message) -> None:
+        topic = delivery_topic(self.clientid, message.key)
+        connection = self.connection
+        while True:
+            try:
+                await self._publish(connection, topic, message.payload)
+                break
+            except TimeoutError:
+                log.info("ECQ no PUBACK from %s for seqno %d; sending again", self.clientid, message.seqno)
+            except ConnectionError as exc:
+                log.info("ECQ delivery to %s stopped: %s", self.clientid, exc)
+                self.inflight.pop(message.seqno, None)
+                if connection is self.connection:
+                    self.detach()
+                return
+        self.inflight.pop(message.seqno, None)
+        self.state.above.add(message.seqno)
+        self.state.last_ack_ms = now_ms()
+        self._fold_acked()
+        self._save()
+        self.wake()
+
+    def _fold_acked(self) -> bool:
+        """Advance ``acked`` over the contiguous acked head of what was handed out; True if it moved."""
+        advanced = False
+        while self._handed and self._handed[0] in self.state.above:
+            self.state.acked = self._handed.popleft()
+            self.state.above.discard(self.state.acked)
+            advanced = True
+        return advanced
+
+    def _save(self) -> None:
+        snapshot = AckState(self.state.acked, self.state.last_ack_ms, set(self.state.above))
+        try:
+            future = self._pool.submit(self.clientid, SaveAck(self.clientid, snapshot))
+        except PoolClosed:
+            log.warning("ECQ broker shutting down: ack state of %s up to seqno %d not saved", self.clientid, snapshot.acked)
+            return
+        self.saves_pending += 1
+        future.add_done_callback(self._saved)
+
+    def _saved(self, future: asyncio.Future) -> None:
+        self.saves_pending -= 1
+        if not future.cancelled() and future.exception():
+            log.error("ECQ saving the state of consumer %s failed: %s", self.clientid, future.exception())

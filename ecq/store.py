@@ -1,0 +1,259 @@
+"""The ECQ tables in one LevelDB database (SPEC.md section 1, "Tables").
+
+Key layout (one leading byte per table; ``S(x)`` = 2-byte big-endian length + UTF-8 bytes, so a prefix
+scan over ``S(clientid)`` returns exactly one client's rows and ``a`` never collides with ``a/b``;
+``U64`` = 8-byte big-endian unsigned, so seqnos and timestamps sort numerically):
+
+=======  ========================================  ==================================================
+table    key                                       value
+=======  ========================================  ==================================================
+seqno    ``s`` S(clientid)                         U64 last assigned seqno (seqnos start at 1)
+state    ``a`` S(clientid)                         U64 acked seqno, U64 last-ack ms, U64* acked above it
+index    ``i`` S(clientid) U64(seqno)              U64 publish ms, key bytes
+payload  ``p`` S(clientid) S(key) U64(seqno) U64(ms)  payload bytes
+=======  ========================================  ==================================================
+
+All timestamps are milliseconds since the Unix epoch. :meth:`Store.commit` applies a list of operations
+as one LevelDB write batch, so a crash leaves all of it or none. The methods block (LevelDB I/O, with
+the GIL released by plyvel) and are meant to run in a thread pool, off the event loop.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import plyvel
+
+_U64 = struct.Struct(">Q")
+_SEQNO, _STATE, _INDEX, _PAYLOAD = b"s", b"a", b"i", b"p"
+_MAX_U64 = b"\xff" * 8
+
+
+class StoreError(RuntimeError):
+    """The data directory cannot be opened (locked by another broker, corrupt, not writable)."""
+
+
+def _s(text: str) -> bytes:
+    raw = text.encode()
+    return len(raw).to_bytes(2, "big") + raw
+
+
+def _read_s(buf: bytes, offset: int) -> tuple[str, int]:
+    size = int.from_bytes(buf[offset:offset + 2], "big")
+    end = offset + 2 + size
+    return buf[offset + 2:end].decode(), end
+
+
+def _index_key(clientid: str, seqno: int) -> bytes:
+    return _INDEX + _s(clientid) + _U64.pack(seqno)
+
+
+def _payload_key(clientid: str, key: str, seqno: int, ts_ms: int) -> bytes:
+    return _PAYLOAD + _s(clientid) + _s(key) + _U64.pack(seqno) + _U64.pack(ts_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One stored queue entry: seqno, compaction key, payload bytes, publish time in ms."""
+
+    seqno: int
+    key: str
+    payload: bytes
+    ts_ms: int
+
+
+@dataclass(slots=True)
+class AckState:
+    """Consumer progress: every seqno <= ``acked`` is done; ``above`` holds seqnos acked out of order."""
+
+    acked: int = 0
+    last_ack_ms: int = 0
+    above: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class Append:
+    """Write op: append ``payload`` under ``key`` to the queue of ``clientid`` (compacting older values)."""
+
+    clientid: str
+    key: str
+    payload: bytes
+    ts_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Appended:
+    """Result of an :class:`Append`: the new seqno and the seqnos its compaction deleted."""
+
+    seqno: int
+    replaced: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveAck:
+    """Write op: persist the consumer progress of ``clientid``."""
+
+    clientid: str
+    state: AckState
+
+
+@dataclass(frozen=True, slots=True)
+class Expire:
+    """Write op: delete the rows of ``clientid`` listed by :meth:`Store.expired_rows` (GC)."""
+
+    clientid: str
+    rows: tuple[tuple[int, str, int], ...]  # (seqno, key, ts_ms)
+
+
+Op = Append | SaveAck | Expire
+
+
+class Store:
+    """The ECQ LevelDB database at ``path`` (created if missing).
+
+    Raises StoreError when the database cannot be opened. ``sync=True`` fsyncs every commit.
+    """
+
+    def __init__(self, path: Path, sync: bool = False) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = plyvel.DB(str(path), create_if_missing=True)
+        except plyvel.IOError as exc:
+            raise StoreError(f"cannot open LevelDB at {path}: {exc} (is another broker using it?)") from exc
+        except plyvel.CorruptionError as exc:
+            raise StoreError(f"LevelDB at {path} is corrupt: {exc}") from exc
+        self._sync = sync
+        self._seqnos: dict[str, int] = {}
+        self._seqno_lock = threading.Lock()
+        self.path = path
+
+    def close(self) -> None:
+        """Close the database; pending writes were already committed by :meth:`commit`."""
+        self._db.close()
+
+    # --- writes -------------------------------------------------------------------------------------
+
+    def commit(self, ops: Sequence[Op]) -> list[Appended | int | None]:
+        """Apply ``ops`` in order as one atomic write batch (group commit).
+
+        Returns one result per op: :class:`Appended` for an Append, the number of rows deleted for an
+        Expire, None for a SaveAck. Raises plyvel errors on I/O failure; then nothing was written.
+        """
+        batch_latest: dict[tuple[str, str], tuple[int, int]] = {}
+        results: list[Appended | int | None] = []
+        with self._db.write_batch(transaction=True, sync=self._sync) as batch:
+            for op in ops:
+                if isinstance(op, Append):
+                    results.append(self._append(batch, op, batch_latest))
+                elif isinstance(op, SaveAck):
+                    batch.put(_STATE + _s(op.clientid), _encode_state(op.state))
+                    results.append(None)
+                else:
+                    for seqno, key, ts_ms in op.rows:
+                        batch.delete(_index_key(op.clientid, seqno))
+                        batch.delete(_payload_key(op.clientid, key, seqno, ts_ms))
+                    results.append(len(op.rows))
+        return results
+
+    def _append(self, batch, op: Append, batch_latest: dict[tuple[str, str], tuple[int, int]]) -> Appended:
+        seqno = self._next_seqno(op.clientid)
+        batch.put(_SEQNO + _s(op.clientid), _U64.pack(seqno))
+        batch.put(_index_key(op.clientid, seqno), _U64.pack(op.ts_ms) + op.key.encode())
+        batch.put(_payload_key(op.clientid, op.key, seqno, op.ts_ms), op.payload)
+        slot = (op.clientid, op.key)
+        if slot in batch_latest:  # older rows in the database were already deleted by that earlier op
+            older = [batch_latest[slot]]
+        else:
+            older = list(self._live_versions(op.clientid, op.key))
+        for old_seqno, old_ts in older:
+            batch.delete(_index_key(op.clientid, old_seqno))
+            batch.delete(_payload_key(op.clientid, op.key, old_seqno, old_ts))
+        batch_latest[slot] = (seqno, op.ts_ms)
+        return Appended(seqno, tuple(old for old, _ in older))
+
+    def _live_versions(self, clientid: str, key: str) -> Iterator[tuple[int, int]]:
+        prefix = _PAYLOAD + _s(clientid) + _s(key)
+        for row in self._db.iterator(prefix=prefix, include_value=False):
+            yield _U64.unpack_from(row, len(prefix))[0], _U64.unpack_from(row, len(prefix) + 8)[0]
+
+    def _next_seqno(self, clientid: str) -> int:
+        with self._seqno_lock:
+            last = self._seqnos.get(clientid)
+            if last is None:
+                raw = self._db.get(_SEQNO + _s(clientid))
+                last = _U64.unpack(raw)[0] if raw else 0
+            self._seqnos[clientid] = last + 1
+            return last + 1
+
+    # --- reads --------------------------------------------------------------------------------------
+
+    def read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0) -> list[Message]:
+        """Up to ``limit`` messages of ``clientid`` with seqno > ``after``, in seqno order.
+
+        Entries published before ``min_ts_ms`` (expired, not yet collected) are skipped.
+        """
+        prefix = _INDEX + _s(clientid)
+        messages: list[Message] = []
+        with self._db.snapshot() as snap:
+            rows = snap.iterator(start=prefix + _U64.pack(after + 1), stop=prefix + _MAX_U64, include_stop=True)
+            for index_key, value in rows:
+                seqno = _U64.unpack_from(index_key, len(prefix))[0]
+                ts_ms, key = _U64.unpack_from(value)[0], value[8:].decode()
+                if ts_ms < min_ts_ms:
+                    continue
+                payload = snap.get(_payload_key(clientid, key, seqno, ts_ms))
+                if payload is not None:
+                    messages.append(Message(seqno, key, payload, ts_ms))
+                    if len(messages) >= limit:
+                        break
+        return messages
+
+    def ack_state(self, clientid: str) -> AckState:
+        """The stored progress of ``clientid``'s consumer (acked 0 when it never acked)."""
+        raw = self._db.get(_STATE + _s(clientid))
+        return _decode_state(raw) if raw else AckState()
+
+    def last_seqno(self, clientid: str) -> int:
+        """Last seqno assigned in the queue of ``clientid`` (0 when it never had a write)."""
+        raw = self._db.get(_SEQNO + _s(clientid))
+        return _U64.unpack(raw)[0] if raw else 0
+
+    def clientids(self) -> Iterator[str]:
+        """Every clientid that ever had a write, in key order (reads the seqno table)."""
+        for row in self._db.iterator(prefix=_SEQNO, include_value=False):
+            yield _read_s(row, 1)[0]
+
+    def expired_rows(self, clientid: str, cutoff_ms: int, limit: int) -> tuple[tuple[int, str, int], ...]:
+        """Up to ``limit`` (seqno, key, ts_ms) rows of ``clientid`` published before ``cutoff_ms``.
+
+        Scans from the head of the queue and stops at the first entry that is still fresh
+        (publish times grow with seqno within one queue).
+        """
+        prefix = _INDEX + _s(clientid)
+        rows = []
+        for index_key, value in self._db.iterator(prefix=prefix):
+            ts_ms = _U64.unpack_from(value)[0]
+            if ts_ms >= cutoff_ms or len(rows) >= limit:
+                break
+            rows.append((_U64.unpack_from(index_key, len(prefix))[0], value[8:].decode(), ts_ms))
+        return tuple(rows)
+
+    def queue_range(self, clientid: str) -> tuple[int, int, int] | None:
+        """(first seqno, last seqno, entry count) of the stored queue of ``clientid``, or None when empty."""
+        prefix = _INDEX + _s(clientid)
+        seqnos = [_U64.unpack_from(k, len(prefix))[0] for k in self._db.iterator(prefix=prefix, include_value=False)]
+        return (seqnos[0], seqnos[-1], len(seqnos)) if seqnos else None
+
+
+def _encode_state(state: AckState) -> bytes:
+    above = sorted(s for s in state.above if s > state.acked)
+    return b"".join(_U64.pack(v) for v in (state.acked, state.last_ack_ms, *above))
+
+
+def _decode_state(raw: bytes) -> AckState:
+    values = [v for (v,) in _U64.iter_unpack(raw)]
+    return AckState(values[0], values[1], set(values[2:]))

@@ -1,0 +1,88 @@
+"""Writers: a hashed pool of per-client agents with group commit (SPEC.md section 1, "Writers").
+
+Every write op for one clientid (appends, ack-state saves, GC deletions) goes through the same agent,
+picked by CRC32(clientid) modulo the pool size, so a queue's order is the order its writes arrived.
+An agent takes all ops pending on its queue (up to ``max_batch``) and commits them as one LevelDB
+write batch in a thread pool, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from ecq.store import Op, Store
+
+log = logging.getLogger(__name__)
+
+OnCommit = Callable[[Sequence[Op], Sequence[object]], None]
+
+
+class PoolClosed(RuntimeError):
+    """The writer pool is shutting down and takes no more ops."""
+
+
+class WriterPool:
+    """``size`` agents over ``store``; ``on_commit(ops, results)`` runs on the event loop after each batch."""
+
+    def __init__(self, store: Store, size: int, on_commit: OnCommit, max_batch: int = 1024) -> None:
+        self._store = store
+        self._on_commit = on_commit
+        self._max_batch = max_batch
+        self._queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(size)]
+        self._executor = ThreadPoolExecutor(max_workers=min(size, 4), thread_name_prefix="ecq-writer")
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+
+    def start(self) -> None:
+        """Start the agents on the running event loop."""
+        self._tasks = [asyncio.create_task(self._agent(q), name=f"ecq-writer-{i}") for i, q in enumerate(self._queues)]
+
+    def submit(self, clientid: str, op: Op) -> asyncio.Future:
+        """Queue ``op`` on the agent of ``clientid``; the future resolves with its result once committed.
+
+        Synchronous on purpose: callers keep arrival order by submitting without awaiting first.
+        Raises PoolClosed after :meth:`close` began.
+        """
+        if self._closed:
+            raise PoolClosed("ECQ writer pool is closed")
+        future = asyncio.get_running_loop().create_future()
+        self._queues[zlib.crc32(clientid.encode()) % len(self._queues)].put_nowait((op, future))
+        return future
+
+    async def close(self) -> None:
+        """Refuse new ops, commit everything already queued, stop the agents and the thread pool."""
+        self._closed = True
+        for queue in self._queues:
+            queue.put_nowait(None)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+
+    async def _agent(self, queue: asyncio.Queue) -> None:
+        loop = asyncio.get_running_loop()
+        stopping = False
+        while not stopping:
+            batch = [await queue.get()]
+            while len(batch) < self._max_batch and not queue.empty():
+                batch.append(queue.get_nowait())
+            if None in batch:
+                stopping = True
+            live = [(op, fut) for op, fut in (item for item in batch if item is not None) if not fut.cancelled()]
+            if not live:
+                continue
+            ops = [op for op, _ in live]
+            try:
+                results = await loop.run_in_executor(self._executor, self._store.commit, ops)
+            except Exception as exc:  # LevelDB I/O error: fail this batch, keep the agent alive
+                log.error("ECQ commit of %d ops failed: %s", len(ops), exc)
+                for _, fut in live:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                continue
+            for (_, fut), result in zip(live, results, strict=True):
+                if not fut.done():
+                    fut.set_result(result)
+            self._on_commit(ops, results)
