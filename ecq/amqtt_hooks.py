@@ -11,7 +11,12 @@ Plugin events cannot do what SPEC.md section 1 asks, because in stock amqtt 0.12
    QoS 1. So ``Broker.add_subscription`` is wrapped: for a ``$ECQ/`` filter the plugin grants QoS 1 or
    refuses with return code 0x80 (MQTT 3.1.1 section 3.9.3).
 
-Both wrappers find the plugin in the handler's or broker's own PluginManager, so several brokers in one
+3. ``PublishVariableHeader`` refuses ``+``/``#`` in a PUBLISH topic while decoding, leaving the rest of
+   the packet unread; the reader then takes the payload for a new packet and drops the connection. For
+   ``$ECQ/`` topics the check is left to ECQ, which refuses such a write with a reason and keeps the
+   publisher connected (SPEC.md section 1, bad writes). Other topics keep amqtt's check.
+
+The first two wrappers find the plugin in the handler's or broker's own PluginManager, so several brokers in one
 process work independently and a broker without the ECQ plugin behaves exactly as stock amqtt.
 """
 
@@ -26,7 +31,8 @@ from amqtt.mqtt.constants import QOS_1
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.puback import PubackPacket
 from amqtt.mqtt.pubcomp import PubcompPacket
-from amqtt.mqtt.publish import PublishPacket
+from amqtt.mqtt.packet import MQTTVariableHeader
+from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
 from amqtt.mqtt.pubrec import PubrecPacket
 
 from ecq.topics import is_ecq_topic
@@ -40,13 +46,14 @@ _plugin_class: type | None = None
 
 
 def install(plugin_class: type) -> None:
-    """Wrap the two amqtt methods once per process; ``plugin_class`` is the class to dispatch to."""
+    """Wrap the three amqtt methods once per process; ``plugin_class`` is the class to dispatch to."""
     global _plugin_class
     if _plugin_class is not None:
         return
     _plugin_class = plugin_class
     original_publish = BrokerProtocolHandler.handle_publish
     original_subscribe = Broker.add_subscription
+    original_header_init = PublishVariableHeader.__init__
 
     async def handle_publish(handler: BrokerProtocolHandler, packet: PublishPacket) -> None:
         plugin = _find_plugin(handler.plugins_manager)
@@ -64,8 +71,15 @@ def install(plugin_class: type) -> None:
             subscription = (topic_filter, granted)
         return await original_subscribe(broker, subscription, session)
 
+    def header_init(header: PublishVariableHeader, topic_name: str, packet_id: int | None = None) -> None:
+        if not is_ecq_topic(topic_name):
+            return original_header_init(header, topic_name, packet_id)
+        MQTTVariableHeader.__init__(header)
+        header.topic_name, header.packet_id = topic_name, packet_id
+
     BrokerProtocolHandler.handle_publish = handle_publish
     Broker.add_subscription = add_subscription
+    PublishVariableHeader.__init__ = header_init
 
 
 def _find_plugin(plugins_manager: Any) -> EcqPlugin | None:

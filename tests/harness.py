@@ -1,0 +1,236 @@
+"""Test harness: a real `ecq broker` process on a loopback port, and real MQTT clients over TCP.
+
+Every wait here is bounded; a broker or client that hangs fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import yaml
+
+ECQ = str(Path(sys.executable).with_name("ecq"))
+START_TIMEOUT_S = 20.0
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def port_open(port: int) -> bool:
+    """True when something accepts TCP connections on 127.0.0.1:``port``."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
+
+
+def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds passed; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+class BrokerProcess:
+    """`ecq broker` in a subprocess with its own config, data dir and log file."""
+
+    def __init__(self, workdir: Path, **plugin_options) -> None:
+        self.workdir = workdir
+        self.data_dir = workdir / "data"
+        self.port = free_port()
+        self.log_path = workdir / "broker.log"
+        self.config_path = workdir / "broker.yaml"
+        options = {"data_dir": str(self.data_dir), "heartbeat_interval": "1s", **plugin_options}
+        config = {
+            "listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{self.port}"}},
+            "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
+                        "ecq.plugin.EcqPlugin": options},
+        }
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> BrokerProcess:
+        """Start the broker and wait until its port accepts connections (raises RuntimeError if not)."""
+        log = self.log_path.open("a")
+        self.proc = subprocess.Popen([ECQ, "broker", "-c", str(self.config_path)], stdout=log, stderr=log,
+                                     cwd=self.workdir)
+        log.close()
+        if not wait_until(self._accepting, START_TIMEOUT_S, 0.05):
+            self.kill()
+            raise RuntimeError(f"broker did not start:\n{self.log()}")
+        return self
+
+    def _accepting(self) -> bool:
+        if self.proc and self.proc.poll() is not None:
+            raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{self.log()}")
+        return port_open(self.port)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM and wait for a clean exit; returns the exit code."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL (kill -9): no chance to flush or close anything."""
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def log(self) -> str:
+        """Everything the broker wrote to stderr so far."""
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+
+@dataclass
+class Received:
+    """One PUBLISH a test client received."""
+
+    topic: str
+    payload: bytes
+    qos: int
+    mid: int
+    dup: bool
+
+
+class Client:
+    """A paho-mqtt 3.1.1 client with bounded waits.
+
+    ``manual_ack=True`` withholds PUBACKs until :meth:`ack` is called (to test redelivery).
+    """
+
+    def __init__(self, port: int, client_id: str = "", clean_session: bool = True, manual_ack: bool = False) -> None:
+        self.messages: queue.Queue[Received] = queue.Queue()
+        self.suback: queue.Queue[list[int]] = queue.Queue()
+        self.disconnected = threading.Event()
+        self._c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean_session,
+                              protocol=mqtt.MQTTv311, manual_ack=manual_ack)
+        self._c.max_inflight_messages_set(1000)
+        self._c.on_message = lambda _c, _u, m: self.messages.put(Received(m.topic, m.payload, m.qos, m.mid, m.dup))
+        self._c.on_subscribe = lambda _c, _u, _mid, codes, _p: self.suback.put([c.value for c in codes])
+        self._c.on_disconnect = lambda *_args: self.disconnected.set()
+        connected = threading.Event()
+        self._c.on_connect = lambda *_args: connected.set()
+        self._c.connect("127.0.0.1", port, keepalive=30)
+        self._c.loop_start()
+        if not connected.wait(10):
+            self.close()
+            raise TimeoutError(f"no CONNACK for {client_id!r}")
+
+    def subscribe(self, topic_filter: str, qos: int = 1) -> int:
+        """SUBSCRIBE and return the SUBACK return code (0, 1, 2 granted QoS or 0x80 failure)."""
+        self._c.subscribe(topic_filter, qos)
+        return self.suback.get(timeout=10)[0]
+
+    def publish(self, topic: str, payload: bytes | str, qos: int = 1, timeout: float = 10.0) -> None:
+        """PUBLISH and, for QoS 1/2, wait for the broker's acknowledgement (raises TimeoutError)."""
+        info = self._c.publish(topic, payload, qos)
+        info.wait_for_publish(timeout)
+        if not info.is_published():
+            raise TimeoutError(f"no acknowledgement for PUBLISH to {topic!r}")
+
+    def publish_many(self, topic_payloads: list[tuple[str, bytes]], qos: int = 1, timeout: float = 30.0):
+        """Pipeline many PUBLISHes, then wait for every acknowledgement; returns the paho infos."""
+        infos = [self._c.publish(t, p, qos) for t, p in topic_payloads]
+        deadline = time.monotonic() + timeout
+        for info in infos:
+            info.wait_for_publish(max(0.0, deadline - time.monotonic()))
+        return infos
+
+    def expect(self, count: int, timeout: float = 10.0) -> list[Received]:
+        """Exactly the next ``count`` messages (raises queue.Empty if they do not come in time)."""
+        deadline = time.monotonic() + timeout
+        return [self.messages.get(timeout=max(0.01, deadline - time.monotonic())) for _ in range(count)]
+
+    def quiet(self, seconds: float = 1.5) -> list[Received]:
+        """Whatever arrives within ``seconds`` (used to show that nothing arrives)."""
+        time.sleep(seconds)
+        out = []
+        while not self.messages.empty():
+            out.append(self.messages.get_nowait())
+        return out
+
+    def ack(self, message: Received) -> None:
+        """Send the PUBACK of a message received with ``manual_ack=True``."""
+        self._c.ack(message.mid, message.qos)
+
+    def close(self, clean: bool = True) -> None:
+        """DISCONNECT (or drop the socket when ``clean`` is False) and stop the network thread."""
+        if clean:
+            self._c.disconnect()
+        else:
+            self._c.socket().close()
+        self._c.loop_stop()
+
+
+class RawClient:
+    """A minimal MQTT 3.1.1 client on a plain socket, for packets that paho and mosquitto refuse to send
+    (wildcards or NUL in a PUBLISH topic)."""
+
+    def __init__(self, port: int, client_id: str = "raw") -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        cid = client_id.encode()
+        variable = b"\x00\x04MQTT\x04\x02\x00\x3c" + struct.pack(">H", len(cid)) + cid
+        self._send(0x10, variable)
+        assert self._recv() == (0x20, b"\x00\x00"), "CONNECT refused"
+
+    def publish_qos1(self, topic: bytes, payload: bytes, packet_id: int) -> tuple[int, bytes]:
+        """Send a QoS 1 PUBLISH and return the broker's answer (type byte, body)."""
+        self._send(0x32, struct.pack(">H", len(topic)) + topic + struct.pack(">H", packet_id) + payload)
+        return self._recv()
+
+    def ping(self) -> bool:
+        """PINGREQ; True when PINGRESP comes back (the connection is still served)."""
+        self._send(0xC0, b"")
+        return self._recv() == (0xD0, b"")
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _send(self, header: int, body: bytes) -> None:
+        size, encoded = len(body), bytearray()
+        while True:
+            byte, size = size % 128, size // 128
+            encoded.append(byte | (0x80 if size else 0))
+            if not size:
+                break
+        self.sock.sendall(bytes([header]) + bytes(encoded) + body)
+
+    def _recv(self) -> tuple[int, bytes]:
+        header = self._read(1)[0]
+        size, shift = 0, 0
+        while True:
+            byte = self._read(1)[0]
+            size |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                break
+        return header, self._read(size)
+
+    def _read(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("broker closed the connection")
+            data += chunk
+        return data
