@@ -145,32 +145,32 @@ def test_p6_restart_keeps_queues_and_acked_positions(broker, connect, how):
     assert again.quiet(1.0) == []
 
 
-def test_p6_every_write_that_got_a_puback_survives_kill9(broker, connect):
+def test_p6_every_write_that_got_a_puback_survives_kill9(make_broker, connect):
+    # fsync'd commits of 16 KiB writes keep a real window between receiving a write and committing it;
+    # SIGKILL straight from paho's PUBACK callback lands inside that window. A PUBACK sent before the
+    # commit (stock amqtt) shows up here as an acknowledged write missing after the crash.
+    broker = make_broker(sync_writes=True)
     producer = connect(broker.port, "producer")
-    acked: list[int] = []
-    lock = threading.Lock()
-    done = threading.Event()
-    total = 3000
+    total, kill_after = 600, 200
+    acked_mids: list[int] = []
 
     def on_publish(_client, _userdata, mid, _rc, _props):
-        with lock:
-            acked.append(mid)
-            if len(acked) == total // 3:
-                done.set()
+        acked_mids.append(mid)
+        if len(acked_mids) == kill_after:
+            broker.kill()
 
     producer._c.on_publish = on_publish
-    mids = {producer._c.publish(f"$ECQ/w/kl1/k{i}", f"v{i}", 1).mid: i for i in range(total)}
-    assert done.wait(30)
-    broker.kill()  # mid-stream: some writes were acked, others were still being stored
-    with lock:
-        acked_keys = {f"k{mids[mid]}" for mid in acked}
+    payload = b"p" * 16384
+    mids = {producer._c.publish(f"$ECQ/w/kl1/k{i}", payload, 1).mid: i for i in range(total)}
+    assert wait_until(lambda: broker.proc.poll() is not None, 30)
+    acked_keys = {f"k{mids[mid]}" for mid in list(acked_mids)}
     store = Store(broker.data_dir)
     try:
         stored = {m.key for m in store.read_after("kl1", 0, total + 1)}
     finally:
         store.close()
+    assert len(acked_keys) >= kill_after
     assert acked_keys <= stored, f"{len(acked_keys - stored)} acknowledged writes were lost"
-    assert len(acked_keys) >= total // 3
 
 
 def test_p7_publish_without_w_is_refused_and_publisher_stays_connected(broker, connect):
