@@ -65,6 +65,7 @@ A ReplayQ is not thread-safe. Each directory is locked (``flock``) by the queue 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -439,7 +440,8 @@ class ReplayQ:
             if self._sync:
                 os.fsync(self._wfile.fileno())
         except OSError:
-            self._close_writer()
+            with contextlib.suppress(OSError):  # closing flushes the rest of the failed write
+                self._close_writer()
             os.truncate(seg.path, seg.file_bytes)
             raise
         seg.file_bytes += len(data)
@@ -617,7 +619,7 @@ class ReplayQ:
         position = self._acked
         head = self._head()
         if head is not None and head.segno == position.segno and head.path is None:
-            position = AckRef(position.segno, 0)  # close dumps a RAM segment without its acked items
+            pass  # close dumps a RAM segment without its acked items
         if position != self._committed:
             text = json.dumps({"segno": position.segno, "id": position.id})
             self._replace_file(self._dir / _COMMIT, text.encode())

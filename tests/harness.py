@@ -1,104 +1,20 @@
-"""Test harness: a real `ecq broker` process on a loopback port, and real MQTT clients over TCP.
+"""Test harness: real MQTT clients over TCP (paho-mqtt, and a raw socket client) with bounded waits.
 
-Every wait here is bounded; a broker or client that hangs fails the test instead of hanging it.
+The broker process itself comes from :mod:`ecq.broker_process`.
 """
 
 from __future__ import annotations
 
-import os
 import queue
-import signal
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import paho.mqtt.client as mqtt
-import yaml
 
-ECQ = str(Path(sys.executable).with_name("ecq"))
-START_TIMEOUT_S = 20.0
-
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def port_open(port: int) -> bool:
-    """True when something accepts TCP connections on 127.0.0.1:``port``."""
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        return True
-    except OSError:
-        return False
-
-
-def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout`` seconds passed; returns its last value."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())
-
-
-class BrokerProcess:
-    """`ecq broker` in a subprocess with its own config, data dir and log file."""
-
-    def __init__(self, workdir: Path, **plugin_options) -> None:
-        self.workdir = workdir
-        self.data_dir = workdir / "data"
-        self.port = free_port()
-        self.log_path = workdir / "broker.log"
-        self.config_path = workdir / "broker.yaml"
-        options = {"data_dir": str(self.data_dir), "heartbeat_interval": "1s", **plugin_options}
-        config = {
-            "listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{self.port}"}},
-            "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
-                        "ecq.plugin.EcqPlugin": options},
-        }
-        self.config_path.write_text(yaml.safe_dump(config))
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> BrokerProcess:
-        """Start the broker and wait until its port accepts connections (raises RuntimeError if not)."""
-        log = self.log_path.open("a")
-        self.proc = subprocess.Popen([ECQ, "broker", "-c", str(self.config_path)], stdout=log, stderr=log,
-                                     cwd=self.workdir)
-        log.close()
-        if not wait_until(self._accepting, START_TIMEOUT_S, 0.05):
-            self.kill()
-            raise RuntimeError(f"broker did not start:\n{self.log()}")
-        return self
-
-    def _accepting(self) -> bool:
-        if self.proc and self.proc.poll() is not None:
-            raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{self.log()}")
-        return port_open(self.port)
-
-    def stop(self, timeout: float = 15.0) -> int:
-        """SIGTERM and wait for a clean exit; returns the exit code."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        """SIGKILL (kill -9): no chance to flush or close anything."""
-        if self.proc and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def log(self) -> str:
-        """Everything the broker wrote to stderr so far."""
-        return self.log_path.read_text() if self.log_path.exists() else ""
+from ecq.broker_process import ECQ, BrokerProcess, free_port, port_open, wait_until  # noqa: F401 (re-exported)
 
 
 @dataclass

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from ecq.broker_process import ANONYMOUS_AUTH
 from ecq.config import EcqSettings, parse_duration
 from tests.harness import ECQ, Client, free_port, port_open, wait_until
 
@@ -51,8 +52,7 @@ def run_broker(tmp_path, config: dict | str, *extra: str) -> subprocess.Complete
 
 def ecq_config(**options) -> dict:
     return {"listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{free_port()}"}},
-            "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
-                        "ecq.plugin.EcqPlugin": options}}
+            "plugins": {**ANONYMOUS_AUTH, "ecq.plugin.EcqPlugin": options}}
 
 
 @pytest.mark.parametrize("option, value, expected", [
