@@ -183,15 +183,16 @@ class EcqPlugin(BasePlugin[BrokerContext]):
         return any(session.client_id == clientid for session, _qos in holders)
 
     async def _attach(self, clientid: str, connection: BrokerProtocolHandler | None) -> None:
-        if not hooks.connection_is_open(connection):
-            return
         if clientid not in self.consumers:
             state = await asyncio.get_running_loop().run_in_executor(None, self.store.ack_state, clientid)
             self.consumers.setdefault(clientid, Consumer(
                 clientid, state, store=self.store, pool=self.pool, publish=hooks.publish_qos1,
                 window=self.settings.reader_batch_size, read_timeout=self.settings.read_timeout,
                 retention_s=self.settings.data_retention))
-        self.consumers[clientid].attach(connection)
+        # checked after the await: an UNSUBSCRIBE, disconnect or takeover may have happened meanwhile
+        if (hooks.connection_is_open(connection) and connection is hooks.live_connection(self.context, clientid)
+                and self._holds_queue_subscription(clientid)):
+            self.consumers[clientid].attach(connection)
 
     async def _heartbeat(self) -> None:
         """Re-poll idle online consumers (a lost wake-up delays, never loses) and forget idle offline ones."""
