@@ -91,8 +91,9 @@ class Consumer:
                 continue
             try:
                 messages = await asyncio.wait_for(self._read(free), self._read_timeout)
-            except TimeoutError:
-                log.warning("ECQ read for %s timed out after %.1fs; retrying", self.clientid, self._read_timeout)
+            except Exception as exc:  # timeout or LevelDB error: a later round retries, nothing is skipped
+                log.warning("ECQ read for %s failed (%s); retrying in %.1fs",
+                            self.clientid, exc or type(exc).__name__, self._read_timeout)
                 asyncio.get_running_loop().call_later(self._read_timeout, self.wake)
                 continue
             for message in messages:

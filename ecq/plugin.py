@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from amqtt.broker import BrokerContext
+from amqtt.errors import AMQTTError
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.publish import PublishPacket
 from amqtt.plugins.base import BasePlugin
@@ -118,7 +119,10 @@ class EcqPlugin(BasePlugin[BrokerContext]):
                       topic, exc or type(exc).__name__, hooks.client_id(handler))
             await hooks.close_connection(handler)
             return
-        await hooks.acknowledge(handler, qos, packet_id)
+        try:
+            await hooks.acknowledge(handler, qos, packet_id)
+        except (OSError, AMQTTError, TimeoutError) as exc:  # stored; the publisher resends if it reconnects
+            log.info("ECQ could not acknowledge a stored write to %r: %s", topic, exc or type(exc).__name__)
 
     def _on_commit(self, ops: Sequence[Op], _results: Sequence[object]) -> None:
         for op in ops:
