@@ -16,8 +16,9 @@ Modes (chosen by `ReplayQConfig`):
 Positions. Items live in numbered segments (segno 1, 2, ...); inside a segment the items have ids 1, 2,
 ... in append order, so ``(segno, id)`` is a position (seqno) that only grows. `ReplayQ.pop` hands out
 the next items and an `AckRef` naming the last one; `ReplayQ.ack` is cumulative: it acks every item up
-to that position. A new segment starts once the current one has at least ``seg_bytes`` bytes, and once
-the reader acks past a segment its file is deleted.
+to that position. A new segment starts once the current one has at least ``seg_bytes`` bytes (an
+append is never split, so a segment can pass ``seg_bytes`` by one append). Once every item of a segment
+is acked its file is deleted; the segment being written waits until the writer moves on.
 
 Files in ``dir``:
 
@@ -34,14 +35,15 @@ Files in ``dir``:
   fsync, rename, fsync the directory). On open, reading resumes after it. A COMMIT that cannot be parsed
   raises `ReplayQError` rather than guessing; a missing COMMIT means nothing is acked, so every item
   still on disk is handed out again (segments that were fully acked are already gone).
-* ``*.tmp``: an interrupted atomic write; removed on open. Other names ending in ``.seg`` raise
-  `ReplayQError`; any other file is ignored.
+* ``COMMIT.tmp``, ``<segno>.seg.tmp``: an interrupted atomic write; removed on open. Other names
+  ending in ``.seg`` raise `ReplayQError`; any other file is ignored.
 
 Corruption. On open every frame of every segment is checked (magic, length within the file, CRC32).
 From the first bad frame on, the segment is truncated; the discarded items (the bad frame plus the
 intact frames found after it by searching for the magic) and bytes are logged at ERROR level and
 reported by `ReplayQ.corrupt_discarded`. Later segments are checked on their own, and appends always
-go to a fresh segment after open, so item ids and the COMMIT stay consistent.
+go to a fresh segment after open, so item ids and the COMMIT stay consistent. A segment that changes
+under an open queue makes `ReplayQ.pop` raise `ReplayQError`.
 
 Overload. Sizes are estimates: ``sizer(item)``, or the payload length (frame headers are not counted).
 `ReplayQ.count` and `ReplayQ.bytes` cover items not yet popped. After an append that takes `bytes()`
@@ -55,12 +57,14 @@ of the batch handed out just before it. Until then a restart hands dropped disk 
 fsync. ``fsync="always"`` (default) fsyncs the segment on each append, COMMIT on each ack that moves
 it, and the directory when a file is created or renamed: what `append` returned from survives power
 loss. ``fsync="never"`` only flushes to the OS: it survives a crash of the process, not of the machine.
-Measured by ``scripts/bench_replayq`` on a 2-core VM, ext4 (256 B items, one item per append):
-disk mode appends ran at about 21 k/s with ``never`` and about 1 k/s with ``always`` (20x slower), and
-pops in batches of 100, each acked, at about 415 k/s against 180 k/s. Memory only appended at about
-400 k/s. Figures depend on the storage; rerun the script on the target machine.
+Measured cost (``scripts/bench_replayq``, 2-core VM, ext4, one item per append): ``always`` adds about
+0.25 ms per append. Disk mode appended 3.9 k items/s with ``always`` against 182 k/s with ``never``
+for 256 B items (47x slower), 3.5 k/s against 91 k/s for 4 KiB items (26x); popping batches of 100,
+each acked, ran at 109 k against 187 k items/s (256 B). Memory only appended 427 k items/s. Figures
+depend on the storage: rerun the script on the target machine.
 
-A ReplayQ is not thread-safe. Each directory is locked (``flock``) by the queue that opened it.
+A ReplayQ is not thread-safe, and its disk I/O blocks. Each directory is locked (``flock``) by the
+queue that opened it; a second open raises `ReplayQError`.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ _HEADER = struct.Struct(">4sII")  # magic, CRC32 of the payload, payload length
 _SEGMENT_NAME = re.compile(r"\d{10}\.seg")
 _TMP_NAME = re.compile(r"(\d{10}\.seg|COMMIT)\.tmp")
 _COMMIT = "COMMIT"
+_MAX_SEGNO = 10**10  # segment names hold 10 digits
 
 
 class ReplayQError(Exception):
@@ -196,7 +201,7 @@ def _frame_end(buf: memoryview, offset: int) -> int:
 
 
 def _parse(data: bytes) -> tuple[list[memoryview], int]:
-    """Payloads of the valid frames at the start of ``data``, and the offset where the first bad frame starts."""
+    """Payloads of the valid frames at the start of ``data``, and the offset of the first bad frame (or the end)."""
     buf = memoryview(data)
     payloads = []
     offset = 0
@@ -311,16 +316,17 @@ class ReplayQ:
 
     def _list_segments(self) -> list[int]:
         segnos = []
-        for entry in os.scandir(self._dir):
-            if _TMP_NAME.fullmatch(entry.name):
-                os.unlink(entry.path)
-            elif entry.name.endswith(".seg"):
-                if not _SEGMENT_NAME.fullmatch(entry.name) or not entry.is_file():
-                    raise ReplayQError(
-                        f"unexpected segment file {entry.path}: segment files are named "
-                        "<10 digits>.seg; move it out of the queue directory"
-                    )
-                segnos.append(int(entry.name[:10]))
+        with os.scandir(self._dir) as entries:
+            for entry in entries:
+                if _TMP_NAME.fullmatch(entry.name):
+                    os.unlink(entry.path)
+                elif entry.name.endswith(".seg"):
+                    if not _SEGMENT_NAME.fullmatch(entry.name) or not entry.is_file():
+                        raise ReplayQError(
+                            f"unexpected segment file {entry.path}: segment files are named "
+                            "<10 digits>.seg; move it out of the queue directory"
+                        )
+                    segnos.append(int(entry.name[:10]))
         return sorted(segnos)
 
     def _read_commit(self) -> AckRef | None:
@@ -334,7 +340,7 @@ class ReplayQ:
             valid = (
                 isinstance(position, dict)
                 and position.keys() == {"segno", "id"}
-                and all(type(v) is int and v >= 0 for v in position.values())
+                and all(type(v) is int and 0 <= v < _MAX_SEGNO for v in position.values())
             )
         except ValueError:
             valid = False
@@ -482,6 +488,7 @@ class ReplayQ:
             wfile.close()
 
     def _enforce_limits(self, added: int) -> None:
+        """Drop from the head for max_total_bytes and high memory; ``added`` is the size of the append."""
         limit = self._cfg.max_total_bytes
         threshold = self._cfg.high_mem_percent
         high_mem = threshold is not None and self._probe() >= threshold
@@ -495,11 +502,11 @@ class ReplayQ:
             last = AckRef(seg.segno, id_)
         if last is not None:
             self._dropped = Dropped(self._dropped.items + items, self._dropped.bytes + nbytes)
+            self._settle()
             if self._batches:
                 self._batches[-1].skip_to = last
             else:
                 self._advance(last)
-            self._settle()
 
     def pop(self, count_limit: int | None = None, bytes_limit: int | None = None) -> tuple[AckRef, list[bytes]]:
         """Hand out the next items, oldest first: at most ``count_limit`` items and ``bytes_limit`` bytes
@@ -517,20 +524,20 @@ class ReplayQ:
             raise ValueError(f"bytes_limit must be at least 1 or None, not {bytes_limit}")
         items: list[Any] = []
         total = 0
-        last = None
         while count_limit is None or len(items) < count_limit:
             seg = self._reader_segment()
             if seg is None or (items and bytes_limit is not None and total + seg.unread[0][2] > bytes_limit):
                 break
-            id_, item, size = self._take(seg, keep=seg.keep_popped)
+            last_id, item, size = self._take(seg, keep=seg.keep_popped)
+            last_segno = seg.segno
             items.append(item)
             total += size
-            last = AckRef(seg.segno, id_)
         self._settle()
-        if last is None:
+        if not items:
             return self._acked, []
-        self._batches.append(_Batch(last))
-        return last, items
+        ref = AckRef(last_segno, last_id)
+        self._batches.append(_Batch(ref))
+        return ref, items
 
     def _reader_segment(self) -> _Segment | None:
         """The segment holding the next item to pop, its unread items loaded; None if nothing is left."""
@@ -619,7 +626,7 @@ class ReplayQ:
         position = self._acked
         head = self._head()
         if head is not None and head.segno == position.segno and head.path is None:
-            pass  # close dumps a RAM segment without its acked items
+            position = AckRef(position.segno, 0)  # close dumps a RAM segment without its acked items
         if position != self._committed:
             text = json.dumps({"segno": position.segno, "id": position.id})
             self._replace_file(self._dir / _COMMIT, text.encode())
