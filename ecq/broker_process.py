@@ -50,7 +50,8 @@ class BrokerProcess:
     """`ecq broker` in a subprocess with its config, data dir (``workdir/data``) and log file under ``workdir``.
 
     ``plugin_options`` are ECQ plugin options (see ecq.config.EcqSettings); ``heartbeat_interval``
-    defaults to 1 s here so that tests never wait long on a missed wake-up.
+    defaults to 1 s here so that tests never wait long on a missed wake-up, and the admin API gets a
+    free port of its own (``admin_port``).
     """
 
     def __init__(self, workdir: Path, **plugin_options) -> None:
@@ -59,7 +60,9 @@ class BrokerProcess:
         self.port = free_port()
         self.log_path = workdir / "broker.log"
         self.config_path = workdir / "broker.yaml"
-        options = {"data_dir": str(self.data_dir), "heartbeat_interval": "1s", **plugin_options}
+        self.admin_port = free_port()
+        options = {"data_dir": str(self.data_dir), "heartbeat_interval": "1s",
+                   "admin_bind": f"127.0.0.1:{self.admin_port}", **plugin_options}
         config = {
             "listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{self.port}"}},
             "plugins": {**ANONYMOUS_AUTH, "ecq.plugin.EcqPlugin": options},

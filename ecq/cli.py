@@ -1,14 +1,23 @@
-"""The ``ecq`` command line (console script). ``ecq broker`` runs amqtt with the ECQ plugin in the foreground.
+"""The ``ecq`` command line (console script).
 
-Exit codes: 0 ok, 1 runtime failure (cannot bind, cannot open the store), 2 usage or configuration error.
+``ecq broker`` runs amqtt with the ECQ plugin in the foreground. ``ecq status``, ``ecq inspect``,
+``ecq gc`` and ``ecq show-config`` talk to a running broker through its admin API (issue 4); when no
+broker answers, ``status`` and ``inspect`` read the data directory directly.
+
+Exit codes: 0 ok, 1 not found (or, for ``broker``, a runtime failure such as a port in use or a locked
+store), 2 usage or configuration error, 3 broker unreachable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import signal
 import sys
+import urllib.error
+import urllib.request
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -18,8 +27,14 @@ import yaml
 from amqtt.broker import Broker
 from pydantic import ValidationError
 
+from ecq.acl import AclError, load_acl
 from ecq.config import EcqSettings
-from ecq.plugin import PLUGIN_PATH
+from ecq.plugin import PLUGIN_PATH, EcqPlugin
+from ecq.status import broker_status, queue_info
+from ecq.store import Store, StoreError
+
+EXIT_NOT_FOUND, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
+DEFAULT_ADMIN = "127.0.0.1:18083"
 
 log = logging.getLogger("ecq")
 
@@ -52,12 +67,21 @@ def load_broker_config(path: Path | None) -> dict[str, Any]:
 
 
 def check_plugin_options(options: dict[str, Any]) -> EcqSettings:
-    """Validate the ECQ plugin options; raises click.UsageError naming each bad option and its rule."""
+    """Validate the ECQ plugin options and the ACL file they name.
+
+    Raises click.UsageError naming each bad option and its rule, or ``file:line: what is wrong``.
+    """
     try:
-        return EcqSettings(**options)
+        settings = EcqSettings(**options)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'options'}: {e['msg']}" for e in exc.errors())
         raise click.UsageError(f"invalid {PLUGIN_PATH} option: {problems}") from exc
+    if settings.acl_file:
+        try:
+            load_acl(settings.acl_file)
+        except AclError as exc:
+            raise click.UsageError(f"bad ACL file: {exc}") from exc
+    return settings
 
 
 @main.command()
@@ -66,9 +90,13 @@ def check_plugin_options(options: dict[str, Any]) -> EcqSettings:
 @click.option("--bind", help="HOST:PORT of the MQTT TCP listener (overrides the config's default listener)")
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False),
               help="LevelDB directory (overrides the plugin's data_dir)")
+@click.option("--acl", "acl_file", type=click.Path(path_type=Path, dir_okay=False),
+              help="ACL file in EMQX acl.conf syntax (overrides the plugin's acl_file)")
+@click.option("--admin-bind", help="HOST:PORT of the admin API (overrides admin_bind; '' turns it off)")
 @click.option("-v", "--verbose", is_flag=True, help="debug logging")
-def broker(config_path: Path | None, bind: str | None, data_dir: Path | None, verbose: bool) -> None:
-    """Run the MQTT broker with the ECQ plugin in the foreground until SIGINT or SIGTERM."""
+def broker(config_path: Path | None, bind: str | None, data_dir: Path | None, acl_file: Path | None,
+           admin_bind: str | None, verbose: bool) -> None:
+    """Run the MQTT broker with the ECQ plugin in the foreground until SIGINT or SIGTERM; SIGHUP reloads the ACL."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("transitions").setLevel(logging.WARNING)
@@ -78,6 +106,10 @@ def broker(config_path: Path | None, bind: str | None, data_dir: Path | None, ve
     options = config["plugins"][PLUGIN_PATH]
     if data_dir is not None:
         options["data_dir"] = str(data_dir)
+    if acl_file is not None:
+        options["acl_file"] = str(acl_file)
+    if admin_bind is not None:
+        options["admin_bind"] = admin_bind
     if bind is not None:
         config.setdefault("listeners", {}).setdefault("default", {"type": "tcp"})["bind"] = bind
     check_plugin_options(options)
@@ -96,8 +128,166 @@ async def _serve(config: dict[str, Any]) -> int:
         cause = exc.__cause__ or exc
         log.error("broker failed to start: %s", cause)
         return 1
-    log.info("broker running; SIGINT or SIGTERM stops it")
+    plugin = next(p for p in broker.plugins_manager.plugins if isinstance(p, EcqPlugin))
+    loop.add_signal_handler(signal.SIGHUP, _reload_acl, plugin)
+    log.info("broker running; SIGINT or SIGTERM stops it, SIGHUP reloads the ACL")
     await stop.wait()
     log.info("stopping broker")
     await broker.shutdown()
     return 0
+
+
+def _reload_acl(plugin: EcqPlugin) -> None:
+    try:
+        plugin.reload_acl()
+    except AclError as exc:
+        log.error("ACL reload failed, keeping the old rules: %s", exc)
+
+
+# --- operator commands: talk to the admin API --------------------------------------------------------
+
+class Unreachable(click.ClickException):
+    """No broker answered at the admin address (exit code 3)."""
+
+    exit_code = EXIT_UNREACHABLE
+
+
+class Refused(click.ClickException):
+    """The broker answered but refused the request's token (exit code 3; no fallback to the data dir)."""
+
+    exit_code = EXIT_UNREACHABLE
+
+
+def admin_options(func):
+    """--admin HOST:PORT, --token and --json, shared by the operator commands."""
+    func = click.option("--json", "as_json", is_flag=True, help="print JSON for scripts")(func)
+    func = click.option("--token", default=lambda: os.environ.get("ECQ_ADMIN_TOKEN"),
+                        help="admin bearer token (default: $ECQ_ADMIN_TOKEN)")(func)
+    return click.option("--admin", default=DEFAULT_ADMIN, show_default=True,
+                        help="HOST:PORT of the broker's admin API")(func)
+
+
+def call_admin(admin: str, path: str, token: str | None, method: str = "GET") -> tuple[int, Any]:
+    """One admin API call; returns (HTTP status, decoded JSON). Raises Unreachable when nothing answers."""
+    request = urllib.request.Request(f"http://{admin}{path}", method=method)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+    except (urllib.error.URLError, OSError) as exc:
+        raise Unreachable(f"no broker answers at {admin}: {getattr(exc, 'reason', exc)}") from exc
+
+
+def read_data_dir(data_dir: Path, admin: str, reader):
+    """Run ``reader(store)`` on a data dir when no broker answers; raises Unreachable if it cannot be read."""
+    if not (data_dir / "CURRENT").exists():
+        raise Unreachable(f"no broker answers at {admin} and {data_dir} holds no ECQ data")
+    try:
+        store = Store(data_dir)
+    except StoreError as exc:
+        raise Unreachable(f"no broker answers at {admin} and {exc}") from exc
+    try:
+        return reader(store)
+    finally:
+        store.close()
+
+
+def emit(data: Any, as_json: bool, render) -> None:
+    """Print ``data`` as JSON or through ``render(data) -> str``."""
+    click.echo(json.dumps(data, indent=2) if as_json else render(data))
+
+
+def _check(status: int, body: Any) -> Any:
+    if status == 401:
+        raise Refused(f"admin API refused the request: {body.get('error')}")
+    if status == 404:
+        click.echo(body.get("error", "not found"), err=True)
+        sys.exit(EXIT_NOT_FOUND)
+    if status >= 400:
+        raise click.ClickException(body.get("error", f"admin API answered HTTP {status}"))
+    return body
+
+
+@main.command()
+@admin_options
+@click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=Path("storage"),
+              show_default=True, help="read this data dir when no broker answers")
+def status(admin: str, token: str | None, as_json: bool, data_dir: Path) -> None:
+    """Queues, stored messages and bytes, consumers online, first/last index entries, consumer states."""
+    try:
+        data = _check(*call_admin(admin, "/api/v1/status", token))
+    except Unreachable:
+        data = read_data_dir(data_dir, admin, broker_status)
+        data["source"] = f"data dir {data_dir} (no broker running)"
+    emit(data, as_json, render_status)
+
+
+@main.command()
+@click.argument("clientid")
+@admin_options
+@click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=Path("storage"),
+              show_default=True, help="read this data dir when no broker answers")
+def inspect(clientid: str, admin: str, token: str | None, as_json: bool, data_dir: Path) -> None:
+    """One queue: acked seqno, last ack time, queue range such as [3,...,9], pending, inflight, online."""
+    try:
+        data = _check(*call_admin(admin, f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}", token))
+    except Unreachable:
+        data = read_data_dir(data_dir, admin, lambda store: queue_info(store, clientid))
+        if data is None:
+            click.echo(f"no queue for clientid {clientid!r}", err=True)
+            sys.exit(EXIT_NOT_FOUND)
+    emit(data, as_json, render_queue)
+
+
+@main.command()
+@admin_options
+def gc(admin: str, token: str | None, as_json: bool) -> None:
+    """Run garbage collection now on the running broker."""
+    data = _check(*call_admin(admin, "/api/v1/gc", token, method="POST"))
+    emit(data, as_json, lambda d: f"GC deleted {d['deleted']} expired entries")
+
+
+@main.command("show-config")
+@click.argument("which", type=click.Choice(["origin", "inuse"]), default="inuse")
+@admin_options
+def show_config(which: str, admin: str, token: str | None, as_json: bool) -> None:
+    """The ECQ plugin options of the running broker: as given (origin) or as parsed (inuse)."""
+    data = _check(*call_admin(admin, f"/api/v1/config?which={which}", token))
+    emit(data, as_json, lambda d: "\n".join(f"{k}: {v}" for k, v in d.items()))
+
+
+def render_status(d: dict[str, Any]) -> str:
+    """Human-readable `ecq status`."""
+    lines = [f"queues:            {d['queues']}", f"messages stored:   {d['messages']}",
+             f"bytes stored:      {d['bytes']}", f"consumers online:  {d['consumers_online']}",
+             f"first index entry: {_index_line(d['first_index'])}",
+             f"last index entry:  {_index_line(d['last_index'])}"]
+    if d.get("events"):
+        e = d["events"]
+        lines.append(f"events:            {e.get('recorded', 0)} recorded, {e.get('dropped_items', 0)} dropped, "
+                     f"{e.get('buffered_items', 0)} buffered")
+    if "source" in d:
+        lines.append(f"source:            {d['source']}")
+    lines.append(f"consumers ({d['consumers_total']} with stored state):")
+    for c in d["consumers"]:
+        lines.append(f"  {c['clientid']}  acked {c['acked']}  last ack {c['last_ack_ts'] or 'never'}"
+                     f"  {'online' if c['online'] else 'offline'}")
+    return "\n".join(lines)
+
+
+def render_queue(d: dict[str, Any]) -> str:
+    """Human-readable `ecq inspect`."""
+    return "\n".join([f"clientid:    {d['clientid']}", f"acked:       {d['acked']}",
+                      f"last ack:    {d['last_ack_ts'] or 'never'}", f"queue range: {d['range']}",
+                      f"last seqno:  {d['last_seqno']}", f"stored:      {d['stored']}",
+                      f"pending:     {d['pending']}", f"inflight:    {d['inflight']}",
+                      f"online:      {'yes' if d['online'] else 'no'}"])
+
+
+def _index_line(entry: dict[str, Any] | None) -> str:
+    if entry is None:
+        return "none"
+    return f"{entry['clientid']} seqno {entry['seqno']} key {entry['key']} at {entry['ts']}"

@@ -7,12 +7,13 @@ names the option and the rule it broke; ``ecq broker`` prints it and exits befor
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -56,7 +57,49 @@ class EcqSettings(BaseModel):
     heartbeat_interval: PositiveDuration = Field(default=5.0, description="re-poll of idle online consumers")
     max_payload_bytes: int = Field(default=1024 * 1024, ge=0, le=268_435_455, description="largest write payload")
     sync_writes: bool = Field(default=False, description="fsync each commit (survives power loss, slower)")
+    acl_file: Path | None = Field(default=None, description="EMQX-syntax ACL file; None = no ACL")
+    acl_nomatch: Literal["allow", "deny"] = Field(default="allow", description="decision when no ACL rule matches")
+    admin_bind: str | None = Field(default="127.0.0.1:18083", description="HOST:PORT of the admin API; None = off")
+    admin_token: str | None = Field(default=None, description="bearer token the admin API requires")
+    events: bool = Field(default=False, description="record queue events and export them to lake_dir")
+    lake_dir: Path | None = Field(default=None, description="Parquet event lake; None = <data_dir>/lake")
+    export_interval: PositiveDuration = Field(default=1.0, description="time between event exports")
+    events_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024, description="event buffer bound, bytes")
+
+    @field_validator("admin_bind")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value:
+            split_host_port(value)
+        return value or None
+
+    @model_validator(mode="after")
+    def _token_off_loopback(self) -> EcqSettings:
+        if self.admin_bind and not self.admin_token and not _is_loopback(split_host_port(self.admin_bind)[0]):
+            raise ValueError(f"admin_bind {self.admin_bind!r} is not a loopback address: set admin_token")
+        return self
 
     def effective_pool_size(self) -> int:
         """Number of writer agents: ``writer_pool_size``, or the CPU count when it is 0 (SPEC.md section 1)."""
         return self.writer_pool_size or (os.cpu_count() or 1)
+
+    def effective_lake_dir(self) -> Path:
+        """Where exported events go: ``lake_dir``, or ``<data_dir>/lake``."""
+        return self.lake_dir or self.data_dir / "lake"
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    """``"127.0.0.1:18083"`` / ``"[::1]:18083"`` -> (host, port). Raises ValueError naming the rule."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{value!r} is not HOST:PORT with a port from 1 to 65535")
+    return host.strip("[]"), int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

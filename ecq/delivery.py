@@ -16,7 +16,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ecq.store import AckState, Message, SaveAck, Store
 from ecq.topics import delivery_topic
@@ -29,6 +29,16 @@ log = logging.getLogger(__name__)
 Publish = Callable[[Any, str, bytes], Awaitable[None]]
 
 
+class DeliveryObserver(Protocol):
+    """Told of each send and each PUBACK (metrics, queue events); must return at once and never raise."""
+
+    def delivered(self, clientid: str, message: Message, attempt: int) -> None:
+        """``message`` was sent; ``attempt`` is 1 for its first send, 2+ for each send again."""
+
+    def acked(self, clientid: str, message: Message, sent_monotonic: float) -> None:
+        """The PUBACK of ``message`` came; it was sent at ``sent_monotonic`` (time.monotonic seconds)."""
+
+
 def now_ms() -> int:
     """Wall-clock time in milliseconds since the Unix epoch (the unit of every ECQ timestamp)."""
     return time.time_ns() // 1_000_000
@@ -38,13 +48,14 @@ class Consumer:
     """Delivery state of the queue of ``clientid``; at most one attached connection at a time."""
 
     def __init__(self, clientid: str, state: AckState, *, store: Store, pool: WriterPool, publish: Publish,
-                 window: int, read_timeout: float, retention_s: float) -> None:
+                 observer: DeliveryObserver, window: int, read_timeout: float, retention_s: float) -> None:
         self.clientid = clientid
         self.state = state
         self.connection: Any = None
         self.inflight: dict[int, asyncio.Task] = {}
         self.saves_pending = 0              # SaveAck ops submitted and not yet committed
-        self._store, self._pool, self._publish = store, pool, publish
+        self._store, self._pool, self._publish, self._observer = store, pool, publish, observer
+        self.attempts: dict[int, int] = {}  # sends so far of each unacked seqno, across connections
         self._window, self._read_timeout, self._retention_ms = window, read_timeout, int(retention_s * 1000)
         self._cursor = state.acked          # highest seqno handed to the current connection
         self._handed: deque[int] = deque()  # seqnos handed to this connection, oldest first, not yet folded
@@ -119,6 +130,9 @@ class Consumer:
         topic = delivery_topic(self.clientid, message.key)
         connection = self.connection
         while True:
+            self.attempts[message.seqno] = self.attempts.get(message.seqno, 0) + 1
+            self._observer.delivered(self.clientid, message, self.attempts[message.seqno])
+            sent = time.monotonic()
             try:
                 await self._publish(connection, topic, message.payload)
                 break
@@ -131,6 +145,8 @@ class Consumer:
                     self.detach()
                 return
         self.inflight.pop(message.seqno, None)
+        self.attempts.pop(message.seqno, None)
+        self._observer.acked(self.clientid, message, sent)
         self.state.above.add(message.seqno)
         self.state.last_ack_ms = now_ms()
         self._fold_acked()
@@ -144,6 +160,8 @@ class Consumer:
             self.state.acked = self._handed.popleft()
             self.state.above.discard(self.state.acked)
             advanced = True
+        if advanced:  # drop send counts of seqnos that compaction or GC removed before their PUBACK
+            self.attempts = {seqno: n for seqno, n in self.attempts.items() if seqno > self.state.acked}
         return advanced
 
     def _save(self) -> None:

@@ -2,7 +2,9 @@
 
 It stores ``$ECQ/w/<clientid>/<key>`` writes in LevelDB with compaction by key, delivers each queue at
 QoS 1 to the one client ``<clientid>`` subscribed to ``$ECQ/<clientid>/#``, and garbage-collects
-entries older than ``data_retention`` (SPEC.md section 1). Options: :class:`ecq.config.EcqSettings`.
+entries older than ``data_retention`` (SPEC.md section 1). Around that: the ACL file (it is also the
+broker's topic filter for every other topic), the admin HTTP API with Prometheus metrics, and the queue
+event stream to the Parquet lake (issues 4 and 6). Options: :class:`ecq.config.EcqSettings`.
 """
 
 from __future__ import annotations
@@ -10,22 +12,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections import Counter
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from amqtt.broker import BrokerContext
+from amqtt.contexts import Action
 from amqtt.errors import AMQTTError
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.publish import PublishPacket
-from amqtt.plugins.base import BasePlugin
+from amqtt.plugins.base import BaseTopicPlugin
 from amqtt.session import Session
 
+from ecq import admin
 from ecq import amqtt_hooks as hooks
-from ecq.config import EcqSettings
+from ecq.acl import Acl, ClientInfo, Decision, load_acl
+from ecq.config import EcqSettings, split_host_port
 from ecq.delivery import Consumer, now_ms
-from ecq.store import Append, Expire, Op, Store
-from ecq.topics import BadWrite, parse_write, queue_filter
+from ecq.metrics import EcqMetrics
+from ecq.store import Append, Appended, Expire, Message, Op, Store
+from ecq.topics import BadWrite, parse_target, parse_write, queue_filter
 from ecq.writer import PoolClosed, WriterPool
 
 log = logging.getLogger(__name__)
@@ -34,11 +40,11 @@ PLUGIN_PATH = "ecq.plugin.EcqPlugin"
 GC_STEP_ROWS = 512
 
 
-class EcqPlugin(BasePlugin[BrokerContext]):
+class EcqPlugin(BaseTopicPlugin):
     """amqtt broker plugin for exclusive compacted queues.
 
-    Raises pydantic.ValidationError (through amqtt's PluginInitError) for a bad option and
-    ecq.store.StoreError when the data directory cannot be opened.
+    Raises (through amqtt's PluginInitError) pydantic.ValidationError for a bad option,
+    ecq.store.StoreError when the data directory cannot be opened, ecq.acl.AclError for a bad ACL file.
     """
 
     # amqtt fills this dataclass from the YAML mapping (and refuses unknown keys); EcqSettings validates it.
@@ -47,25 +53,60 @@ class EcqPlugin(BasePlugin[BrokerContext]):
 
     def __init__(self, context: BrokerContext) -> None:
         super().__init__(context)
-        given = {k: v for k, v in dataclasses.asdict(self.config).items() if v is not None}
-        self.settings = EcqSettings(**given)
+        self._origin = {k: v for k, v in dataclasses.asdict(self.config).items() if v is not None}
+        self.settings = EcqSettings(**self._origin)
+        self.acl: Acl | None = load_acl(self.settings.acl_file) if self.settings.acl_file else None
         self.store = Store(self.settings.data_dir, sync=self.settings.sync_writes)
         self.pool = WriterPool(self.store, self.settings.effective_pool_size(), self._on_commit)
         self.consumers: dict[str, Consumer] = {}
-        self.refused: Counter[str] = Counter()
+        self.events = self._open_events() if self.settings.events else None
+        self.metrics = EcqMetrics({
+            "ecq_queues": lambda: self._queues,
+            "ecq_stored_messages": lambda: self._stored_entries,
+            "ecq_stored_bytes": lambda: self._stored_bytes,
+            "ecq_inflight": lambda: sum(len(c.inflight) for c in self.consumers.values()),
+            "ecq_consumers_online": lambda: sum(1 for c in self.consumers.values() if c.online),
+            "ecq_events_dropped": lambda: self.event_stats().get("dropped_items", 0),
+        })
+        self._queues = self._stored_entries = self._stored_bytes = 0
         self._connections: dict[str, BrokerProtocolHandler] = {}
         self._tasks: list[asyncio.Task] = []
+        self._admin: Any = None
         hooks.install(EcqPlugin)
         log.info("ECQ plugin: data_dir=%s, %d writer agents", self.settings.data_dir, self.settings.effective_pool_size())
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
+    def _open_events(self):
+        from ecq.events import EventRecorder, LakeExporter  # pyarrow is imported only when events are on
+
+        recorder = EventRecorder(self.settings.data_dir / "events", max_buffer_bytes=self.settings.events_max_bytes)
+        self._exporter = LakeExporter(recorder, self.settings.effective_lake_dir(),
+                                      interval_s=self.settings.export_interval)
+        return recorder
+
     async def on_broker_post_start(self) -> None:
-        """Start the writer agents, the periodic GC and the delivery heartbeat."""
+        """Count what is stored, start the writer agents, GC, heartbeat, event export and the admin API.
+
+        A failure to bind the admin API is logged and the broker runs without it.
+        """
+        loop = asyncio.get_running_loop()
+        self._queues = await loop.run_in_executor(None, self.store.count_queues)
+        self._stored_entries, self._stored_bytes = await loop.run_in_executor(None, self.store.stored_totals)
         self.pool.start()
         self._tasks = [asyncio.create_task(self._every(self.settings.gc_interval, self.run_gc), name="ecq-gc"),
                        asyncio.create_task(self._every(self.settings.heartbeat_interval, self._heartbeat),
                                            name="ecq-heartbeat")]
+        if self.events:
+            await self.events.start()
+            await self._exporter.start()
+        if self.settings.admin_bind:
+            host, port = split_host_port(self.settings.admin_bind)
+            try:
+                self._admin = await admin.serve(self, host, port, self.settings.admin_token)
+                log.info("ECQ admin API on http://%s/ (metrics at /metrics)", self.settings.admin_bind)
+            except OSError as exc:
+                log.error("ECQ admin API not started: cannot bind %s: %s", self.settings.admin_bind, exc)
 
     async def on_broker_pre_shutdown(self) -> None:
         """Stop delivering; unacked messages stay stored for the next run."""
@@ -73,13 +114,42 @@ class EcqPlugin(BasePlugin[BrokerContext]):
             consumer.detach()
 
     async def close(self) -> None:
-        """Commit every queued write, then close LevelDB (amqtt calls this last on shutdown)."""
+        """Commit every queued write, flush events, then close LevelDB (amqtt calls this last on shutdown)."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._admin:
+            await self._admin.cleanup()
         await self.pool.close()
+        if self.events:
+            await self._exporter.close()
+            await self.events.close()
         self.store.close()
         log.info("ECQ plugin: store closed")
+
+    # --- operations (admin API, SIGHUP) -----------------------------------------------------------------
+
+    def options(self, which: str) -> dict[str, Any]:
+        """Plugin options: ``origin`` as given in the config, ``inuse`` as parsed (durations in seconds)."""
+        if which == "origin":
+            return dict(self._origin)
+        return self.settings.model_dump(mode="json")
+
+    def reload_acl(self) -> int:
+        """Read the ACL file again; returns its rule count. Raises AclError and keeps the old rules."""
+        if not self.settings.acl_file:
+            return 0
+        self.acl = load_acl(self.settings.acl_file)
+        log.info("ECQ ACL reloaded from %s: %d rules", self.settings.acl_file, len(self.acl.rules))
+        return len(self.acl.rules)
+
+    def stored_totals(self) -> tuple[int, int]:
+        """(entries, payload bytes) stored, as counted by this broker since start."""
+        return self._stored_entries, self._stored_bytes
+
+    def event_stats(self) -> dict[str, Any]:
+        """The event recorder's counters (empty when events are off)."""
+        return self.events.stats() if self.events else {}
 
     @staticmethod
     async def _every(interval_s: float, job) -> None:
@@ -101,12 +171,13 @@ class EcqPlugin(BasePlugin[BrokerContext]):
         """
         topic, payload = packet.topic_name, bytes(packet.data)
         qos, packet_id = packet.qos, packet.packet_id
+        received = time.monotonic()
         try:
             write = parse_write(topic, len(payload), self.settings.max_payload_bytes)
+            self._authorize_write(handler.session, topic)
             future = self.pool.submit(write.clientid, Append(write.clientid, write.key, payload, now_ms()))
         except BadWrite as exc:
-            self.refused[exc.reason] += 1
-            log.warning("ECQ %s (publisher %s, reason %s)", exc, hooks.client_id(handler), exc.reason)
+            self._refuse(handler, topic, exc)
             await hooks.acknowledge(handler, qos, packet_id)
             return
         except PoolClosed:
@@ -114,6 +185,7 @@ class EcqPlugin(BasePlugin[BrokerContext]):
             return
         try:
             await asyncio.wait_for(future, self.settings.write_timeout)
+            self.metrics.append_latency.observe(time.monotonic() - received)
         except Exception as exc:
             log.error("ECQ write to %r failed (%s); closing publisher %s so it resends",
                       topic, exc or type(exc).__name__, hooks.client_id(handler))
@@ -124,10 +196,64 @@ class EcqPlugin(BasePlugin[BrokerContext]):
         except (OSError, AMQTTError, TimeoutError) as exc:  # stored; the publisher resends if it reconnects
             log.info("ECQ could not acknowledge a stored write to %r: %s", topic, exc or type(exc).__name__)
 
-    def _on_commit(self, ops: Sequence[Op], _results: Sequence[object]) -> None:
-        for op in ops:
-            if isinstance(op, Append) and (consumer := self.consumers.get(op.clientid)) and consumer.online:
-                consumer.wake()
+    def _authorize_write(self, session: Session, topic: str) -> None:
+        if not self._acl_allows(session, "publish", topic):
+            raise BadWrite("acl_denied", f"refused write to {topic!r}: denied by the ACL")
+
+    def _refuse(self, handler: BrokerProtocolHandler, topic: str, exc: BadWrite) -> None:
+        self.metrics.writes_refused.labels(exc.reason).inc()
+        log.warning("ECQ %s (publisher %s, reason %s)", exc, hooks.client_id(handler), exc.reason)
+        clientid = parse_target(topic)
+        self._event("refused", clientid=clientid, reason=exc.reason, topic=topic)
+
+    def _on_commit(self, ops: Sequence[Op], results: Sequence[object]) -> None:
+        for op, result in zip(ops, results, strict=True):
+            if isinstance(op, Append):
+                self._appended(op, result)
+            elif isinstance(op, Expire):
+                self._expired(op)
+
+    def _appended(self, op: Append, result: Appended) -> None:
+        size = len(op.payload)
+        self.metrics.writes_accepted.inc()
+        self.metrics.compactions.inc(len(result.replaced))
+        self._queues += result.seqno == 1
+        self._stored_entries += 1 - len(result.replaced)
+        self._stored_bytes += size - result.replaced_bytes
+        self._event("appended", clientid=op.clientid, key=op.key, seqno=result.seqno, publish_ts_ms=op.ts_ms,
+                    payload_bytes=size)
+        for old in result.replaced:
+            self._event("compacted", clientid=op.clientid, key=op.key, seqno=result.seqno, publish_ts_ms=op.ts_ms,
+                        replaced_seqno=old)
+        if (consumer := self.consumers.get(op.clientid)) and consumer.online:
+            consumer.wake()
+
+    def _expired(self, op: Expire) -> None:
+        self.metrics.gc_deleted.inc(len(op.rows))
+        self._stored_entries -= len(op.rows)
+        self._stored_bytes -= sum(row.size for row in op.rows)
+        for row in op.rows:
+            self._event("expired", clientid=op.clientid, key=row.key, seqno=row.seqno, publish_ts_ms=row.ts_ms,
+                        payload_bytes=row.size)
+
+    def _event(self, event_type: str, **fields: Any) -> None:
+        if self.events:
+            self.events.record(event_type, ts_ms=now_ms(), **fields)
+
+    # --- delivery observer (ecq.delivery.DeliveryObserver) ---------------------------------------------
+
+    def delivered(self, clientid: str, message: Message, attempt: int) -> None:
+        """Count a send and record a ``delivered`` event."""
+        (self.metrics.deliveries if attempt == 1 else self.metrics.redeliveries).inc()
+        self._event("delivered", clientid=clientid, key=message.key, seqno=message.seqno,
+                    publish_ts_ms=message.ts_ms, payload_bytes=len(message.payload), attempt=attempt)
+
+    def acked(self, clientid: str, message: Message, sent_monotonic: float) -> None:
+        """Count a PUBACK, observe its round trip and record an ``acked`` event."""
+        self.metrics.acks.inc()
+        self.metrics.delivery_latency.observe(time.monotonic() - sent_monotonic)
+        self._event("acked", clientid=clientid, key=message.key, seqno=message.seqno, publish_ts_ms=message.ts_ms,
+                    payload_bytes=len(message.payload))
 
     # --- subscriptions and connections --------------------------------------------------------------
 
@@ -145,6 +271,27 @@ class EcqPlugin(BasePlugin[BrokerContext]):
             log.warning("ECQ refused QoS 0 SUBSCRIBE of %s to %r: ECQ queues are read at QoS 1", clientid, topic_filter)
             return None
         return 1
+
+    async def topic_filtering(self, *, session: Session | None = None, topic: str | None = None,
+                              action: Action | None = None) -> bool:
+        """amqtt's topic filter hook: apply the ACL file to PUBLISH and SUBSCRIBE (RECEIVE is not filtered).
+
+        A denied PUBLISH is dropped by amqtt with the publisher kept; a denied SUBSCRIBE gets SUBACK 0x80.
+        """
+        if session is None or topic is None or action not in (Action.PUBLISH, Action.SUBSCRIBE):
+            return True
+        return self._acl_allows(session, action.value, topic)
+
+    def _acl_allows(self, session: Session, action: str, topic: str) -> bool:
+        if self.acl is None:
+            return True
+        client = ClientInfo(session.client_id or "", session.username, session.remote_address)
+        rule = self.acl.first_match(client, action, topic)
+        if rule is None:
+            return self.settings.acl_nomatch == "allow"
+        if rule.permission is Decision.DENY:
+            log.info("ECQ ACL: %s of %s to %r denied by %s", action, client.clientid, topic, rule.location)
+        return rule.permission is Decision.ALLOW
 
     async def on_broker_client_connected(self, client_id: str, client_session: Session) -> None:
         """Enforce takeover (MQTT 3.1.1 section 3.1.4) and resume a persistent session's queue."""
@@ -190,7 +337,7 @@ class EcqPlugin(BasePlugin[BrokerContext]):
         if clientid not in self.consumers:
             state = await asyncio.get_running_loop().run_in_executor(None, self.store.ack_state, clientid)
             self.consumers.setdefault(clientid, Consumer(
-                clientid, state, store=self.store, pool=self.pool, publish=hooks.publish_qos1,
+                clientid, state, store=self.store, pool=self.pool, publish=hooks.publish_qos1, observer=self,
                 window=self.settings.reader_batch_size, read_timeout=self.settings.read_timeout,
                 retention_s=self.settings.data_retention))
         # checked after the await: an UNSUBSCRIBE, disconnect or takeover may have happened meanwhile
@@ -203,7 +350,7 @@ class EcqPlugin(BasePlugin[BrokerContext]):
         for clientid, consumer in list(self.consumers.items()):
             if consumer.online and not consumer.inflight:
                 consumer.wake()
-            elif not consumer.online and consumer.saves_pending == 0:
+            elif not consumer.online and consumer.saves_pending == 0 and not consumer.attempts:
                 del self.consumers[clientid]
 
     # --- garbage collection ---------------------------------------------------------------------------
@@ -215,6 +362,7 @@ class EcqPlugin(BasePlugin[BrokerContext]):
         and deletes them through that client's writer agent, so the broker keeps serving meanwhile.
         """
         loop = asyncio.get_running_loop()
+        self.metrics.gc_runs.inc()
         cutoff_ms = now_ms() - int(self.settings.data_retention * 1000)
         clientids = await loop.run_in_executor(None, lambda: list(self.store.clientids()))
         deleted = 0

@@ -9,7 +9,7 @@ table    key                                       value
 =======  ========================================  ==================================================
 seqno    ``s`` S(clientid)                         U64 last assigned seqno (seqnos start at 1)
 state    ``a`` S(clientid)                         U64 acked seqno, U64 last-ack ms, U64* acked above it
-index    ``i`` S(clientid) U64(seqno)              U64 publish ms, key bytes
+index    ``i`` S(clientid) U64(seqno)              U64 publish ms, U32 payload bytes, key bytes
 payload  ``p`` S(clientid) S(key) U64(seqno) U64(ms)  payload bytes
 =======  ========================================  ==================================================
 
@@ -29,6 +29,7 @@ from pathlib import Path
 import plyvel
 
 _U64 = struct.Struct(">Q")
+_INDEX_VALUE = struct.Struct(">QI")  # publish ms, payload size in bytes; the key follows
 _SEQNO, _STATE, _INDEX, _PAYLOAD = b"s", b"a", b"i", b"p"
 _MAX_U64 = b"\xff" * 8
 
@@ -87,10 +88,21 @@ class Append:
 
 @dataclass(frozen=True, slots=True)
 class Appended:
-    """Result of an :class:`Append`: the new seqno and the seqnos its compaction deleted."""
+    """Result of an :class:`Append`: the new seqno, the seqnos its compaction deleted and their payload bytes."""
 
     seqno: int
-    replaced: tuple[int, ...]
+    replaced: tuple[int, ...] = ()
+    replaced_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ExpiredRow:
+    """An entry found by GC: seqno, key, publish ms, payload bytes."""
+
+    seqno: int
+    key: str
+    ts_ms: int
+    size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +118,7 @@ class Expire:
     """Write op: delete the rows of ``clientid`` listed by :meth:`Store.expired_rows` (GC)."""
 
     clientid: str
-    rows: tuple[tuple[int, str, int], ...]  # (seqno, key, ts_ms)
+    rows: tuple[ExpiredRow, ...]
 
 
 Op = Append | SaveAck | Expire
@@ -143,7 +155,7 @@ class Store:
         Returns one result per op: :class:`Appended` for an Append, the number of rows deleted for an
         Expire, None for a SaveAck. Raises plyvel errors on I/O failure; then nothing was written.
         """
-        batch_latest: dict[tuple[str, str], tuple[int, int]] = {}
+        batch_latest: dict[tuple[str, str], tuple[int, int, int]] = {}
         results: list[Appended | int | None] = []
         with self._db.write_batch(transaction=True, sync=self._sync) as batch:
             for op in ops:
@@ -153,32 +165,35 @@ class Store:
                     batch.put(_STATE + _s(op.clientid), _encode_state(op.state))
                     results.append(None)
                 else:
-                    for seqno, key, ts_ms in op.rows:
-                        batch.delete(_index_key(op.clientid, seqno))
-                        batch.delete(_payload_key(op.clientid, key, seqno, ts_ms))
+                    for row in op.rows:
+                        batch.delete(_index_key(op.clientid, row.seqno))
+                        batch.delete(_payload_key(op.clientid, row.key, row.seqno, row.ts_ms))
                     results.append(len(op.rows))
         return results
 
-    def _append(self, batch, op: Append, batch_latest: dict[tuple[str, str], tuple[int, int]]) -> Appended:
+    def _append(self, batch, op: Append, batch_latest: dict[tuple[str, str], tuple[int, int, int]]) -> Appended:
         seqno = self._next_seqno(op.clientid)
         batch.put(_SEQNO + _s(op.clientid), _U64.pack(seqno))
-        batch.put(_index_key(op.clientid, seqno), _U64.pack(op.ts_ms) + op.key.encode())
+        batch.put(_index_key(op.clientid, seqno), _INDEX_VALUE.pack(op.ts_ms, len(op.payload)) + op.key.encode())
         batch.put(_payload_key(op.clientid, op.key, seqno, op.ts_ms), op.payload)
         slot = (op.clientid, op.key)
         if slot in batch_latest:  # older rows in the database were already deleted by that earlier op
             older = [batch_latest[slot]]
         else:
             older = list(self._live_versions(op.clientid, op.key))
-        for old_seqno, old_ts in older:
+        for old_seqno, old_ts, _size in older:
             batch.delete(_index_key(op.clientid, old_seqno))
             batch.delete(_payload_key(op.clientid, op.key, old_seqno, old_ts))
-        batch_latest[slot] = (seqno, op.ts_ms)
-        return Appended(seqno, tuple(old for old, _ in older))
+        batch_latest[slot] = (seqno, op.ts_ms, len(op.payload))
+        return Appended(seqno, tuple(old[0] for old in older), sum(old[2] for old in older))
 
-    def _live_versions(self, clientid: str, key: str) -> Iterator[tuple[int, int]]:
+    def _live_versions(self, clientid: str, key: str) -> Iterator[tuple[int, int, int]]:
+        """(seqno, publish ms, payload bytes) of the stored values of one key (normally at most one)."""
         prefix = _PAYLOAD + _s(clientid) + _s(key)
         for row in self._db.iterator(prefix=prefix, include_value=False):
-            yield _U64.unpack_from(row, len(prefix))[0], _U64.unpack_from(row, len(prefix) + 8)[0]
+            seqno, ts_ms = _U64.unpack_from(row, len(prefix))[0], _U64.unpack_from(row, len(prefix) + 8)[0]
+            index_value = self._db.get(_index_key(clientid, seqno))
+            yield seqno, ts_ms, _INDEX_VALUE.unpack_from(index_value)[1] if index_value else 0
 
     def _next_seqno(self, clientid: str) -> int:
         with self._seqno_lock:
@@ -202,7 +217,7 @@ class Store:
             rows = snap.iterator(start=prefix + _U64.pack(after + 1), stop=prefix + _MAX_U64, include_stop=True)
             for index_key, value in rows:
                 seqno = _U64.unpack_from(index_key, len(prefix))[0]
-                ts_ms, key = _U64.unpack_from(value)[0], value[8:].decode()
+                ts_ms, key = _U64.unpack_from(value)[0], value[_INDEX_VALUE.size:].decode()
                 if ts_ms < min_ts_ms:
                     continue
                 payload = snap.get(_payload_key(clientid, key, seqno, ts_ms))
@@ -227,8 +242,8 @@ class Store:
         for row in self._db.iterator(prefix=_SEQNO, include_value=False):
             yield _read_s(row, 1)[0]
 
-    def expired_rows(self, clientid: str, cutoff_ms: int, limit: int) -> tuple[tuple[int, str, int], ...]:
-        """Up to ``limit`` (seqno, key, ts_ms) rows of ``clientid`` published before ``cutoff_ms``.
+    def expired_rows(self, clientid: str, cutoff_ms: int, limit: int) -> tuple[ExpiredRow, ...]:
+        """Up to ``limit`` entries of ``clientid`` published before ``cutoff_ms``, oldest first.
 
         Scans from the head of the queue and stops at the first entry that is still fresh
         (publish times grow with seqno within one queue).
@@ -236,17 +251,65 @@ class Store:
         prefix = _INDEX + _s(clientid)
         rows = []
         for index_key, value in self._db.iterator(prefix=prefix):
-            ts_ms = _U64.unpack_from(value)[0]
+            ts_ms, size = _INDEX_VALUE.unpack_from(value)
             if ts_ms >= cutoff_ms or len(rows) >= limit:
                 break
-            rows.append((_U64.unpack_from(index_key, len(prefix))[0], value[8:].decode(), ts_ms))
+            rows.append(ExpiredRow(_U64.unpack_from(index_key, len(prefix))[0], value[_INDEX_VALUE.size:].decode(),
+                                   ts_ms, size))
         return tuple(rows)
+
+    def seqnos(self, clientid: str) -> Iterator[int]:
+        """Seqnos of the stored entries of ``clientid``, ascending."""
+        prefix = _INDEX + _s(clientid)
+        for row in self._db.iterator(prefix=prefix, include_value=False):
+            yield _U64.unpack_from(row, len(prefix))[0]
 
     def queue_range(self, clientid: str) -> tuple[int, int, int] | None:
         """(first seqno, last seqno, entry count) of the stored queue of ``clientid``, or None when empty."""
-        prefix = _INDEX + _s(clientid)
-        seqnos = [_U64.unpack_from(k, len(prefix))[0] for k in self._db.iterator(prefix=prefix, include_value=False)]
+        seqnos = list(self.seqnos(clientid))
         return (seqnos[0], seqnos[-1], len(seqnos)) if seqnos else None
+
+    def stored_totals(self) -> tuple[int, int]:
+        """(entries, payload bytes) stored across all queues: a scan of the index table."""
+        entries = size = 0
+        for value in self._db.iterator(prefix=_INDEX, include_key=False):
+            entries += 1
+            size += _INDEX_VALUE.unpack_from(value)[1]
+        return entries, size
+
+    def count_queues(self) -> int:
+        """Queues that ever had a write (rows of the seqno table)."""
+        return sum(1 for _ in self._db.iterator(prefix=_SEQNO, include_value=False))
+
+    def edge_index_entries(self) -> tuple[IndexEntry | None, IndexEntry | None]:
+        """The first and the last row of the index table, by (clientid, seqno) key order."""
+        first = next(self._db.iterator(prefix=_INDEX), None)
+        last = next(self._db.iterator(prefix=_INDEX, reverse=True), None)
+        return _index_entry(first), _index_entry(last)
+
+    def ack_states(self) -> Iterator[tuple[str, AckState]]:
+        """Every stored consumer state as (clientid, state), in clientid key order."""
+        for row, value in self._db.iterator(prefix=_STATE):
+            yield _read_s(row, 1)[0], _decode_state(value)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEntry:
+    """One index row: which queue, which seqno, its key and publish time (ms)."""
+
+    clientid: str
+    seqno: int
+    key: str
+    ts_ms: int
+
+
+def _index_entry(row: tuple[bytes, bytes] | None) -> IndexEntry | None:
+    if row is None:
+        return None
+    index_key, value = row
+    clientid, offset = _read_s(index_key, 1)
+    ts_ms, _size = _INDEX_VALUE.unpack_from(value)
+    return IndexEntry(clientid, _U64.unpack_from(index_key, offset)[0], value[_INDEX_VALUE.size:].decode(), ts_ms)
 
 
 def _encode_state(state: AckState) -> bytes:

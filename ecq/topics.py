@@ -59,6 +59,13 @@ def parse_write(topic: str, payload_size: int, max_payload_bytes: int) -> Write:
     return Write(clientid, key)
 
 
+def parse_target(topic: str) -> str | None:
+    """The clientid a PUBLISH under ``$ECQ/w/`` was meant for, when one can be read from it (for logs and events)."""
+    if not topic.startswith(WRITE_PREFIX):
+        return None
+    return topic[len(WRITE_PREFIX):].partition("/")[0] or None
+
+
 def queue_filter(clientid: str) -> str:
     """The one subscription filter that reads the queue of ``clientid``: ``$ECQ/<clientid>/#``."""
     return f"{PREFIX}{clientid}/#"

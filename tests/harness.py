@@ -34,13 +34,16 @@ class Client:
     ``manual_ack=True`` withholds PUBACKs until :meth:`ack` is called (to test redelivery).
     """
 
-    def __init__(self, port: int, client_id: str = "", clean_session: bool = True, manual_ack: bool = False) -> None:
+    def __init__(self, port: int, client_id: str = "", clean_session: bool = True, manual_ack: bool = False,
+                 username: str | None = None) -> None:
         self.messages: queue.Queue[Received] = queue.Queue()
         self.suback: queue.Queue[list[int]] = queue.Queue()
         self.disconnected = threading.Event()
         self._c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean_session,
                               protocol=mqtt.MQTTv311, manual_ack=manual_ack)
         self._c.max_inflight_messages_set(1000)
+        if username is not None:
+            self._c.username_pw_set(username)
         self._c.on_message = lambda _c, _u, m: self.messages.put(Received(m.topic, m.payload, m.qos, m.mid, m.dup))
         self._c.on_subscribe = lambda _c, _u, _mid, codes, _p: self.suback.put([c.value for c in codes])
         self._c.on_disconnect = lambda *_args: self.disconnected.set()

@@ -29,9 +29,9 @@ def test_seqnos_sort_numerically_past_one_byte(store):
 
 
 def test_append_compacts_older_values_in_db_and_in_the_same_batch(store):
-    assert store.commit([Append("c", "k", b"1", 1)]) == [Appended(1, ())]
+    assert store.commit([Append("c", "k", b"1", 1)]) == [Appended(1)]
     results = store.commit([Append("c", "k", b"2", 2), Append("c", "x", b"x", 3), Append("c", "k", b"3", 4)])
-    assert results == [Appended(2, (1,)), Appended(3, ()), Appended(4, (2,))]
+    assert results == [Appended(2, (1,), 1), Appended(3), Appended(4, (2,), 1)]
     assert [(m.seqno, m.key, m.payload) for m in store.read_after("c", 0, 10)] == [(3, "x", b"x"), (4, "k", b"3")]
     assert store.queue_range("c") == (3, 4, 2)
 
@@ -42,7 +42,7 @@ def test_seqnos_only_grow_across_reopen(tmp_path):
     db.close()
     db = Store(tmp_path / "db")
     try:
-        assert db.commit([Append("c", "k", b"3", 3)]) == [Appended(3, (2,))]
+        assert db.commit([Append("c", "k", b"3", 3)]) == [Appended(3, (2,), 1)]
         assert db.last_seqno("c") == 3
     finally:
         db.close()
@@ -57,10 +57,19 @@ def test_ack_state_round_trips_with_out_of_order_acks(store):
 def test_expired_rows_stop_at_first_fresh_entry_and_expire_deletes_them(store):
     store.commit([Append("c", f"k{i}", b"v", ts) for i, ts in enumerate([100, 200, 300, 400])])
     rows = store.expired_rows("c", cutoff_ms=300, limit=10)
-    assert [seqno for seqno, _key, _ts in rows] == [1, 2]
+    assert [(row.seqno, row.size) for row in rows] == [(1, 1), (2, 1)]
     assert store.commit([Expire("c", rows)]) == [2]
     assert [m.seqno for m in store.read_after("c", 0, 10)] == [3, 4]
     assert len(store.expired_rows("c", cutoff_ms=10_000, limit=1)) == 1
+
+
+def test_stored_totals_follow_appends_compaction_and_expiry(store):
+    store.commit([Append("c", "k", b"x" * 10, 1), Append("d", "k", b"y" * 5, 2)])
+    assert store.stored_totals() == (2, 15)
+    store.commit([Append("c", "k", b"z" * 3, 3)])
+    assert store.stored_totals() == (2, 8)
+    store.commit([Expire("d", store.expired_rows("d", 10, 10))])
+    assert store.stored_totals() == (1, 3)
 
 
 def test_read_skips_entries_older_than_min_ts(store):

@@ -1,0 +1,56 @@
+"""Prometheus metrics of one ECQ broker (issue 4), in a registry of their own so brokers in one process
+do not mix. Served as Prometheus text at the admin API's ``/metrics``.
+
+Counters grow from broker start; gauges are read at scrape time from the plugin through callbacks.
+Latencies are histograms in seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class EcqMetrics:
+    """The metric objects; ``gauges`` maps a gauge name to a callable returning its current value."""
+
+    def __init__(self, gauges: dict[str, Callable[[], float]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.writes_accepted = Counter("ecq_writes_accepted", "ECQ writes committed to the store", registry=r)
+        self.writes_refused = Counter("ecq_writes_refused", "ECQ PUBLISHes refused, by reason", ["reason"], registry=r)
+        self.compactions = Counter("ecq_compactions", "stored values deleted because their key was rewritten",
+                                   registry=r)
+        self.deliveries = Counter("ecq_deliveries", "QoS 1 PUBLISHes sent to consumers (first sends)", registry=r)
+        self.redeliveries = Counter("ecq_redeliveries", "QoS 1 PUBLISHes sent again (reconnect or PUBACK timeout)",
+                                    registry=r)
+        self.acks = Counter("ecq_acks", "PUBACKs received from consumers", registry=r)
+        self.gc_runs = Counter("ecq_gc_runs", "garbage collection passes", registry=r)
+        self.gc_deleted = Counter("ecq_gc_deleted_rows", "entries deleted by garbage collection", registry=r)
+        self.append_latency = Histogram("ecq_append_latency_seconds", "PUBLISH received to write committed",
+                                        buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.delivery_latency = Histogram("ecq_delivery_latency_seconds", "PUBLISH sent to consumer to its PUBACK",
+                                          buckets=_LATENCY_BUCKETS_S, registry=r)
+        for name, (help_text, read) in _gauge_help(gauges).items():
+            Gauge(name, help_text, registry=r).set_function(read)
+
+    def exposition(self) -> bytes:
+        """The Prometheus text exposition format (version 0.0.4) of every metric."""
+        return generate_latest(self.registry)
+
+
+_GAUGE_HELP = {
+    "ecq_queues": "queues that ever had a write (clientids in the seqno table)",
+    "ecq_stored_messages": "entries stored across all queues",
+    "ecq_stored_bytes": "approximate on-disk bytes of stored payloads (LevelDB approximate_size)",
+    "ecq_inflight": "PUBLISHes sent to consumers and not yet acknowledged",
+    "ecq_consumers_online": "consumers connected and subscribed to their queue",
+    "ecq_events_dropped": "queue events dropped by the event buffer's overload protection",
+}
+
+
+def _gauge_help(gauges: dict[str, Callable[[], float]]) -> dict[str, tuple[str, Callable[[], float]]]:
+    return {name: (_GAUGE_HELP[name], read) for name, read in gauges.items()}

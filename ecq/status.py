@@ -1,0 +1,91 @@
+"""What `ecq status` and `ecq inspect` report (SPEC.md section 1, "Operations"), computed from the store
+and, when the broker runs, from its live consumers. Shapes are plain JSON-ready dicts.
+
+Timestamps are RFC 3339 strings in UTC (or null); counts are entries; bytes are payload bytes.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from ecq.delivery import Consumer
+from ecq.store import AckState, IndexEntry, Store
+
+CONSUMERS_LISTED = 100
+
+
+def rfc3339(ts_ms: int) -> str | None:
+    """``2026-11-21T06:11:13.123Z`` for a time in ms since the epoch; None for 0 (never)."""
+    if not ts_ms:
+        return None
+    return datetime.fromtimestamp(ts_ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def format_range(seqnos: list[int]) -> str:
+    """The reference CLI's queue range: ``[3,...,9]``, ``[3]`` for one entry, ``[]`` for none."""
+    if not seqnos:
+        return "[]"
+    return f"[{seqnos[0]}]" if len(seqnos) == 1 else f"[{seqnos[0]},...,{seqnos[-1]}]"
+
+
+def queue_info(store: Store, clientid: str, consumer: Consumer | None = None) -> dict[str, Any] | None:
+    """State of one queue, or None when ``clientid`` never had a write nor a consumer state.
+
+    Keys: clientid, acked, last_ack_ts, last_seqno, range, stored, pending (stored and not acked),
+    inflight, online.
+    """
+    state = consumer.state if consumer else store.ack_state(clientid)
+    last_seqno = store.last_seqno(clientid)
+    if last_seqno == 0 and state == AckState():
+        return None
+    seqnos = list(store.seqnos(clientid))
+    return {
+        "clientid": clientid,
+        "acked": state.acked,
+        "last_ack_ts": rfc3339(state.last_ack_ms),
+        "last_seqno": last_seqno,
+        "range": format_range(seqnos),
+        "stored": len(seqnos),
+        "pending": sum(1 for s in seqnos if s > state.acked and s not in state.above),
+        "inflight": len(consumer.inflight) if consumer else 0,
+        "online": bool(consumer and consumer.online),
+    }
+
+
+def broker_status(store: Store, consumers: dict[str, Consumer] | None = None,
+                  stored: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Fleet view: queue and entry counts, payload bytes, first/last index entries, consumer states.
+
+    ``consumers`` are the live ones when the broker runs (None when reading a data dir directly);
+    ``stored`` is the broker's running (entries, payload bytes) count (scanned from the store when None).
+    At most 100 consumer states are listed; ``consumers_total`` gives how many are stored.
+    """
+    messages, size = stored if stored is not None else store.stored_totals()
+    consumers = consumers or {}
+    first, last = store.edge_index_entries()
+    states = []
+    total = 0
+    for clientid, stored_state in store.ack_states():
+        total += 1
+        if len(states) < CONSUMERS_LISTED:
+            live = consumers.get(clientid)
+            state = live.state if live else stored_state
+            states.append({"clientid": clientid, "acked": state.acked, "last_ack_ts": rfc3339(state.last_ack_ms),
+                           "online": bool(live and live.online)})
+    return {
+        "queues": store.count_queues(),
+        "messages": messages,
+        "bytes": size,
+        "consumers_online": sum(1 for c in consumers.values() if c.online),
+        "first_index": _entry(first),
+        "last_index": _entry(last),
+        "consumers_total": total,
+        "consumers": states,
+    }
+
+
+def _entry(entry: IndexEntry | None) -> dict[str, Any] | None:
+    if entry is None:
+        return None
+    return {"clientid": entry.clientid, "seqno": entry.seqno, "key": entry.key, "ts": rfc3339(entry.ts_ms)}

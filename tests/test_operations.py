@@ -1,0 +1,172 @@
+"""Issue 4 over a live broker: the operator CLI as a subprocess, the admin API, Prometheus metrics."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.harness import ECQ, free_port
+
+
+def ecq(*args: str, admin: int | None = None) -> subprocess.CompletedProcess:
+    extra = ["--admin", f"127.0.0.1:{admin}"] if admin else []
+    return subprocess.run([ECQ, *args, *extra], capture_output=True, text=True, timeout=30)
+
+
+def write(client, cid: str, key: str, payload: str) -> None:
+    client.publish(f"$ECQ/w/{cid}/{key}", payload)
+
+
+def scrape(broker) -> dict[str, float]:
+    """Every sample of /metrics as {name{labels}: value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{broker.admin_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+def test_status_and_inspect_follow_writes_and_acks(broker, connect):
+    empty = ecq("status", "--json", admin=broker.admin_port)
+    assert empty.returncode == 0, empty.stderr
+    assert json.loads(empty.stdout)["queues"] == 0
+    producer = connect(broker.port, "producer")
+    for key, value in [("a", "1"), ("b", "2"), ("a", "3"), ("c", "4")]:
+        write(producer, "client1", key, value)
+    status = json.loads(ecq("status", "--json", admin=broker.admin_port).stdout)
+    assert (status["queues"], status["messages"], status["bytes"], status["consumers_online"]) == (1, 3, 3, 0)
+    assert status["first_index"]["clientid"] == "client1" and status["first_index"]["seqno"] == 2
+    assert status["last_index"]["seqno"] == 4
+    before = json.loads(ecq("inspect", "client1", "--json", admin=broker.admin_port).stdout)
+    assert (before["acked"], before["last_ack_ts"], before["range"], before["pending"], before["online"]) == (
+        0, None, "[2,...,4]", 3, False)
+    consumer = connect(broker.port, "client1", manual_ack=True)
+    consumer.subscribe("$ECQ/client1/#")
+    first, second, _third = consumer.expect(3)
+    consumer.ack(first)
+    consumer.ack(second)
+    time.sleep(0.5)
+    after = json.loads(ecq("inspect", "client1", "--json", admin=broker.admin_port).stdout)
+    assert (after["acked"], after["pending"], after["inflight"], after["online"]) == (3, 1, 1, True)
+    assert after["last_ack_ts"].endswith("Z")
+    human = ecq("inspect", "client1", admin=broker.admin_port)
+    assert "queue range: [2,...,4]" in human.stdout and "acked:       3" in human.stdout
+    status_text = ecq("status", admin=broker.admin_port).stdout
+    assert "consumers online:  1" in status_text and "client1  acked 3" in status_text
+
+
+def test_inspect_unknown_queue_exits_1(broker):
+    result = ecq("inspect", "nobody", admin=broker.admin_port)
+    assert result.returncode == 1 and "no queue" in result.stderr
+
+
+def test_no_broker_and_no_data_dir_exits_3(tmp_path):
+    result = ecq("status", "--data-dir", str(tmp_path / "none"), admin=free_port())
+    assert result.returncode == 3 and "no broker answers" in result.stderr
+
+
+def test_usage_error_exits_2():
+    assert ecq("show-config", "everything").returncode == 2
+    assert ecq("inspect").returncode == 2
+
+
+def test_status_and_inspect_read_the_data_dir_when_the_broker_is_down(broker, connect):
+    producer = connect(broker.port, "producer")
+    write(producer, "off1", "k", "v")
+    producer.close()
+    assert broker.stop() == 0
+    status = ecq("status", "--json", "--data-dir", str(broker.data_dir), admin=broker.admin_port)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["messages"] == 1
+    inspect = ecq("inspect", "off1", "--data-dir", str(broker.data_dir), admin=broker.admin_port)
+    assert inspect.returncode == 0 and "queue range: [1]" in inspect.stdout
+
+
+def test_gc_now_reports_what_it_deleted(make_broker, connect):
+    broker = make_broker(data_retention="1s", gc_interval="1h")
+    producer = connect(broker.port, "producer")
+    write(producer, "gcn", "a", "1")
+    write(producer, "gcn", "b", "2")
+    time.sleep(1.2)
+    result = ecq("gc", "--json", admin=broker.admin_port)
+    assert result.returncode == 0 and json.loads(result.stdout) == {"deleted": 2}
+    assert ecq("gc", admin=broker.admin_port).stdout.strip() == "GC deleted 0 expired entries"
+
+
+def test_show_config_origin_and_inuse(make_broker):
+    broker = make_broker(data_retention="2h", reader_batch_size=7)
+    origin = json.loads(ecq("show-config", "origin", "--json", admin=broker.admin_port).stdout)
+    inuse = json.loads(ecq("show-config", "inuse", "--json", admin=broker.admin_port).stdout)
+    assert origin["data_retention"] == "2h" and "gc_interval" not in origin
+    assert inuse["data_retention"] == 7200.0 and inuse["gc_interval"] == 3600.0 and inuse["reader_batch_size"] == 7
+    assert "reader_batch_size: 7" in ecq("show-config", admin=broker.admin_port).stdout
+
+
+def test_admin_token_is_required_when_set(make_broker):
+    broker = make_broker(admin_token="s3cret")
+    refused = ecq("status", admin=broker.admin_port)
+    assert refused.returncode == 3 and "bearer token" in refused.stderr
+    assert ecq("status", "--token", "s3cret", admin=broker.admin_port).returncode == 0
+
+
+def test_admin_refuses_non_loopback_bind_without_token(tmp_path):
+    result = subprocess.run([ECQ, "broker", "--bind", f"127.0.0.1:{free_port()}", "--data-dir", str(tmp_path),
+                             "--admin-bind", f"0.0.0.0:{free_port()}"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "set admin_token" in result.stderr
+
+
+def test_metrics_count_what_happened(broker, connect):
+    producer = connect(broker.port, "producer")
+    for key, value in [("a", "1"), ("a", "2"), ("b", "3")]:
+        write(producer, "m1", key, value)
+    producer.publish("$ECQ/m1/no-w", "refused")
+    consumer = connect(broker.port, "m1")
+    consumer.subscribe("$ECQ/m1/#")
+    consumer.expect(2)
+    time.sleep(0.5)
+    m = scrape(broker)
+    assert m["ecq_writes_accepted_total"] == 3
+    assert m["ecq_writes_refused_total{reason=not_a_write}"] == 1
+    assert m["ecq_compactions_total"] == 1
+    assert m["ecq_deliveries_total"] == 2 and m["ecq_redeliveries_total"] == 0
+    assert m["ecq_acks_total"] == 2
+    assert (m["ecq_queues"], m["ecq_stored_messages"], m["ecq_stored_bytes"]) == (1, 2, 2)
+    assert m["ecq_consumers_online"] == 1 and m["ecq_inflight"] == 0
+    assert m["ecq_append_latency_seconds_count"] == 3
+    assert m["ecq_delivery_latency_seconds_count"] == 2
+
+
+def test_metrics_count_redeliveries_and_gc(make_broker, connect):
+    broker = make_broker(data_retention="1s", gc_interval="1h")
+    producer = connect(broker.port, "producer")
+    write(producer, "m2", "k", "v")
+    first = connect(broker.port, "m2", manual_ack=True)
+    first.subscribe("$ECQ/m2/#")
+    first.expect(1)
+    first.close()
+    second = connect(broker.port, "m2")
+    second.subscribe("$ECQ/m2/#")
+    assert second.expect(1)[0].payload == b"v"
+    second.close()
+    write(producer, "m2", "other", "x")  # never read
+    time.sleep(1.2)  # both entries are now older than data_retention (acked entries stay stored until GC)
+    assert ecq("gc", admin=broker.admin_port).returncode == 0
+    m = scrape(broker)
+    assert m["ecq_deliveries_total"] == 1 and m["ecq_redeliveries_total"] == 1
+    assert m["ecq_gc_runs_total"] == 1 and m["ecq_gc_deleted_rows_total"] == 2
+    assert m["ecq_stored_messages"] == 0 and m["ecq_stored_bytes"] == 0
+
+
+@pytest.mark.parametrize("path", ["/api/v1/health", "/api/v1/status"])
+def test_admin_api_answers_json(broker, path):
+    with urllib.request.urlopen(f"http://127.0.0.1:{broker.admin_port}{path}", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("application/json")
+        json.load(response)
