@@ -101,6 +101,26 @@ class Client:
         self._c.loop_stop()
 
 
+def write(client: Client, clientid: str, key: str, payload: bytes | str, qos: int = 1) -> None:
+    """An ECQ write: PUBLISH to ``$ECQ/w/<clientid>/<key>`` and wait for its acknowledgement."""
+    client.publish(f"$ECQ/w/{clientid}/{key}", payload, qos)
+
+
+def topics_payloads(messages: list[Received]) -> list[tuple[str, bytes]]:
+    """(topic, payload) of each message, in arrival order."""
+    return [(m.topic, m.payload) for m in messages]
+
+
+def drain(connect, port: int, clientid: str, count: int, **client_options) -> list[tuple[str, bytes]]:
+    """Connect as ``clientid``, subscribe to its queue, and return exactly the next ``count`` messages as
+    (topic, payload); fails if they do not come or if anything more arrives within a second."""
+    consumer = connect(port, clientid, **client_options)
+    assert consumer.subscribe(f"$ECQ/{clientid}/#") == 1
+    messages = topics_payloads(consumer.expect(count))
+    assert consumer.quiet(1.0) == []
+    return messages
+
+
 class RawClient:
     """A minimal MQTT 3.1.1 client on a plain socket, for packets that paho and mosquitto refuse to send
     (wildcards or NUL in a PUBLISH topic)."""

@@ -11,15 +11,7 @@ import time
 import pytest
 
 from ecq.store import Store
-from tests.harness import RawClient, wait_until
-
-
-def write(client, cid: str, key: str, payload, qos: int = 1) -> None:
-    client.publish(f"$ECQ/w/{cid}/{key}", payload, qos)
-
-
-def topics_payloads(messages) -> list[tuple[str, bytes]]:
-    return [(m.topic, m.payload) for m in messages]
+from tests.harness import RawClient, drain, topics_payloads, wait_until, write
 
 
 def test_p1_realtime_delivery_exact_payload_at_qos1(broker, connect):
@@ -36,10 +28,7 @@ def test_p2_reactive_delivery_of_writes_made_while_offline(broker, connect):
     producer = connect(broker.port, "producer")
     for i in range(3):
         write(producer, "re1", f"k{i}", f"v{i}")
-    consumer = connect(broker.port, "re1")
-    assert consumer.subscribe("$ECQ/re1/#") == 1
-    assert topics_payloads(consumer.expect(3)) == [(f"$ECQ/re1/k{i}", f"v{i}".encode()) for i in range(3)]
-    assert consumer.quiet(1.0) == []
+    assert drain(connect, broker.port, "re1", 3) == [(f"$ECQ/re1/k{i}", f"v{i}".encode()) for i in range(3)]
 
 
 def test_p3_compaction_keeps_newest_value_per_key_in_seqno_order(broker, connect):
@@ -50,12 +39,9 @@ def test_p3_compaction_keeps_newest_value_per_key_in_seqno_order(broker, connect
     write(producer, "cp1", "b", "b1")
     write(producer, "cp1", "cfg/net/apn", "apn2")
     write(producer, "cp1", "a", "a3")
-    consumer = connect(broker.port, "cp1")
-    consumer.subscribe("$ECQ/cp1/#")
     # newest values only, ordered by the seqno of their last write: b1 (4), apn2 (5), a3 (6)
-    assert topics_payloads(consumer.expect(3)) == [
+    assert drain(connect, broker.port, "cp1", 3) == [
         ("$ECQ/cp1/b", b"b1"), ("$ECQ/cp1/cfg/net/apn", b"apn2"), ("$ECQ/cp1/a", b"a3")]
-    assert consumer.quiet(1.0) == []
 
 
 def test_p4_acked_messages_are_not_delivered_again_and_new_ones_are(broker, connect):
@@ -84,10 +70,7 @@ def test_p5_unacked_message_is_delivered_again_after_reconnect(broker, connect):
     consumer.ack(first)  # k1 acked, k2 never
     time.sleep(0.3)
     consumer.close()
-    again = connect(broker.port, "un1")
-    again.subscribe("$ECQ/un1/#")
-    assert topics_payloads(again.expect(1)) == [("$ECQ/un1/k2", b"v2")]
-    assert again.quiet(1.0) == []
+    assert drain(connect, broker.port, "un1", 1) == [("$ECQ/un1/k2", b"v2")]
 
 
 def test_p5_out_of_order_ack_is_remembered_across_reconnect(broker, connect):
@@ -100,10 +83,7 @@ def test_p5_out_of_order_ack_is_remembered_across_reconnect(broker, connect):
     consumer.ack(messages[2])  # acks k2 but not k0, k1
     time.sleep(0.3)
     consumer.close()
-    again = connect(broker.port, "oo1")
-    again.subscribe("$ECQ/oo1/#")
-    assert topics_payloads(again.expect(2)) == [("$ECQ/oo1/k0", b"v0"), ("$ECQ/oo1/k1", b"v1")]
-    assert again.quiet(1.0) == []
+    assert drain(connect, broker.port, "oo1", 2) == [("$ECQ/oo1/k0", b"v0"), ("$ECQ/oo1/k1", b"v1")]
 
 
 def test_p5_inflight_window_holds_at_most_reader_batch_size_unacked(make_broker, connect):
@@ -138,11 +118,8 @@ def test_p6_restart_keeps_queues_and_acked_positions(broker, connect, how):
     else:
         broker.kill()
     broker.start()
-    again = connect(broker.port, "rs1")
-    again.subscribe("$ECQ/rs1/#")
-    assert topics_payloads(again.expect(3)) == [
+    assert drain(connect, broker.port, "rs1", 3) == [
         ("$ECQ/rs1/k3", b"v3"), ("$ECQ/rs1/k4", b"v4"), ("$ECQ/rs1/k9", b"after-acks")]
-    assert again.quiet(1.0) == []
 
 
 def test_p6_every_write_that_got_a_puback_survives_kill9(make_broker, connect):
@@ -279,10 +256,7 @@ def test_p12_oversized_payload_is_refused_and_connection_kept(make_broker, conne
     write(producer, "big1", "ok", b"y" * 1024)
     assert not producer.disconnected.is_set()
     assert "reason payload_too_large" in broker.log()
-    consumer = connect(broker.port, "big1")
-    consumer.subscribe("$ECQ/big1/#")
-    assert topics_payloads(consumer.expect(1)) == [("$ECQ/big1/ok", b"y" * 1024)]
-    assert consumer.quiet(1.0) == []
+    assert drain(connect, broker.port, "big1", 1) == [("$ECQ/big1/ok", b"y" * 1024)]
 
 
 def test_p13_gc_deletes_expired_entries_and_keeps_fresh_ones(make_broker, connect):
@@ -293,10 +267,7 @@ def test_p13_gc_deletes_expired_entries_and_keeps_fresh_ones(make_broker, connec
     time.sleep(2.5)
     write(producer, "gc1", "new", "fresh")
     assert wait_until(lambda: "ECQ GC deleted 2 entries" in broker.log(), 5), broker.log()
-    consumer = connect(broker.port, "gc1")
-    consumer.subscribe("$ECQ/gc1/#")
-    assert topics_payloads(consumer.expect(1)) == [("$ECQ/gc1/new", b"fresh")]
-    assert consumer.quiet(1.0) == []
+    assert drain(connect, broker.port, "gc1", 1) == [("$ECQ/gc1/new", b"fresh")]
     broker.stop()
     store = Store(broker.data_dir)
     try:

@@ -10,16 +10,12 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import ECQ, free_port
+from tests.harness import ECQ, free_port, write
 
 
 def ecq(*args: str, admin: int | None = None) -> subprocess.CompletedProcess:
     extra = ["--admin", f"127.0.0.1:{admin}"] if admin else []
     return subprocess.run([ECQ, *args, *extra], capture_output=True, text=True, timeout=30)
-
-
-def write(client, cid: str, key: str, payload: str) -> None:
-    client.publish(f"$ECQ/w/{cid}/{key}", payload)
 
 
 def scrape(broker) -> dict[str, float]:
