@@ -70,6 +70,7 @@ class EcqPlugin(BaseTopicPlugin):
         })
         self._queues = self._stored_entries = self._stored_bytes = 0
         self._connections: dict[str, BrokerProtocolHandler] = {}
+        self._persistent_readers: set[str] = set()  # clean-session-off clients subscribed to their queue
         self._tasks: list[asyncio.Task] = []
         self._admin: Any = None
         hooks.install(EcqPlugin)
@@ -98,8 +99,7 @@ class EcqPlugin(BaseTopicPlugin):
                        asyncio.create_task(self._every(self.settings.heartbeat_interval, self._heartbeat),
                                            name="ecq-heartbeat")]
         if self.events:
-            await self.events.start()
-            await self._exporter.start()
+            await self._start_events()
         if self.settings.admin_bind:
             host, port = split_host_port(self.settings.admin_bind)
             try:
@@ -107,6 +107,15 @@ class EcqPlugin(BaseTopicPlugin):
                 log.info("ECQ admin API on http://%s/ (metrics at /metrics)", self.settings.admin_bind)
             except OSError as exc:
                 log.error("ECQ admin API not started: cannot bind %s: %s", self.settings.admin_bind, exc)
+
+    async def _start_events(self) -> None:
+        """Start recording and exporting; on failure log it and run without events (writes must not stop)."""
+        try:
+            await self.events.start()
+            await self._exporter.start()
+        except Exception as exc:
+            log.error("ECQ queue events disabled: cannot start the event buffer or lake export: %s", exc)
+            self.events = None
 
     async def on_broker_pre_shutdown(self) -> None:
         """Stop delivering; unacked messages stay stored for the next run."""
@@ -294,7 +303,12 @@ class EcqPlugin(BaseTopicPlugin):
         return rule.permission is Decision.ALLOW
 
     async def on_broker_client_connected(self, client_id: str, client_session: Session) -> None:
-        """Enforce takeover (MQTT 3.1.1 section 3.1.4) and resume a persistent session's queue."""
+        """Enforce takeover (MQTT 3.1.1 section 3.1.4) and resume a persistent session's queue.
+
+        amqtt drops a disconnected session within a second when it counts as anonymous (every session
+        under AnonymousAuthPlugin), so ECQ itself remembers which persistent sessions read their queue
+        and subscribes them again on reconnect (MQTT 3.1.1 section 3.1.2.4). A clean session forgets it.
+        """
         live = hooks.live_connection(self.context, client_id)
         previous = self._connections.get(client_id)
         if previous is not None and previous is not live and hooks.connection_is_open(previous):
@@ -302,6 +316,10 @@ class EcqPlugin(BaseTopicPlugin):
             await hooks.close_connection(previous)
         if live is not None:
             self._connections[client_id] = live
+        if client_session.clean_session:
+            self._persistent_readers.discard(client_id)
+        elif client_id in self._persistent_readers and not self._holds_queue_subscription(client_id):
+            await self.context.add_subscription(client_id, queue_filter(client_id), 1)
         if self._holds_queue_subscription(client_id):
             await self._attach(client_id, live)
         elif (consumer := self.consumers.get(client_id)) and consumer.connection is not live:
@@ -310,12 +328,17 @@ class EcqPlugin(BaseTopicPlugin):
     async def on_broker_client_subscribed(self, client_id: str, topic: str, qos: int) -> None:
         """Start delivering once the SUBACK for ``$ECQ/<clientid>/#`` went out."""
         if topic == queue_filter(client_id):
+            session = self.context.get_session(client_id)
+            if session is not None and not session.clean_session:
+                self._persistent_readers.add(client_id)
             await self._attach(client_id, hooks.live_connection(self.context, client_id))
 
     async def on_broker_client_unsubscribed(self, client_id: str, topic: str) -> None:
         """Stop delivering when the consumer unsubscribes from its queue."""
-        if topic == queue_filter(client_id) and (consumer := self.consumers.get(client_id)):
-            consumer.detach()
+        if topic == queue_filter(client_id):
+            self._persistent_readers.discard(client_id)
+            if consumer := self.consumers.get(client_id):
+                consumer.detach()
 
     async def on_broker_client_disconnected(self, client_id: str, client_session: Session) -> None:
         """Detach a consumer whose connection closed; a newer connection (takeover) keeps or gets it."""

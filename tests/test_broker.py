@@ -192,8 +192,21 @@ def test_p9_persistent_session_gets_pending_without_subscribing_again(broker, co
     consumer.close()
     producer = connect(broker.port, "producer")
     write(producer, "ps1", "k1", "while-away")
+    time.sleep(2.5)  # amqtt's session monitor (1 s period) drops disconnected anonymous sessions meanwhile
     again = connect(broker.port, "ps1", clean_session=False)
     assert topics_payloads(again.expect(1)) == [("$ECQ/ps1/k1", b"while-away")]
+    write(producer, "ps1", "k2", "live")
+    assert topics_payloads(again.expect(1)) == [("$ECQ/ps1/k2", b"live")]
+
+
+def test_p9_clean_session_forgets_the_persistent_subscription(broker, connect):
+    consumer = connect(broker.port, "ps2", clean_session=False)
+    consumer.subscribe("$ECQ/ps2/#")
+    consumer.close()
+    connect(broker.port, "ps2", clean_session=True).close()  # MQTT 3.1.2.4: discards the session
+    write(connect(broker.port, "producer"), "ps2", "k", "v")
+    again = connect(broker.port, "ps2", clean_session=False)
+    assert again.quiet(1.5) == []
 
 
 @pytest.mark.parametrize("clean_session", [True, False])
