@@ -61,7 +61,7 @@ class EcqSettings(BaseModel):
     acl_nomatch: Literal["allow", "deny"] = Field(default="allow", description="decision when no ACL rule matches")
     admin_bind: str | None = Field(default="127.0.0.1:18083", description="HOST:PORT of the admin API; None = off")
     admin_token: str | None = Field(default=None, description="bearer token the admin API requires")
-    events: bool = Field(default=False, description="record queue events and export them to lake_dir")
+    events: bool = Field(default=True, description="record queue events and export them to lake_dir")
     lake_dir: Path | None = Field(default=None, description="Parquet event lake; None = <data_dir>/lake")
     export_interval: PositiveDuration = Field(default=1.0, description="time between event exports")
     events_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024, description="event buffer bound, bytes")
