@@ -1,0 +1,19 @@
+"""PySpark jobs over ECQ queues (issue 6, section 2), run by ``ecq pipeline ...`` (ecq/pipeline_cli.py).
+
+- `ecq.pipeline.report`: per-consumer, per-minute and fleet tables computed from the event lake that
+  ecq/events.py exports, written as Parquet; `ecq.pipeline.render` turns them into one self-contained
+  HTML page with charts.
+- `ecq.pipeline.load`: publishes rows (clientid, key, payload) from Parquet, CSV or JSON Lines as QoS 1
+  ECQ writes, from the Spark executors.
+- `ecq.pipeline.spark`: the Java check, the Spark session and the shared error type.
+
+Everything runs on ``local[*]`` with nothing installed but the ``pyspark`` package and a Java 17+
+runtime, and unchanged against a standalone cluster (``--master spark://HOST:PORT``, see
+scripts/spark-cluster) whose workers share this machine's (or a shared) filesystem and Python.
+
+This module itself imports nothing heavy, so that the ``ecq`` command starts fast.
+"""
+
+
+class PipelineError(Exception):
+    """A problem the user can fix (missing Java, lake or input; bad format or rows); the message says what."""

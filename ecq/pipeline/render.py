@@ -1,0 +1,214 @@
+"""The report as one self-contained HTML page (issue 6, section 2): inline SVG charts drawn by matplotlib
+(glyphs as paths, so no font, script, stylesheet or image is fetched), and the main tables.
+
+Charts: delivery latency distribution (acks per latency bucket, log scale, with p50/p95/p99 marked),
+fleet backlog over time, and writes/deliveries/acks per minute.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display; must precede pyplot
+import matplotlib.dates as mdates  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+MAX_POINTS = 2_000  # per-minute series longer than this are merged into coarser steps for the charts
+TABLE_ROWS = 50
+plt.rcParams.update({"svg.fonttype": "path", "font.size": 9, "axes.spines.top": False, "axes.spines.right": False})
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1100px; color: #222; }
+h1 { font-size: 1.5rem; } h2 { font-size: 1.15rem; margin-top: 2rem; }
+.cards { display: flex; flex-wrap: wrap; gap: .75rem; }
+.card { border: 1px solid #ddd; border-radius: 6px; padding: .6rem .9rem; min-width: 9rem; }
+.card b { display: block; font-size: 1.3rem; }
+.card span { color: #666; font-size: .8rem; }
+table { border-collapse: collapse; font-size: .85rem; }
+th, td { padding: .25rem .6rem; border-bottom: 1px solid #eee; text-align: right; }
+th:first-child, td:first-child { text-align: left; }
+.muted { color: #777; font-size: .85rem; }
+svg { max-width: 100%; height: auto; }
+"""
+
+
+def render_html(fleet: dict[str, Any], consumers: Sequence[dict[str, Any]], per_minute: Sequence[dict[str, Any]],
+                histogram: Sequence[dict[str, Any]], refused: Sequence[dict[str, Any]], source: str) -> str:
+    """The page for one report: ``fleet`` (the fleet row), ``consumers`` (the rows to list, e.g. the top
+    by backlog), ``per_minute``, ``histogram`` (latency_histogram rows) and ``refused`` (refused_reasons
+    rows), as dicts with the columns of ecq.pipeline.report.Report; ``source`` names the lake."""
+    generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    sections = [
+        f"<h1>ECQ queue report</h1><p class=muted>Lake {html.escape(source)}; events from "
+        f"{utc(fleet['first_event_ms'])} to {utc(fleet['last_event_ms'])}; generated {generated}. "
+        "Times in UTC, latencies from append to ack in ms.</p>",
+        _cards(fleet),
+        "<h2>Delivery latency (append to ack)</h2>", _latency_chart(histogram, fleet),
+        "<h2>Backlog over time</h2><p class=muted>Messages appended and not yet acked, expired or compacted "
+        "away, at the end of each step.</p>", _backlog_chart(per_minute),
+        "<h2>Traffic</h2>", _traffic_chart(per_minute),
+        f"<h2>Consumers (top {min(len(consumers), TABLE_ROWS)} by backlog)</h2>", _consumer_table(consumers),
+        "<h2>Refused writes</h2>", _refused_table(refused),
+    ]
+    return ("<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>ECQ queue report</title>"
+            f"<style>{_CSS}</style></head><body>{''.join(sections)}</body></html>")
+
+
+def utc(ts_ms: int | None) -> str:
+    """``2026-11-21 06:11:13 UTC`` for ms since the epoch; ``-`` for None."""
+    if ts_ms is None:
+        return "-"
+    return datetime.fromtimestamp(ts_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def write_html(page: str, path: Path) -> Path:
+    """Write ``page`` to ``path`` (creating its directory); returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+def _cards(fleet: dict[str, Any]) -> str:
+    ratio = fleet["compaction_ratio"]
+    cards = [("backlog", fleet["backlog"], f"{fleet['consumers_with_backlog']} of {fleet['consumers']} consumers"),
+             ("latency p50", _ms(fleet["latency_p50_ms"]), "append to ack"),
+             ("latency p99", _ms(fleet["latency_p99_ms"]), f"p95 {_ms(fleet['latency_p95_ms'])}"),
+             ("writes", fleet["appended"], f"compaction ratio {'-' if ratio is None else f'{ratio:.2f}'}"),
+             ("deliveries", fleet["delivered"], f"{fleet['redeliveries']} redeliveries"),
+             ("acks", fleet["acked"], f"{fleet['expired']} expired, {fleet['refused']} refused")]
+    return "<div class=cards>" + "".join(
+        f"<div class=card><span>{html.escape(label)}</span><b>{html.escape(str(value))}</b>"
+        f"<span>{html.escape(note)}</span></div>" for label, value, note in cards) + "</div>"
+
+
+def _ms(value: Any) -> str:
+    return "-" if value is None else f"{value} ms"
+
+
+def _svg(fig: plt.Figure) -> str:
+    buffer = io.StringIO()
+    fig.savefig(buffer, format="svg", bbox_inches="tight")
+    plt.close(fig)
+    text = buffer.getvalue()
+    return text[text.index("<svg"):]  # drop the XML prolog and DOCTYPE: inline SVG needs neither
+
+
+def _latency_chart(histogram: Sequence[dict[str, Any]], fleet: dict[str, Any]) -> str:
+    if not histogram:
+        return "<p class=muted>No acks in the lake yet.</p>"
+    fig, ax = plt.subplots(figsize=(9, 3.2))
+    positions = [h["bucket"] for h in histogram]
+    ax.bar(positions, [h["acks"] for h in histogram], width=0.9, align="edge", color="#4c78a8")
+    ax.set_xticks(positions, [f"{h['lower_ms']}" for h in histogram], rotation=45, ha="right")
+    ax.set_xlabel("latency from append to ack, ms (bucket lower bound, log scale)")
+    ax.set_ylabel("acks")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    for label, colour, style in (("p50", "#54a24b", "--"), ("p95", "#f58518", "-."), ("p99", "#e45756", ":")):
+        value = fleet[f"latency_{label}_ms"]
+        if value is not None:
+            ax.axvline(_bucket_position(value, histogram), color=colour, linestyle=style, linewidth=1.5,
+                       label=f"{label} {value} ms")
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _svg(fig)
+
+
+def _bucket_position(latency_ms: float, histogram: Sequence[dict[str, Any]]) -> float:
+    """Where a latency falls on the histogram's axis: its bucket number plus its place inside the bucket."""
+    for h in histogram:
+        if h["lower_ms"] <= latency_ms < h["upper_ms"]:
+            return h["bucket"] + (latency_ms - h["lower_ms"]) / (h["upper_ms"] - h["lower_ms"])
+    return histogram[-1]["bucket"] + 1.0
+
+
+def _coarsen(per_minute: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """Merge runs of minutes so that at most MAX_POINTS remain: counts are summed per run, the backlog is
+    the one at the end of the run, the time the start of the run. Returns (rows, minutes per row)."""
+    step = max(1, -(-len(per_minute) // MAX_POINTS))
+    merged = []
+    for start in range(0, len(per_minute), step):
+        run = per_minute[start:start + step]
+        merged.append({"minute_ms": run[0]["minute_ms"], "backlog": run[-1]["backlog"],
+                       **{k: sum(r[k] for r in run) for k in ("writes", "deliveries", "acks")}})
+    return merged, step
+
+
+def _steps(series: Sequence[dict[str, Any]], column: str, minutes_per_step: int) -> tuple[list[datetime], list[Any]]:
+    """(times, values) for a post-step line, with one more point so that the last step has its width too."""
+    times = [datetime.fromtimestamp(r["minute_ms"] / 1000, UTC) for r in series]
+    values = [r[column] for r in series]
+    if times:
+        times.append(times[-1] + timedelta(minutes=minutes_per_step))
+        values.append(values[-1])
+    return times, values
+
+
+def _time_axis(ax: plt.Axes) -> None:
+    locator = mdates.AutoDateLocator()
+    ax.xaxis.set_major_locator(locator)
+    ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, tz=UTC))
+    ax.set_xlabel("time (UTC)")
+
+
+def _backlog_chart(per_minute: Sequence[dict[str, Any]]) -> str:
+    series, minutes = _coarsen(per_minute)
+    times, backlog = _steps(series, "backlog", minutes)
+    fig, ax = plt.subplots(figsize=(9, 3))
+    ax.step(times, backlog, where="post", color="#e45756")
+    ax.fill_between(times, backlog, step="post", alpha=0.15, color="#e45756")
+    ax.set_ylabel("messages in backlog")
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    _time_axis(ax)
+    return _svg(fig)
+
+
+def _traffic_chart(per_minute: Sequence[dict[str, Any]]) -> str:
+    series, minutes = _coarsen(per_minute)
+    fig, ax = plt.subplots(figsize=(9, 3))
+    for name, colour in (("writes", "#4c78a8"), ("deliveries", "#f58518"), ("acks", "#54a24b")):
+        ax.plot(*_steps(series, name, minutes), label=name, color=colour, drawstyle="steps-post")
+    ax.set_ylabel("per minute" if minutes == 1 else f"per {minutes} minutes")
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    _time_axis(ax)
+    return _svg(fig)
+
+
+_CONSUMER_COLUMNS = (("clientid", "clientid"), ("backlog", "backlog"), ("appended", "writes"),
+                     ("compaction_ratio", "compaction"), ("delivered", "deliveries"),
+                     ("redeliveries", "redeliveries"), ("acked", "acks"), ("expired", "expired"),
+                     ("refused", "refused"), ("latency_p50_ms", "p50 ms"), ("latency_p95_ms", "p95 ms"),
+                     ("latency_p99_ms", "p99 ms"), ("last_event_ms", "last event"))
+
+
+def _cell(column: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if column == "compaction_ratio":
+        return f"{value:.2f}"
+    if column == "last_event_ms":
+        return utc(value)
+    return str(value)
+
+
+def _consumer_table(consumers: Sequence[dict[str, Any]]) -> str:
+    head = "".join(f"<th>{html.escape(label)}</th>" for _, label in _CONSUMER_COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(column, row[column]))}</td>"
+                                    for column, _ in _CONSUMER_COLUMNS) + "</tr>" for row in consumers[:TABLE_ROWS])
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _refused_table(refused: Sequence[dict[str, Any]]) -> str:
+    if not refused:
+        return "<p class=muted>None.</p>"
+    body = "".join(f"<tr><td>{html.escape(str(r['reason']))}</td><td>{r['refused']}</td></tr>" for r in refused)
+    return f"<table><tr><th>reason</th><th>writes</th></tr>{body}</table>"
