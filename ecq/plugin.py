@@ -379,21 +379,22 @@ class EcqPlugin(BaseTopicPlugin):
     # --- garbage collection ---------------------------------------------------------------------------
 
     async def run_gc(self) -> int:
-        """Delete every entry published more than ``data_retention`` ago, client by client, in small steps.
+        """Delete every entry published more than ``data_retention`` ago (SPEC.md section 1, GC).
 
-        Returns the number of entries deleted. Each step reads at most 512 rows of one client in a thread
-        and deletes them through that client's writer agent, so the broker keeps serving meanwhile.
+        Returns the number of entries deleted. It goes through the index table in steps of at most 512
+        entries: each step is read in a thread, then deleted through the writer agents of the queues it
+        touched (serialized with their appends), so the broker keeps serving meanwhile.
         """
         loop = asyncio.get_running_loop()
         self.metrics.gc_runs.inc()
         cutoff_ms = now_ms() - int(self.settings.data_retention * 1000)
-        clientids = await loop.run_in_executor(None, lambda: list(self.store.clientids()))
-        deleted = 0
-        for clientid in clientids:
-            while rows := await loop.run_in_executor(None, self.store.expired_rows, clientid, cutoff_ms, GC_STEP_ROWS):
-                deleted += await self.pool.submit(clientid, Expire(clientid, rows))
-                if len(rows) < GC_STEP_ROWS:
-                    break
+        deleted, cursor = 0, None
+        while True:
+            found, cursor = await loop.run_in_executor(None, self.store.expired_step, cutoff_ms, GC_STEP_ROWS, cursor)
+            deletions = [self.pool.submit(cid, Expire(cid, tuple(rows))) for cid, rows in found.items()]
+            deleted += sum(await asyncio.gather(*deletions))
+            if cursor is None:
+                break
         if deleted:
             log.info("ECQ GC deleted %d entries published before %d ms", deleted, cutoff_ms)
         return deleted

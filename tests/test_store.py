@@ -54,13 +54,30 @@ def test_ack_state_round_trips_with_out_of_order_acks(store):
     assert store.ack_state("c") == AckState(5, 1234, {7, 9})
 
 
-def test_expired_rows_stop_at_first_fresh_entry_and_expire_deletes_them(store):
-    store.commit([Append("c", f"k{i}", b"v", ts) for i, ts in enumerate([100, 200, 300, 400])])
-    rows = store.expired_rows("c", cutoff_ms=300, limit=10)
-    assert [(row.seqno, row.size) for row in rows] == [(1, 1), (2, 1)]
-    assert store.commit([Expire("c", rows)]) == [2]
-    assert [m.seqno for m in store.read_after("c", 0, 10)] == [3, 4]
-    assert len(store.expired_rows("c", cutoff_ms=10_000, limit=1)) == 1
+def test_gc_step_takes_expired_entries_across_queues_and_skips_fresh_tails(store):
+    store.commit([Append("a", f"k{i}", b"v", ts) for i, ts in enumerate([100, 200, 300, 400])])
+    store.commit([Append("b", "k", b"vv", 150), Append("ab", "k", b"v", 900)])
+    found, start = store.expired_step(cutoff_ms=300, limit=10)
+    assert start is None
+    assert {cid: [(r.seqno, r.size) for r in rows] for cid, rows in found.items()} == {
+        "a": [(1, 1), (2, 1)], "b": [(1, 2)]}
+    store.commit([Expire(cid, tuple(rows)) for cid, rows in found.items()])
+    assert [m.seqno for m in store.read_after("a", 0, 10)] == [3, 4]
+    assert store.queue_range("b") is None
+
+
+def test_gc_steps_are_bounded_and_resume_where_they_stopped(store):
+    store.commit([Append(f"c{n}", f"k{i}", b"v", 100) for n in range(3) for i in range(4)])
+    seen, start, steps = [], None, 0
+    while True:
+        found, start = store.expired_step(cutoff_ms=200, limit=5, start=start)
+        assert sum(len(rows) for rows in found.values()) <= 5
+        seen += [(cid, r.seqno) for cid, rows in found.items() for r in rows]
+        steps += 1
+        if start is None:
+            break
+    assert sorted(seen) == [(f"c{n}", s) for n in range(3) for s in range(1, 5)]
+    assert steps == 3
 
 
 def test_stored_totals_follow_appends_compaction_and_expiry(store):
@@ -68,7 +85,8 @@ def test_stored_totals_follow_appends_compaction_and_expiry(store):
     assert store.stored_totals() == (2, 15)
     store.commit([Append("c", "k", b"z" * 3, 3)])
     assert store.stored_totals() == (2, 8)
-    store.commit([Expire("d", store.expired_rows("d", 10, 10))])
+    found, _ = store.expired_step(cutoff_ms=10, limit=10)
+    store.commit([Expire("d", tuple(found["d"]))])
     assert store.stored_totals() == (1, 3)
 
 
