@@ -58,6 +58,7 @@ thread; everything else must be called from the event loop that ran `EventRecord
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -153,7 +154,7 @@ def events_table(items: Sequence[bytes]) -> pa.Table:
     """Decode ReplayQ items made by `encode_event` into a pyarrow Table with `SCHEMA`, in item order."""
     rows = [json.loads(item) for item in items]
     columns = list(zip(*rows, strict=True)) if rows else [() for _ in COLUMNS]
-    return pa.Table.from_arrays([pa.array(col, type=field.type) for col, field in zip(columns, SCHEMA)],
+    return pa.Table.from_arrays([pa.array(col, type=field.type) for col, field in zip(columns, SCHEMA, strict=True)],
                                 schema=SCHEMA)
 
 
@@ -364,12 +365,17 @@ class EventRecorder:
         """Open the ReplayQ (in the queue thread) and start the background flush task.
 
         Raises ecq.replayq.ReplayQError (buffer already open, corrupt COMMIT) or OSError (cannot create
-        ``buffer_dir``), as ReplayQ.open does.
+        ``buffer_dir``, unreadable ``lake-stream-id``); the buffer is left closed then.
         """
         config = ReplayQConfig(dir=self.buffer_dir, fsync="never", max_total_bytes=self._max_buffer_bytes)
         loop = asyncio.get_running_loop()
         self._queue = await loop.run_in_executor(self._executor, ReplayQ.open, config)
-        self.stream_id = await self.call_with_queue(lambda _q: read_stream_id(self.buffer_dir))
+        try:
+            self.stream_id = await self.call_with_queue(lambda _q: read_stream_id(self.buffer_dir))
+        except BaseException:
+            await self.call_with_queue(lambda queue: queue.close())
+            self._queue = None
+            raise
         self._flush_task = asyncio.create_task(self._flush_loop(), name="ecq-events-flush")
 
     async def call_with_queue(self, fn: Callable[[ReplayQ], T]) -> T:
@@ -531,10 +537,8 @@ class LakeExporter:
                 await self._sleep(self._interval_s)
 
     async def _sleep(self, seconds: float) -> None:
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), seconds)
-        except TimeoutError:
-            pass
 
     def _export_batch(self, queue: ReplayQ) -> int:
         """Export one batch (queue thread only); returns the number of events acked, 0 if none waited."""

@@ -75,7 +75,8 @@ def load(input_path: Path, fmt: str, broker: tuple[str, int], master: str, parti
 
     One client's rows keep their input order. Re-running is safe: queues keep the newest value per key.
     """
-    from ecq.pipeline.load import Target, load as load_rows
+    from ecq.pipeline.load import Target
+    from ecq.pipeline.load import load as load_rows
     from ecq.pipeline.spark import spark_session
 
     host, port = broker

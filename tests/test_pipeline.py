@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from ecq.events import EventRecorder, LakeExporter
 from ecq.pipeline import PipelineError
-from ecq.pipeline.load import Target, load
+from ecq.pipeline.load import Target, load, read_rows
 from ecq.pipeline.report import read_table, run_report
 from ecq.pipeline.spark import check_java, spark_session
 from ecq.pipeline_cli import pipeline
@@ -144,7 +144,7 @@ def test_report_per_minute_and_fleet(known_report):
     assert sum(h["acks"] for h in histogram) == 10
     for latency in range(100, 1001, 100):  # each latency falls in exactly one bucket, and buckets tile the axis
         assert sum(1 for h in histogram if h["lower_ms"] <= latency < h["upper_ms"]) == 1
-    assert all(a["upper_ms"] <= b["lower_ms"] for a, b in zip(histogram, histogram[1:]))
+    assert all(a["upper_ms"] <= b["lower_ms"] for a, b in zip(histogram, histogram[1:], strict=False))
 
 
 def test_report_summary_and_self_contained_page(known_report):
@@ -232,7 +232,12 @@ def test_load_100k_rows_then_each_consumer_reads_the_newest_value_per_key(spark,
     pq.write_table(pa.table({name: [r[i] for r in rows] for i, name in enumerate(("clientid", "key", "payload"))}),
                    dataset, row_group_size=10_000)
     broker = make_broker()
-    result = load(spark, dataset, "parquet", Target("127.0.0.1", broker.port), partitions=2)
+    spark.conf.set("spark.sql.files.maxPartitionBytes", "128k")  # several input splits: order must survive them
+    try:
+        assert read_rows(spark, dataset, "parquet").rdd.getNumPartitions() > 1
+        result = load(spark, dataset, "parquet", Target("127.0.0.1", broker.port), partitions=2)
+    finally:
+        spark.conf.unset("spark.sql.files.maxPartitionBytes")
     assert (result.rows, result.published, result.failed, result.errors) == (100_000, 100_000, 0, [])
     print(f"load: {result.published / result.seconds:.0f} rows/s over {result.seconds:.1f} s")
     for c in range(clients):
