@@ -86,9 +86,10 @@ class EcqPlugin(BaseTopicPlugin):
                                       interval_s=self.settings.export_interval)
         return recorder
 
-    async def on_broker_post_start(self) -> None:
+    async def on_broker_pre_start(self) -> None:
         """Count what is stored, start the writer agents, GC, heartbeat, event export and the admin API.
 
+        amqtt awaits this before it opens its listeners, so once the MQTT port accepts, ECQ is ready.
         A failure to bind the admin API is logged and the broker runs without it.
         """
         loop = asyncio.get_running_loop()
