@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from ecq.acl import AclError, load_acl
 from ecq.config import EcqSettings
+from ecq.pipeline_cli import pipeline
 from ecq.plugin import PLUGIN_PATH, EcqPlugin
 from ecq.status import broker_status, queue_info
 from ecq.store import Store, StoreError
@@ -42,6 +43,9 @@ log = logging.getLogger("ecq")
 @click.group()
 def main() -> None:
     """ECQ: exclusive compacted queues for MQTT (amqtt broker plugin on LevelDB)."""
+
+
+main.add_command(pipeline)
 
 
 def load_broker_config(path: Path | None) -> dict[str, Any]:
