@@ -281,9 +281,8 @@ async def test_kill_9_during_export_loses_and_duplicates_nothing(tmp_path):
     buffer_dir, lake = tmp_path / "buffer", tmp_path / "lake"
     keys = await fill_buffer(buffer_dir, 20_000)
     rng = random.Random(6)
-    exported_before = 0
     for _ in range(6):
-        batch_items = str(rng.randint(20, 60))  # new batch boundaries after each crash
+        batch_items = str(rng.randint(5, 15))  # small batches (many of them), new boundaries after each crash
         proc = subprocess.Popen([sys.executable, "-c", CHAOS_EXPORTER, str(buffer_dir), str(lake), batch_items],
                                 stdout=subprocess.PIPE)
         assert proc.stdout.readline() == b"started\n"
@@ -291,10 +290,7 @@ async def test_kill_9_during_export_loses_and_duplicates_nothing(tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         proc.stdout.close()
-        exported = len(lake_keys(lake))
-        assert exported >= exported_before  # progress across kills (rows of unacked batches may repeat here)
-        exported_before = exported
-    assert 0 < exported_before < 20_000, "the kills should land in the middle of the export"
+    assert 0 < len(lake_keys(lake)) < 20_000, "the kills should land in the middle of the export"
 
     await export_all(buffer_dir, lake)
     assert lake_keys(lake) == keys
