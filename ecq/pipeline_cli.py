@@ -93,7 +93,3 @@ def load(input_path: Path, fmt: str, broker: tuple[str, int], master: str, parti
     if result.failed:
         raise click.ClickException(f"{result.failed} row(s) were not acknowledged by the broker; "
                                    "running the same load again is safe")
-
-
-if __name__ == "__main__":
-    pipeline()
