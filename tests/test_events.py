@@ -283,9 +283,10 @@ async def test_kill_9_during_export_loses_and_duplicates_nothing(tmp_path):
     rng = random.Random(6)
     for _ in range(6):
         batch_items = str(rng.randint(5, 15))  # small batches (many of them), new boundaries after each crash
-        proc = subprocess.Popen([sys.executable, "-c", CHAOS_EXPORTER, str(buffer_dir), str(lake), batch_items],
-                                stdout=subprocess.PIPE)
-        assert proc.stdout.readline() == b"started\n"
+        with open(tmp_path / "exporter.log", "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-c", CHAOS_EXPORTER, str(buffer_dir), str(lake), batch_items],
+                                    stdout=subprocess.PIPE, stderr=log)
+        assert proc.stdout.readline() == b"started\n", (tmp_path / "exporter.log").read_text()
         await asyncio.sleep(rng.uniform(0.05, 0.6))
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
