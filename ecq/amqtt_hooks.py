@@ -141,5 +141,7 @@ async def publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: byte
         if asyncio.current_task().cancelling():
             raise
         raise ConnectionError("connection closed while waiting for PUBACK") from None  # amqtt cancelled the waiter
+    except TimeoutError:  # no PUBACK in time; a subclass of OSError, so it must come before that clause
+        raise
     except (AMQTTError, OSError) as exc:
         raise ConnectionError(f"send failed: {exc}") from exc

@@ -319,3 +319,21 @@ def test_unsubscribe_stops_delivery_and_resubscribe_resumes(broker, connect):
     assert consumer.quiet(1.0) == []
     consumer.subscribe("$ECQ/us1/#")
     assert topics_payloads(consumer.expect(1)) == [("$ECQ/us1/k", b"v")]
+
+
+def test_a_late_puback_gets_the_message_sent_again_and_delivery_goes_on(make_broker, connect):
+    # amqtt gives up waiting for a PUBACK after 5 s; ECQ must send the message again on the same
+    # connection (not stop delivering until the consumer reconnects).
+    broker = make_broker(reader_batch_size=1)
+    producer = connect(broker.port, "producer")
+    write(producer, "slow1", "k1", "v1")
+    write(producer, "slow1", "k2", "v2")
+    consumer = connect(broker.port, "slow1", manual_ack=True)
+    consumer.subscribe("$ECQ/slow1/#")
+    [first] = consumer.expect(1)
+    assert first.topic == "$ECQ/slow1/k1"
+    [again] = consumer.expect(1, timeout=10)  # sent again after amqtt's 5 s PUBACK timeout
+    assert (again.topic, again.payload) == ("$ECQ/slow1/k1", b"v1")
+    consumer.ack(again)
+    [second] = consumer.expect(1, timeout=10)
+    assert second.topic == "$ECQ/slow1/k2"
