@@ -52,7 +52,8 @@ def build_app(plugin: EcqPlugin, token: str | None) -> web.Application:
 
 async def serve(plugin: EcqPlugin, host: str, port: int, token: str | None) -> web.AppRunner:
     """Start the API on ``host:port``; returns the runner to ``cleanup()`` on shutdown. Raises OSError."""
-    runner = web.AppRunner(build_app(plugin, token), access_log=None)
+    # a running request (a long GC) must not hold the broker's shutdown: cancel it after 2 s
+    runner = web.AppRunner(build_app(plugin, token), access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner

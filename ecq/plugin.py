@@ -73,6 +73,7 @@ class EcqPlugin(BaseTopicPlugin):
         self._persistent_readers: set[str] = set()  # clean-session-off clients subscribed to their queue
         self._tasks: list[asyncio.Task] = []
         self._admin: Any = None
+        self._closing = False
         hooks.install(EcqPlugin)
         log.info("ECQ plugin: data_dir=%s, %d writer agents", self.settings.data_dir, self.settings.effective_pool_size())
 
@@ -119,7 +120,8 @@ class EcqPlugin(BaseTopicPlugin):
             self.events = None
 
     async def on_broker_pre_shutdown(self) -> None:
-        """Stop delivering; unacked messages stay stored for the next run."""
+        """Stop delivering and end a running GC pass; unacked messages stay stored for the next run."""
+        self._closing = True
         for consumer in self.consumers.values():
             consumer.detach()
 
@@ -358,14 +360,16 @@ class EcqPlugin(BaseTopicPlugin):
         return any(session.client_id == clientid for session, _qos in holders)
 
     async def _attach(self, clientid: str, connection: BrokerProtocolHandler | None) -> None:
+        if self._closing:
+            return
         if clientid not in self.consumers:
             state = await asyncio.get_running_loop().run_in_executor(None, self.store.ack_state, clientid)
             self.consumers.setdefault(clientid, Consumer(
                 clientid, state, store=self.store, pool=self.pool, publish=hooks.publish_qos1, observer=self,
                 window=self.settings.reader_batch_size, read_timeout=self.settings.read_timeout,
                 retention_s=self.settings.data_retention))
-        # checked after the await: an UNSUBSCRIBE, disconnect or takeover may have happened meanwhile
-        if (hooks.connection_is_open(connection) and connection is hooks.live_connection(self.context, clientid)
+        # checked after the await: an UNSUBSCRIBE, disconnect, takeover or shutdown may have happened meanwhile
+        if (not self._closing and hooks.connection_is_open(connection) and connection is hooks.live_connection(self.context, clientid)
                 and self._holds_queue_subscription(clientid)):
             self.consumers[clientid].attach(connection)
 
@@ -384,18 +388,21 @@ class EcqPlugin(BaseTopicPlugin):
 
         Returns the number of entries deleted. It goes through the index table in steps of at most 512
         entries: each step is read in a thread, then deleted through the writer agents of the queues it
-        touched (serialized with their appends), so the broker keeps serving meanwhile.
+        touched (serialized with their appends). After each step GC pauses as long as the step took, so it
+        uses at most half of the time and the broker keeps serving. A broker shutdown ends the pass.
         """
         loop = asyncio.get_running_loop()
         self.metrics.gc_runs.inc()
         cutoff_ms = now_ms() - int(self.settings.data_retention * 1000)
         deleted, cursor = 0, None
-        while True:
+        while not self._closing:
+            started = time.monotonic()
             found, cursor = await loop.run_in_executor(None, self.store.expired_step, cutoff_ms, GC_STEP_ROWS, cursor)
             deletions = [self.pool.submit(cid, Expire(cid, tuple(rows))) for cid, rows in found.items()]
             deleted += sum(await asyncio.gather(*deletions))
             if cursor is None:
                 break
+            await asyncio.sleep(time.monotonic() - started)
         if deleted:
             log.info("ECQ GC deleted %d entries published before %d ms", deleted, cutoff_ms)
         return deleted

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
 import urllib.request
 
@@ -166,3 +167,38 @@ def test_admin_api_answers_json(broker, path):
     with urllib.request.urlopen(f"http://127.0.0.1:{broker.admin_port}{path}", timeout=10) as response:
         assert response.headers["Content-Type"].startswith("application/json")
         json.load(response)
+
+
+def test_sigterm_during_a_long_gc_pass_stops_promptly_and_keeps_the_rest(tmp_path):
+    from ecq.broker_process import BrokerProcess
+    from ecq.store import Append, Store
+
+    broker = BrokerProcess(tmp_path, data_retention="1s", gc_interval="1h")
+    store = Store(broker.data_dir)  # entries published in 1970: all expired
+    for start in range(0, 60_000, 10_000):
+        store.commit([Append(f"q{i % 6000}", f"k{i}", b"x", 1000 + i) for i in range(start, start + 10_000)])
+    store.close()
+    broker.start()
+    try:
+        request = urllib.request.Request(f"http://127.0.0.1:{broker.admin_port}/api/v1/gc", method="POST")
+        threading.Thread(target=lambda: _ignore_errors(urllib.request.urlopen, request, timeout=60),
+                         daemon=True).start()
+        time.sleep(0.5)
+        started = time.monotonic()
+        assert broker.stop(timeout=20) == 0
+        assert time.monotonic() - started < 10
+    finally:
+        broker.kill()
+    store = Store(broker.data_dir)
+    try:
+        remaining, _ = store.stored_totals()
+    finally:
+        store.close()
+    assert 0 < remaining < 60_000  # the pass was under way and ended with the broker
+
+
+def _ignore_errors(func, *args, **kwargs):
+    try:
+        func(*args, **kwargs)
+    except Exception:
+        pass
