@@ -34,6 +34,7 @@ from amqtt.mqtt.pubcomp import PubcompPacket
 from amqtt.mqtt.packet import MQTTVariableHeader
 from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
 from amqtt.mqtt.pubrec import PubrecPacket
+from amqtt.session import OutgoingApplicationMessage
 
 from ecq.topics import is_ecq_topic
 
@@ -129,19 +130,30 @@ async def acknowledge(handler: BrokerProtocolHandler, qos: int, packet_id: int |
 
 
 async def publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: bytes) -> None:
-    """Send a QoS 1 PUBLISH on ``handler`` and wait for its PUBACK (amqtt waits at most 5 s).
+    """Send a QoS 1 PUBLISH on ``handler`` and wait for its PUBACK for as long as the connection lives.
 
-    Raises TimeoutError when no PUBACK came, ConnectionError when the connection is closed or closes.
+    amqtt's own ``mqtt_publish`` gives up after a fixed 5 s and forgets the packet id, so under load a
+    late PUBACK was lost and the resend added more load. MQTT 3.1.1 section 4.4 resends unacknowledged
+    PUBLISHes only when the client reconnects, which is what ECQ's redelivery does.
+    Raises ConnectionError when the connection is closed or closes before the PUBACK.
     """
     if not connection_is_open(handler):
         raise ConnectionError("connection closed")
+    session = handler.session
+    packet_id = session.next_packet_id
+    message = OutgoingApplicationMessage(packet_id, topic, QOS_1, payload, False)
+    puback = asyncio.get_running_loop().create_future()
+    session.inflight_out[packet_id] = message  # keeps the packet id taken until the PUBACK
+    handler._puback_waiters[packet_id] = puback  # amqtt's handle_puback resolves it; stop() cancels it
     try:
-        await handler.mqtt_publish(topic, payload, QOS_1, retain=False)
+        await handler._send_packet(message.build_publish_packet())
+        await puback
     except asyncio.CancelledError:
         if asyncio.current_task().cancelling():
             raise
-        raise ConnectionError("connection closed while waiting for PUBACK") from None  # amqtt cancelled the waiter
-    except TimeoutError:  # no PUBACK in time; a subclass of OSError, so it must come before that clause
-        raise
+        raise ConnectionError("connection closed while waiting for PUBACK") from None
     except (AMQTTError, OSError) as exc:
         raise ConnectionError(f"send failed: {exc}") from exc
+    finally:
+        handler._puback_waiters.pop(packet_id, None)
+        session.inflight_out.pop(packet_id, None)

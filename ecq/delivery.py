@@ -24,8 +24,7 @@ from ecq.writer import PoolClosed, WriterPool
 
 log = logging.getLogger(__name__)
 
-# publish(connection, topic, payload) -> awaits the PUBACK; raises TimeoutError when none came in time,
-# ConnectionError when the connection is gone.
+# publish(connection, topic, payload) -> awaits the PUBACK; raises ConnectionError when the connection is gone.
 Publish = Callable[[Any, str, bytes], Awaitable[None]]
 
 
@@ -129,21 +128,17 @@ class Consumer:
     async def _deliver(self, message: Message) -> None:
         topic = delivery_topic(self.clientid, message.key)
         connection = self.connection
-        while True:
-            self.attempts[message.seqno] = self.attempts.get(message.seqno, 0) + 1
-            self._observer.delivered(self.clientid, message, self.attempts[message.seqno])
-            sent = time.monotonic()
-            try:
-                await self._publish(connection, topic, message.payload)
-                break
-            except TimeoutError:
-                log.info("ECQ no PUBACK from %s for seqno %d; sending again", self.clientid, message.seqno)
-            except ConnectionError as exc:
-                log.info("ECQ delivery to %s stopped: %s", self.clientid, exc)
-                self.inflight.pop(message.seqno, None)
-                if connection is self.connection:
-                    self.detach()
-                return
+        self.attempts[message.seqno] = self.attempts.get(message.seqno, 0) + 1
+        self._observer.delivered(self.clientid, message, self.attempts[message.seqno])
+        sent = time.monotonic()
+        try:
+            await self._publish(connection, topic, message.payload)
+        except ConnectionError as exc:
+            log.info("ECQ delivery to %s stopped: %s", self.clientid, exc)
+            self.inflight.pop(message.seqno, None)
+            if connection is self.connection:
+                self.detach()
+            return
         self.inflight.pop(message.seqno, None)
         self.attempts.pop(message.seqno, None)
         self._observer.acked(self.clientid, message, sent)
