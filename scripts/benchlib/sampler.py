@@ -143,8 +143,8 @@ def listen_drops() -> int | None:
 
 def rss_split_bytes(pid: int | None) -> dict[str, int] | None:
     """RSS of ``pid`` split as /proc/<pid>/status does: ``anon`` (heap, stacks: memory the process owns),
-    ``file`` (pages of mapped files, e.g. LevelDB's mmapped table files: page cache the kernel may drop)
-    and ``shmem``; in bytes. None when the process or the file is gone."""
+    ``file`` (pages of mapped files: shared libraries, and LevelDB's mmapped table files, page cache the
+    kernel may drop) and ``shmem``; in bytes. None when the process or the file is gone."""
     try:
         lines = Path(f"/proc/{pid}/status").read_text().splitlines()
     except OSError:

@@ -576,7 +576,7 @@ def scale_rows(out: ScenarioResult, size: int) -> None:
                             note=f"{point['queues']:,} queues; peak {point['peak_rss_mb']} MB; mapped files "
                                  f"{split.get('file')} MB"))
         out.rows.append(Row("scale", f"  of which anon @{entries:,}", "MB", size, split.get("anon"), None,
-                            note="heap and stacks; the rest of RSS is mapped LevelDB files (page cache)"))
+                            note="heap and stacks; the rest is mapped files: libraries and LevelDB tables"))
     growth = round(large["rss_mb"] - small["rss_mb"], 1)
     anon_growth = None
     if small["rss_split_mb"] and large["rss_split_mb"]:
