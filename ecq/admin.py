@@ -19,7 +19,6 @@ GET    /metrics                     Prometheus text exposition
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 from typing import TYPE_CHECKING
 
@@ -71,17 +70,13 @@ def _bearer_auth(token: str):
     return middleware
 
 
-def _in_thread(func, *args):
-    return asyncio.get_running_loop().run_in_executor(None, func, *args)
-
-
 async def _health(_request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
 async def _status(request: web.Request) -> web.Response:
     plugin = request.app[_PLUGIN]
-    status = await _in_thread(broker_status, plugin.store, dict(plugin.consumers), plugin.stored_totals())
+    status = await plugin.read(broker_status, plugin.store, dict(plugin.consumers), plugin.stored_totals())
     status["events"] = plugin.event_stats()
     return web.json_response(status)
 
@@ -89,7 +84,7 @@ async def _status(request: web.Request) -> web.Response:
 async def _queue(request: web.Request) -> web.Response:
     plugin = request.app[_PLUGIN]
     clientid = request.match_info["clientid"]
-    info = await _in_thread(queue_info, plugin.store, clientid, plugin.consumers.get(clientid))
+    info = await plugin.read(queue_info, plugin.store, clientid, plugin.consumers.get(clientid))
     if info is None:
         return web.json_response({"error": f"no queue for clientid {clientid!r}"}, status=404)
     return web.json_response(info)

@@ -16,6 +16,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
 from typing import Any, Protocol
 
 from ecq.store import AckState, Message, SaveAck, Store
@@ -47,13 +48,15 @@ class Consumer:
     """Delivery state of the queue of ``clientid``; at most one attached connection at a time."""
 
     def __init__(self, clientid: str, state: AckState, *, store: Store, pool: WriterPool, publish: Publish,
-                 observer: DeliveryObserver, window: int, read_timeout: float, retention_s: float) -> None:
+                 observer: DeliveryObserver, executor: Executor, window: int, read_timeout: float,
+                 retention_s: float) -> None:
         self.clientid = clientid
         self.state = state
         self.connection: Any = None
         self.inflight: dict[int, asyncio.Task] = {}
         self.saves_pending = 0              # SaveAck ops submitted and not yet committed
         self._store, self._pool, self._publish, self._observer = store, pool, publish, observer
+        self._executor = executor
         self.attempts: dict[int, int] = {}  # sends so far of each unacked seqno, across connections
         self._window, self._read_timeout, self._retention_ms = window, read_timeout, int(retention_s * 1000)
         self._cursor = state.acked          # highest seqno handed to the current connection
@@ -116,7 +119,7 @@ class Consumer:
     async def _read(self, limit: int) -> list[Message]:
         min_ts = now_ms() - self._retention_ms
         return await asyncio.get_running_loop().run_in_executor(
-            None, self._store.read_after, self.clientid, self._cursor, limit, min_ts)
+            self._executor, self._store.read_after, self.clientid, self._cursor, limit, min_ts)
 
     def _hand_out(self, message: Message) -> None:
         self._cursor = message.seqno

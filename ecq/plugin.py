@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from typing import Any
 
@@ -74,6 +75,7 @@ class EcqPlugin(BaseTopicPlugin):
         self._tasks: list[asyncio.Task] = []
         self._admin: Any = None
         self._closing = False
+        self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ecq-read")
         hooks.install(EcqPlugin)
         log.info("ECQ plugin: data_dir=%s, %d writer agents", self.settings.data_dir, self.settings.effective_pool_size())
 
@@ -93,9 +95,8 @@ class EcqPlugin(BaseTopicPlugin):
         amqtt awaits this before it opens its listeners, so once the MQTT port accepts, ECQ is ready.
         A failure to bind the admin API is logged and the broker runs without it.
         """
-        loop = asyncio.get_running_loop()
-        self._queues = await loop.run_in_executor(None, self.store.count_queues)
-        self._stored_entries, self._stored_bytes = await loop.run_in_executor(None, self.store.stored_totals)
+        self._queues = await self.read(self.store.count_queues)
+        self._stored_entries, self._stored_bytes = await self.read(self.store.stored_totals)
         self.pool.start()
         self._tasks = [asyncio.create_task(self._every(self.settings.gc_interval, self.run_gc), name="ecq-gc"),
                        asyncio.create_task(self._every(self.settings.heartbeat_interval, self._heartbeat),
@@ -136,6 +137,7 @@ class EcqPlugin(BaseTopicPlugin):
         if self.events:
             await self._exporter.close()
             await self.events.close()
+        self._readers.shutdown(wait=True)  # reads still running in threads must end before LevelDB closes
         self.store.close()
         log.info("ECQ plugin: store closed")
 
@@ -154,6 +156,10 @@ class EcqPlugin(BaseTopicPlugin):
         self.acl = load_acl(self.settings.acl_file)
         log.info("ECQ ACL reloaded from %s: %d rules", self.settings.acl_file, len(self.acl.rules))
         return len(self.acl.rules)
+
+    async def read(self, func, *args):
+        """Run a blocking store read ``func(*args)`` in the plugin's reader threads (drained before the store closes)."""
+        return await asyncio.get_running_loop().run_in_executor(self._readers, func, *args)
 
     def stored_totals(self) -> tuple[int, int]:
         """(entries, payload bytes) stored, as counted by this broker since start."""
@@ -363,9 +369,10 @@ class EcqPlugin(BaseTopicPlugin):
         if self._closing:
             return
         if clientid not in self.consumers:
-            state = await asyncio.get_running_loop().run_in_executor(None, self.store.ack_state, clientid)
+            state = await self.read(self.store.ack_state, clientid)
             self.consumers.setdefault(clientid, Consumer(
                 clientid, state, store=self.store, pool=self.pool, publish=hooks.publish_qos1, observer=self,
+                executor=self._readers,
                 window=self.settings.reader_batch_size, read_timeout=self.settings.read_timeout,
                 retention_s=self.settings.data_retention))
         # checked after the await: an UNSUBSCRIBE, disconnect, takeover or shutdown may have happened meanwhile
@@ -391,13 +398,12 @@ class EcqPlugin(BaseTopicPlugin):
         touched (serialized with their appends). After each step GC pauses as long as the step took, so it
         uses at most half of the time and the broker keeps serving. A broker shutdown ends the pass.
         """
-        loop = asyncio.get_running_loop()
         self.metrics.gc_runs.inc()
         cutoff_ms = now_ms() - int(self.settings.data_retention * 1000)
         deleted, cursor = 0, None
         while not self._closing:
             started = time.monotonic()
-            found, cursor = await loop.run_in_executor(None, self.store.expired_step, cutoff_ms, GC_STEP_ROWS, cursor)
+            found, cursor = await self.read(self.store.expired_step, cutoff_ms, GC_STEP_ROWS, cursor)
             deletions = [self.pool.submit(cid, Expire(cid, tuple(rows))) for cid, rows in found.items()]
             deleted += sum(await asyncio.gather(*deletions))
             if cursor is None:
