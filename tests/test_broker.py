@@ -5,7 +5,6 @@ Test names carry the issue's point numbers (p1..p13).
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
