@@ -25,7 +25,7 @@ class EcqMetrics:
         self.compactions = Counter("ecq_compactions", "stored values deleted because their key was rewritten",
                                    registry=r)
         self.deliveries = Counter("ecq_deliveries", "QoS 1 PUBLISHes sent to consumers (first sends)", registry=r)
-        self.redeliveries = Counter("ecq_redeliveries", "QoS 1 PUBLISHes sent again (reconnect or PUBACK timeout)",
+        self.redeliveries = Counter("ecq_redeliveries", "QoS 1 PUBLISHes sent again after the consumer reconnected",
                                     registry=r)
         self.acks = Counter("ecq_acks", "PUBACKs received from consumers", registry=r)
         self.gc_runs = Counter("ecq_gc_runs", "garbage collection passes", registry=r)
