@@ -54,12 +54,14 @@ class Consumer:
         self.state = state
         self.connection: Any = None
         self.inflight: dict[int, asyncio.Task] = {}
-        self.saves_pending = 0              # SaveAck ops submitted and not yet committed
+        self.saves_pending = 0              # SaveAck ops submitted and not yet committed (0 or 1)
+        self._save_due = False              # the state changed while a save was in flight
         self._store, self._pool, self._publish, self._observer = store, pool, publish, observer
         self._executor = executor
         self.attempts: dict[int, int] = {}  # sends so far of each unacked seqno, across connections
         self._window, self._read_timeout, self._retention_ms = window, read_timeout, int(retention_s * 1000)
         self._cursor = state.acked          # highest seqno handed to the current connection
+        self._newest = state.acked          # highest seqno known to be stored (appends tell it)
         self._handed: deque[int] = deque()  # seqnos handed to this connection, oldest first, not yet folded
         self._wake = asyncio.Event()
         self._pump_task: asyncio.Task | None = None
@@ -91,8 +93,23 @@ class Consumer:
         self.connection = None
         self._pump_task = None
 
+    @property
+    def saving(self) -> bool:
+        """True while an ack-state save is in flight or due."""
+        return bool(self.saves_pending) or self._save_due
+
+    @property
+    def behind(self) -> bool:
+        """True when an append newer than what was handed out may still be unread (the heartbeat's test)."""
+        return self._newest > self._cursor
+
     def wake(self) -> None:
-        """Ask the pump to look for new messages (after an append, an ack, or a heartbeat)."""
+        """Ask the pump to look for new messages (after an ack or a heartbeat)."""
+        self._wake.set()
+
+    def appended(self, seqno: int) -> None:
+        """Message ``seqno`` was just committed to this queue: deliver it."""
+        self._newest = max(self._newest, seqno)
         self._wake.set()
 
     async def _pump(self) -> None:
@@ -113,6 +130,8 @@ class Consumer:
                 self._hand_out(message)
             if len(messages) == free:
                 self.wake()  # there may be more once slots free up; the next round checks
+            elif not self._wake.is_set():  # no append since the read began: everything stored was read
+                self._newest = self._cursor
             if self._fold_acked():
                 self._save()
 
@@ -163,6 +182,15 @@ class Consumer:
         return advanced
 
     def _save(self) -> None:
+        """Save the ack state through the writer pool; while a save is in flight, only mark that another is due.
+
+        Acks arrive one PUBACK at a time; saving each would put one LevelDB op per delivery on the writer
+        agent. A snapshot supersedes every older one, so one save in flight at a time loses nothing.
+        """
+        if self.saves_pending:
+            self._save_due = True
+            return
+        self._save_due = False
         snapshot = AckState(self.state.acked, self.state.last_ack_ms, set(self.state.above))
         try:
             future = self._pool.submit(self.clientid, SaveAck(self.clientid, snapshot))
@@ -176,3 +204,5 @@ class Consumer:
         self.saves_pending -= 1
         if not future.cancelled() and future.exception():
             log.error("ECQ saving the state of consumer %s failed: %s", self.clientid, future.exception())
+        if self._save_due:
+            self._save()
