@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +30,7 @@ from ecq.acl import Acl, ClientInfo, Decision, load_acl
 from ecq.config import EcqSettings, split_host_port
 from ecq.delivery import Consumer, now_ms
 from ecq.metrics import EcqMetrics
+from ecq.readers import BatchedReader
 from ecq.store import Append, Appended, Expire, Message, Op, Store
 from ecq.topics import BadWrite, parse_target, parse_write, queue_filter
 from ecq.writer import PoolClosed, WriterPool
@@ -75,7 +75,7 @@ class EcqPlugin(BaseTopicPlugin):
         self._tasks: list[asyncio.Task] = []
         self._admin: Any = None
         self._closing = False
-        self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ecq-read")
+        self._reader = BatchedReader(threads=4)
         hooks.install(EcqPlugin)
         log.info("ECQ plugin: data_dir=%s, %d writer agents", self.settings.data_dir, self.settings.effective_pool_size())
 
@@ -138,7 +138,7 @@ class EcqPlugin(BaseTopicPlugin):
         if self.events:
             await self._exporter.close()
             await self.events.close()
-        self._readers.shutdown(wait=True)  # reads still running in threads must end before LevelDB closes
+        self._reader.shutdown()  # reads still running in threads must end before LevelDB closes
         self.store.close()
         log.info("ECQ plugin: store closed")
 
@@ -166,7 +166,7 @@ class EcqPlugin(BaseTopicPlugin):
 
     async def read(self, func, *args):
         """Run a blocking store read ``func(*args)`` in the plugin's reader threads (drained before the store closes)."""
-        return await asyncio.get_running_loop().run_in_executor(self._readers, func, *args)
+        return await self._reader.read(func, *args)
 
     def stored_totals(self) -> tuple[int, int]:
         """(entries, payload bytes) stored, as counted by this broker since start."""
@@ -251,7 +251,7 @@ class EcqPlugin(BaseTopicPlugin):
             self._event("compacted", clientid=op.clientid, key=op.key, seqno=result.seqno, publish_ts_ms=op.ts_ms,
                         replaced_seqno=old)
         if (consumer := self.consumers.get(op.clientid)) and consumer.online:
-            consumer.appended(result.seqno)
+            consumer.appended(result.seqno, result.replaced)
 
     def _expired(self, op: Expire) -> None:
         self.metrics.gc_deleted.inc(len(op.rows))
@@ -379,7 +379,7 @@ class EcqPlugin(BaseTopicPlugin):
             state = await self.read(self.store.ack_state, clientid)
             self.consumers.setdefault(clientid, Consumer(
                 clientid, state, store=self.store, pool=self.pool, publish=hooks.publish_qos1, observer=self,
-                executor=self._readers,
+                read=self.read,
                 window=self.settings.reader_batch_size, read_timeout=self.settings.read_timeout,
                 retention_s=self.settings.data_retention))
         # checked after the await: an UNSUBSCRIBE, disconnect, takeover or shutdown may have happened meanwhile
