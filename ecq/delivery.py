@@ -22,16 +22,19 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from ecq.deadlines import SharedDeadline
 from ecq.store import AckState, Message, SaveAck, Store
 from ecq.topics import delivery_topic
 from ecq.writer import PoolClosed, WriterPool
 
 log = logging.getLogger(__name__)
 
+_UNKNOWN = 2**64  # above every seqno: "the stored tail is not known"
+
 # publish(connection, topic, payload) -> awaits the PUBACK; raises ConnectionError when the connection is gone.
 Publish = Callable[[Any, str, bytes], Awaitable[None]]
-# read(func, *args) -> the result of the blocking store read func(*args), run off the event loop.
-Read = Callable[..., Awaitable[Any]]
+# read(func, *args) -> a future of the blocking store read func(*args), run off the event loop.
+Read = Callable[..., asyncio.Future]
 
 
 class DeliveryObserver(Protocol):
@@ -53,7 +56,7 @@ class Consumer:
     """Delivery state of the queue of ``clientid``; at most one attached connection at a time."""
 
     def __init__(self, clientid: str, state: AckState, *, store: Store, pool: WriterPool, publish: Publish,
-                 observer: DeliveryObserver, read: Read, window: int, read_timeout: float,
+                 observer: DeliveryObserver, read: Read, read_deadline: SharedDeadline, window: int,
                  retention_s: float) -> None:
         self.clientid = clientid
         self.state = state
@@ -64,7 +67,8 @@ class Consumer:
         self._store, self._pool, self._publish, self._observer = store, pool, publish, observer
         self._read_store = read
         self.attempts: dict[int, int] = {}  # sends so far of each unacked seqno, across connections
-        self._window, self._read_timeout, self._retention_ms = window, read_timeout, int(retention_s * 1000)
+        self._read_deadline = read_deadline
+        self._window, self._retention_ms = window, int(retention_s * 1000)
         self._cursor = state.acked          # highest seqno handed to the current connection
         self._read_cursor = state.acked     # highest seqno read from the store for this connection
         self._ready: deque[Message] = deque()  # read ahead, not yet handed out (at most one window)
@@ -80,6 +84,7 @@ class Consumer:
 
     def attach(self, connection: Any) -> None:
         """Start delivering to ``connection``; a different connection already attached is detached first."""
+        self._newest = _UNKNOWN  # appends made while detached were not told: read until a short read
         if connection is self.connection:
             self.wake()
             return
@@ -130,14 +135,14 @@ class Consumer:
             free = self._window - len(self.inflight)
             if free <= 0:
                 continue
-            if not self._ready:
+            if not self._ready and self.behind:
                 wanted = free + self._window  # read one window ahead: one store read per window of PUBACKs
                 try:
-                    messages = await asyncio.wait_for(self._read(wanted), self._read_timeout)
+                    messages = await self._read(wanted)
                 except Exception as exc:  # timeout or LevelDB error: a later round retries, nothing is skipped
                     log.warning("ECQ read for %s failed (%s); retrying in %.1fs",
-                                self.clientid, exc or type(exc).__name__, self._read_timeout)
-                    asyncio.get_running_loop().call_later(self._read_timeout, self.wake)
+                                self.clientid, exc or type(exc).__name__, self._read_deadline.timeout_s)
+                    asyncio.get_running_loop().call_later(self._read_deadline.timeout_s, self.wake)
                     continue
                 self._ready.extend(messages)
                 self._read_cursor = messages[-1].seqno if messages else self._read_cursor
@@ -151,7 +156,8 @@ class Consumer:
 
     async def _read(self, limit: int) -> list[Message]:
         min_ts = now_ms() - self._retention_ms
-        return await self._read_store(self._store.read_after, self.clientid, self._read_cursor, limit, min_ts)
+        return await self._read_deadline.watch(
+            self._read_store(self._store.read_after, self.clientid, self._read_cursor, limit, min_ts))
 
     def _hand_out_ready(self) -> None:
         """Hand read-ahead messages to the connection while the window has room; skip any that expired

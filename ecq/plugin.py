@@ -28,6 +28,7 @@ from ecq import admin
 from ecq import amqtt_hooks as hooks
 from ecq.acl import Acl, ClientInfo, Decision, load_acl
 from ecq.config import EcqSettings, split_host_port
+from ecq.deadlines import SharedDeadline
 from ecq.delivery import Consumer, now_ms
 from ecq.metrics import EcqMetrics
 from ecq.readers import BatchedReader
@@ -76,6 +77,8 @@ class EcqPlugin(BaseTopicPlugin):
         self._admin: Any = None
         self._closing = False
         self._reader = BatchedReader(threads=4)
+        self._read_deadline = SharedDeadline(self.settings.read_timeout, "ECQ store read")
+        self._write_deadline = SharedDeadline(self.settings.write_timeout, "ECQ write commit")
         hooks.install(EcqPlugin)
         log.info("ECQ plugin: data_dir=%s, %d writer agents", self.settings.data_dir, self.settings.effective_pool_size())
 
@@ -209,7 +212,7 @@ class EcqPlugin(BaseTopicPlugin):
             log.warning("ECQ write to %r not taken: broker is shutting down", topic)
             return
         try:
-            await asyncio.wait_for(future, self.settings.write_timeout)
+            await self._write_deadline.watch(future)
             self.metrics.append_latency.observe(time.monotonic() - received)
         except Exception as exc:
             log.error("ECQ write to %r failed (%s); closing publisher %s so it resends",
@@ -379,8 +382,8 @@ class EcqPlugin(BaseTopicPlugin):
             state = await self.read(self.store.ack_state, clientid)
             self.consumers.setdefault(clientid, Consumer(
                 clientid, state, store=self.store, pool=self.pool, publish=hooks.publish_qos1, observer=self,
-                read=self.read,
-                window=self.settings.reader_batch_size, read_timeout=self.settings.read_timeout,
+                read=self._reader.read,
+                window=self.settings.reader_batch_size, read_deadline=self._read_deadline,
                 retention_s=self.settings.data_retention))
         # checked after the await: an UNSUBSCRIBE, disconnect, takeover or shutdown may have happened meanwhile
         if (not self._closing and hooks.connection_is_open(connection) and connection is hooks.live_connection(self.context, clientid)

@@ -24,14 +24,17 @@ class BatchedReader:
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=thread_name_prefix)
         self._batch: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future]] = []
 
-    async def read(self, func: Callable[..., Any], *args: Any) -> Any:
-        """``func(*args)`` run in a worker thread; returns its result or raises what it raised."""
+    def read(self, func: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """A future of ``func(*args)`` run in a worker thread: its result, or the exception it raised.
+
+        Cancelling the future (or failing it, e.g. on a timeout) does not stop the read already queued.
+        """
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if not self._batch:
             loop.call_soon(self._submit_batch, loop)
         self._batch.append((func, args, future))
-        return await future
+        return future
 
     def shutdown(self) -> None:
         """Stop taking reads and wait for the ones running in threads (call before the store closes)."""

@@ -70,7 +70,7 @@ class WriterPool:
                 batch.append(queue.get_nowait())
             if None in batch:
                 stopping = True
-            live = [(op, fut) for op, fut in (item for item in batch if item is not None) if not fut.cancelled()]
+            live = [(op, fut) for op, fut in (item for item in batch if item is not None) if not fut.done()]
             if not live:
                 continue
             ops = [op for op, _ in live]

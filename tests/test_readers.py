@@ -59,3 +59,4 @@ async def test_reads_after_shutdown_raise(reader):
     reader.shutdown()
     with pytest.raises(RuntimeError):
         await asyncio.wait_for(reader.read(lambda: 1), 5)
+
