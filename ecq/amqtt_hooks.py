@@ -29,6 +29,8 @@ then answers each publisher with one ``send`` instead of one per PUBACK (issue 5
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 from typing import TYPE_CHECKING, Any
 
 from amqtt.broker import Broker, BrokerContext
@@ -182,3 +184,18 @@ def _write_queued(handler: BrokerProtocolHandler) -> None:
     packets = _unsent.pop(handler)
     if handler.writer is not None:
         handler.writer.write(b"".join(packets))
+
+
+def set_listen_backlog(context: BrokerContext, backlog: int) -> int:
+    """Set the accept queue of every TCP listener of the broker to ``backlog`` connections; returns how many
+    sockets were changed. amqtt opens them through ``asyncio.start_server`` with its default of 100, so
+    2,000 clients connecting at once lost thousands of SYNs and retried for up to 14 s (issue 5 storm).
+    Linux applies a second ``listen`` to a listening socket and caps it at ``net.core.somaxconn``."""
+    changed = 0
+    for server in context._broker_instance._servers.values():
+        for listening in getattr(server.instance, "sockets", None) or ():
+            if listening.type == socket.SOCK_STREAM:
+                with socket.socket(fileno=os.dup(listening.fileno())) as same_socket:
+                    same_socket.listen(backlog)
+                changed += 1
+    return changed

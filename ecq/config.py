@@ -65,6 +65,8 @@ class EcqSettings(BaseModel):
     lake_dir: Path | None = Field(default=None, description="Parquet event lake; None = <data_dir>/lake")
     export_interval: PositiveDuration = Field(default=1.0, description="time between event exports")
     events_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024, description="event buffer bound, bytes")
+    listen_backlog: int = Field(default=1024, ge=1, le=65535,
+                                description="accept queue of the broker's TCP listeners (kernel caps it at somaxconn)")
 
     @field_validator("admin_bind")
     @classmethod

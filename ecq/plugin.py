@@ -114,6 +114,11 @@ class EcqPlugin(BaseTopicPlugin):
             except OSError as exc:
                 log.error("ECQ admin API not started: cannot bind %s: %s", self.settings.admin_bind, exc)
 
+    async def on_broker_post_start(self) -> None:
+        """Widen the MQTT listeners' accept queue to ``listen_backlog`` once amqtt opened them."""
+        changed = hooks.set_listen_backlog(self.context, self.settings.listen_backlog)
+        log.info("ECQ: listen backlog %d on %d MQTT listener socket(s)", self.settings.listen_backlog, changed)
+
     async def _start_events(self) -> None:
         """Start recording and exporting; on failure log it and run without events (writes must not stop)."""
         try:

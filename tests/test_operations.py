@@ -202,3 +202,11 @@ def _ignore_errors(func, *args, **kwargs):
         func(*args, **kwargs)
     except Exception:
         pass
+
+
+@pytest.mark.parametrize("options, expected", [({}, 1024), ({"listen_backlog": 700}, 700)])
+def test_mqtt_listener_accept_queue_is_listen_backlog(make_broker, options, expected):
+    broker = make_broker(**options)
+    listening = subprocess.run(["ss", "-Hltn", f"sport = :{broker.port}"], capture_output=True, text=True,
+                               timeout=10, check=True).stdout.split()
+    assert listening[0] == "LISTEN" and int(listening[2]) == expected  # Send-Q of a listener is its backlog
