@@ -108,6 +108,7 @@ _PART_NAME = re.compile(r"\.?part-([0-9a-f]{16})-(\d{10})-(\d{10})\.parquet(\.tm
 _MS_PER_HOUR = 3_600_000
 _FLUSH_CHUNK = 10_000  # events per ReplayQ.append
 _CLOSE_TIMEOUT_S = 5.0
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # json.dumps builds one per call
 
 T = TypeVar("T")
 
@@ -130,13 +131,20 @@ def encode_event(ts_ms: int, type: str, fields: dict[str, Any]) -> bytes:
     for name, value in fields.items():
         if name not in _FIELD_RULES:
             raise InvalidEvent(f"unknown event field {name!r} for {type!r}")
-        if value is not None:
+        if value is not None and not _fits(value, _FIELD_RULES[name]):
             _check_value(name, value, _FIELD_RULES[name])
     row = [ts_ms, type, *(fields.get(name) for name in _OPTIONAL)]
     try:
-        return json.dumps(row, ensure_ascii=False, separators=(",", ":")).encode()
+        return _JSON.encode(row).encode()
     except UnicodeEncodeError as exc:
         raise InvalidEvent(f"{type!r} event has a string that is not valid Unicode: {exc}") from None
+
+
+def _fits(value: Any, rule: tuple[int, int] | None) -> bool:
+    """The fast test of `_check_value` (one event per write, delivery and ack goes through it)."""
+    if rule is None:
+        return type(value) is str
+    return type(value) is int and rule[0] <= value <= rule[1]
 
 
 def _check_value(name: str, value: Any, rule: tuple[int, int] | None) -> None:
