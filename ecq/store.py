@@ -123,6 +123,7 @@ class Expire:
 
 
 Op = Append | SaveAck | Expire
+_L0_INLINE_LIMIT = 4  # level-0 files; LevelDB slows writes at 8 and stops them at 12
 
 
 class Store:
@@ -147,6 +148,11 @@ class Store:
     def close(self) -> None:
         """Close the database; pending writes were already committed by :meth:`commit`."""
         self._db.close()
+
+    def commits_without_waiting(self) -> bool:
+        """True when a commit should not block on disk: no fsync (``sync`` off) and LevelDB's level 0 below
+        its write-slowdown mark (4 of the 8 files at which LevelDB starts delaying every write by 1 ms)."""
+        return not self._sync and int(self._db.get_property(b"leveldb.num-files-at-level0")) < _L0_INLINE_LIMIT
 
     # --- writes -------------------------------------------------------------------------------------
 

@@ -106,3 +106,12 @@ def test_corrupt_store_gives_a_clear_error(tmp_path):
     (path / "CURRENT").write_text("garbage\n")
     with pytest.raises(StoreError):
         Store(path)
+
+
+def test_commits_wait_on_disk_only_with_fsync_or_a_crowded_level0(tmp_path):
+    plain = Store(tmp_path / "plain")
+    assert plain.commits_without_waiting()  # fresh: level 0 empty, no fsync
+    plain.close()
+    synced = Store(tmp_path / "synced", sync=True)
+    assert not synced.commits_without_waiting()
+    synced.close()
