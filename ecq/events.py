@@ -101,14 +101,17 @@ _INT64 = (-(2**63), 2**63 - 1)
 _INT32 = (-(2**31), 2**31 - 1)
 _FIELD_RULES = {field.name: {pa.int64(): _INT64, pa.int32(): _INT32}.get(field.type)
                 for field in SCHEMA if field.name in _OPTIONAL}  # None for a string column
+_UNKNOWN = object()  # _FIELD_RULES.get() of a field not in SCHEMA
+_encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # json.dumps builds one per call
+_type_of = type  # encode_event's parameter ``type`` shadows the builtin
 
 STREAM_ID_FILE = "lake-stream-id"
 _PART = "part-{stream}-{segno:010d}-{id:010d}.parquet"
 _PART_NAME = re.compile(r"\.?part-([0-9a-f]{16})-(\d{10})-(\d{10})\.parquet(\.tmp)?")
 _MS_PER_HOUR = 3_600_000
 _FLUSH_CHUNK = 10_000  # events per ReplayQ.append
+_TABLE_CHUNK = 500  # events per JSON parse and per Arrow conversion when exporting
 _CLOSE_TIMEOUT_S = 5.0
-_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # json.dumps builds one per call
 
 T = TypeVar("T")
 
@@ -129,22 +132,18 @@ def encode_event(ts_ms: int, type: str, fields: dict[str, Any]) -> bytes:
         raise InvalidEvent(f"unknown event type {type!r}")
     _check_value("ts_ms", ts_ms, _INT64)
     for name, value in fields.items():
-        if name not in _FIELD_RULES:
+        rule = _FIELD_RULES.get(name, _UNKNOWN)
+        if rule is _UNKNOWN:
             raise InvalidEvent(f"unknown event field {name!r} for {type!r}")
-        if value is not None and not _fits(value, _FIELD_RULES[name]):
-            _check_value(name, value, _FIELD_RULES[name])
-    row = [ts_ms, type, *(fields.get(name) for name in _OPTIONAL)]
+        if value is None or (_type_of(value) is str if rule is None else
+                             _type_of(value) is int and rule[0] <= value <= rule[1]):
+            continue  # the common case checked inline (it runs for every event); _check_value says what is wrong
+        _check_value(name, value, rule)
+    row = [ts_ms, type, *map(fields.get, _OPTIONAL)]
     try:
-        return _JSON.encode(row).encode()
+        return _encode_json(row).encode()
     except UnicodeEncodeError as exc:
         raise InvalidEvent(f"{type!r} event has a string that is not valid Unicode: {exc}") from None
-
-
-def _fits(value: Any, rule: tuple[int, int] | None) -> bool:
-    """The fast test of `_check_value` (one event per write, delivery and ack goes through it)."""
-    if rule is None:
-        return type(value) is str
-    return type(value) is int and rule[0] <= value <= rule[1]
 
 
 def _check_value(name: str, value: Any, rule: tuple[int, int] | None) -> None:
@@ -159,11 +158,23 @@ def _check_value(name: str, value: Any, rule: tuple[int, int] | None) -> None:
 
 
 def events_table(items: Sequence[bytes]) -> pa.Table:
-    """Decode ReplayQ items made by `encode_event` into a pyarrow Table with `SCHEMA`, in item order."""
-    rows = [json.loads(item) for item in items]
-    columns = list(zip(*rows, strict=True)) if rows else [() for _ in COLUMNS]
-    return pa.Table.from_arrays([pa.array(col, type=field.type) for col, field in zip(columns, SCHEMA, strict=True)],
-                                schema=SCHEMA)
+    """Decode ReplayQ items made by `encode_event` into a pyarrow Table with `SCHEMA`, in item order.
+
+    Works in chunks of `_TABLE_CHUNK` items: each JSON parse and array conversion is one C call that holds
+    the GIL throughout, and the broker's event loop waits for the GIL meanwhile (issue 5, GC under load).
+    """
+    if not items:
+        return SCHEMA.empty_table()
+    return pa.Table.from_batches([_record_batch(items[start:start + _TABLE_CHUNK])
+                                  for start in range(0, len(items), _TABLE_CHUNK)], schema=SCHEMA)
+
+
+def _record_batch(items: Sequence[bytes]) -> pa.RecordBatch:
+    rows = json.loads(b"[" + b",".join(items) + b"]")  # one parse per chunk, not per item
+    if len(rows) != len(items):  # an item that is not one JSON value: parse them one by one
+        rows = [json.loads(item) for item in items]
+    arrays = [pa.array(col, type=field.type) for col, field in zip(zip(*rows, strict=True), SCHEMA, strict=True)]
+    return pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
 
 
 def read_stream_id(buffer_dir: Path) -> str:

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import plyvel
 
@@ -96,9 +97,11 @@ class Appended:
     replaced_bytes: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class ExpiredRow:
-    """An entry found by GC: seqno, key, publish ms, payload bytes."""
+class ExpiredRow(NamedTuple):
+    """An entry found by GC: seqno, key, publish ms, payload bytes.
+
+    A NamedTuple rather than a frozen dataclass: GC makes one per stored entry, and this is 2-3x cheaper.
+    """
 
     seqno: int
     key: str
@@ -174,9 +177,7 @@ class Store:
                     batch.put(_STATE + _s(op.clientid), _encode_state(op.state))
                     results.append(None)
                 else:
-                    for row in op.rows:
-                        batch.delete(_index_key(op.clientid, row.seqno))
-                        batch.delete(_payload_key(op.clientid, row.key, row.seqno, row.ts_ms))
+                    self._expire(batch, op)
                     results.append(len(op.rows))
         return results
 
@@ -198,6 +199,16 @@ class Store:
             batch.delete(payload_prefix + _U64.pack(old_seqno) + _U64.pack(old_ts))
         batch_latest[slot] = (seqno, op.ts_ms, len(op.payload))
         return Appended(seqno, tuple(old[0] for old in older), sum(old[2] for old in older))
+
+    @staticmethod
+    def _expire(batch, op: Expire) -> None:
+        queue = _s(op.clientid)
+        index_prefix, payload_prefix = _INDEX + queue, _PAYLOAD + queue
+        pack = _U64.pack
+        for seqno, key, ts_ms, _size in op.rows:
+            seqno_bytes = pack(seqno)
+            batch.delete(index_prefix + seqno_bytes)
+            batch.delete(payload_prefix + _s(key) + seqno_bytes + pack(ts_ms))
 
     def _live_versions(self, payload_keys, index_prefix: bytes, payload_prefix: bytes
                        ) -> Iterator[tuple[int, int, int]]:
@@ -268,16 +279,19 @@ class Store:
         """
         found: dict[str, list[ExpiredRow]] = {}
         taken = 0
+        queue, rows_of_queue = b"", []  # rows of one queue are adjacent: decode each clientid once
+        unpack_value, unpack_seqno, key_at = _INDEX_VALUE.unpack_from, _U64.unpack_from, _INDEX_VALUE.size
         with self._db.iterator(start=start or _INDEX, stop=_INDEX_END) as rows:
             for index_key, value in rows:
-                clientid, seqno_at = _read_s(index_key, 1)
-                ts_ms, size = _INDEX_VALUE.unpack_from(value)
+                seqno_at = len(index_key) - 8
+                ts_ms, size = unpack_value(value)
                 if ts_ms >= cutoff_ms:
                     rows.seek(index_key[:seqno_at] + _MAX_U64 + b"\x00")  # past this queue's last seqno
                     continue
-                key = value[_INDEX_VALUE.size:].decode()
-                found.setdefault(clientid, []).append(
-                    ExpiredRow(_U64.unpack_from(index_key, seqno_at)[0], key, ts_ms, size))
+                if index_key[:seqno_at] != queue:
+                    queue = index_key[:seqno_at]
+                    rows_of_queue = found.setdefault(_read_s(queue, 1)[0], [])
+                rows_of_queue.append(ExpiredRow(unpack_seqno(index_key, seqno_at)[0], value[key_at:].decode(), ts_ms, size))
                 taken += 1
                 if taken >= limit:
                     return found, index_key + b"\x00"

@@ -246,11 +246,13 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 
 def flow_tasks(bench: Bench, broker, phase: str, cids: tuple[str, ...], subscribe_format: str, write_format: str,
-               duration_s: float) -> list[FlowTask]:
-    """One paced-flow task per load process, together sending --latency-rate writes per second."""
+               duration_s: float, rate_per_s: float | None = None) -> list[FlowTask]:
+    """One paced-flow task per load process, together sending ``rate_per_s`` (default --latency-rate)
+    writes per second."""
     args = bench.args
+    rate = args.latency_rate if rate_per_s is None else rate_per_s
     return [FlowTask(broker.endpoint, part, subscribe_format, write_format, f"{bench.tag}{phase}-p",
-                     args.latency_rate / bench.pool.size, duration_s, args.latency_size)
+                     rate / bench.pool.size, duration_s, args.latency_size)
             for part in split(cids, bench.pool.size)]
 
 
@@ -286,9 +288,11 @@ def p99_by_second(samples: list[tuple[int, int]], start_s: float) -> list[float 
 
 
 def flow(bench: Bench, broker, phase: str, cids: tuple[str, ...], subscribe_format: str,
-         write_format: str) -> dict[str, Any]:
-    """A paced realtime flow for --latency-seconds to online consumers; latency quantiles and losses."""
-    tasks = flow_tasks(bench, broker, phase, cids, subscribe_format, write_format, bench.args.latency_seconds)
+         write_format: str, rate_per_s: float | None = None) -> dict[str, Any]:
+    """A paced realtime flow for --latency-seconds to online consumers at ``rate_per_s`` writes per second
+    (default --latency-rate); latency quantiles and losses."""
+    tasks = flow_tasks(bench, broker, phase, cids, subscribe_format, write_format, bench.args.latency_seconds,
+                       rate_per_s)
     results = bench.run_phase(tasks, bench.args.latency_seconds + tasks[0].grace_s)
     return flow_summary(bench, broker, phase, results)
 
@@ -597,7 +601,8 @@ def gc_under_flow(bench: Bench, workdir: Path) -> dict[str, Any]:
         result["stored_before"] = broker.admin("GET", "/api/v1/status")["messages"]
         time.sleep(retention_s)  # the last MQTT writes of the checkpoint are now expired too
         cids = bench.ids("g", bench.args.latency_consumers)
-        result["no_gc"] = flow(bench, broker, "gc-flow-without-gc", cids, ECQ_QUEUE, ECQ_WRITE)
+        result["flow_rate_per_s"] = bench.args.gc_rate
+        result["no_gc"] = flow(bench, broker, "gc-flow-without-gc", cids, ECQ_QUEUE, ECQ_WRITE, bench.args.gc_rate)
         result["during_gc"] = flow_with_gc(bench, broker, cids)
         result["stored_after"] = broker.admin("GET", "/api/v1/status")["messages"]
     return result
@@ -605,7 +610,7 @@ def gc_under_flow(bench: Bench, workdir: Path) -> dict[str, Any]:
 
 def flow_with_gc(bench: Bench, broker: EcqBroker, cids: tuple[str, ...]) -> dict[str, Any]:
     """The paced flow, with a GC pass started 2 s in; the flow stops 1 s after the GC call returns."""
-    tasks = flow_tasks(bench, broker, "gc-flow", cids, ECQ_QUEUE, ECQ_WRITE, GC_TIMEOUT_S)
+    tasks = flow_tasks(bench, broker, "gc-flow", cids, ECQ_QUEUE, ECQ_WRITE, GC_TIMEOUT_S, bench.args.gc_rate)
     bench.pool.submit(tasks)
     gc: dict[str, Any] = {}
     if bench.pool.flowing.wait(SETUP_ALLOWANCE_S):
@@ -635,7 +640,9 @@ def gc_rows(out: ScenarioResult, size: int) -> None:
                         during["gc"]["seconds"], note=f"{gc['stored_before']:,} stored before, {gc['stored_after']:,} after"))
     ok = (during["p99_ms"] is not None and without["p99_ms"] is not None
           and during["p99_ms"] <= GC_P99_FACTOR * without["p99_ms"])
-    out.rows.append(Row("gc", "delivery p99 during GC vs without", "ms", size, during["p99_ms"], without["p99_ms"],
+    rate = gc.get("flow_rate_per_s")
+    metric = f"delivery p99 @{rate:g}/s during GC vs without" if rate else "delivery p99 during GC vs without"
+    out.rows.append(Row("gc", metric, "ms", size, during["p99_ms"], without["p99_ms"],
                         f"<={GC_P99_FACTOR:g}x", bool(ok) and during["undelivered"] == 0,
                         note=f"{during['measured']} delivered of those sent during GC; flow total "
                              f"{during['undelivered']} of {during['sent']} not delivered in time"))
