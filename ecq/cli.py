@@ -37,6 +37,7 @@ from ecq.store import Store, StoreError
 
 EXIT_NOT_FOUND, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections of Python's cyclic GC (CPython: 700)
+GIL_SWITCH_INTERVAL_S = 0.0005  # how long a thread may hold the GIL while another waits (CPython: 0.005)
 DEFAULT_ADMIN = "127.0.0.1:18083"
 
 log = logging.getLogger("ecq")
@@ -135,7 +136,7 @@ async def _serve(config: dict[str, Any]) -> int:
         log.error("broker failed to start: %s", cause)
         return 1
     plugin = next(p for p in broker.plugins_manager.plugins if isinstance(p, EcqPlugin))
-    _tune_python_gc()
+    _tune_python_runtime()
     loop.add_signal_handler(signal.SIGHUP, _reload_acl, plugin)
     log.info("broker running; SIGINT or SIGTERM stops it, SIGHUP reloads the ACL")
     await stop.wait()
@@ -144,8 +145,8 @@ async def _serve(config: dict[str, Any]) -> int:
     return 0
 
 
-def _tune_python_gc() -> None:
-    """Keep Python's cyclic garbage collector from stalling the event loop (issue 5: delivery latency).
+def _tune_python_runtime() -> None:
+    """Keep Python's cyclic garbage collector and the GIL from stalling the event loop (issue 5: latency).
 
     With CPython's thresholds (700, 10, 10) objects that live a few ms (events on their way to the event
     buffer, rows being exported, GC steps) survive two young collections, and each time that old
@@ -154,9 +155,15 @@ def _tune_python_gc() -> None:
     every GC_YOUNG_THRESHOLD allocations such objects die before they are examined (a young collection then
     took under 20 ms during a GC pass, up to 50 ms while 1,000 clients connect). What start-up made
     (modules, classes, the plugin) is frozen out of all later collections.
+
+    The event loop gives up the GIL on every socket send and receive; when a helper thread (event
+    buffer, lake export, batched store reads) runs Python meanwhile, the loop gets the GIL back only after
+    the switch interval. At CPython's 5 ms, an event loop writing to a socket beside one busy thread
+    managed one write per 140 us instead of 11 us; at 0.5 ms, one per 32 us (measured on this machine).
     """
     pygc.freeze()
     pygc.set_threshold(GC_YOUNG_THRESHOLD, 20, 10)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
 
 def _reload_acl(plugin: EcqPlugin) -> None:
