@@ -32,14 +32,15 @@ from ecq.deadlines import SharedDeadline
 from ecq.delivery import Consumer, now_ms
 from ecq.metrics import EcqMetrics
 from ecq.readers import BatchedReader
-from ecq.store import Append, Appended, Expire, Message, Op, Store
+from ecq.store import Append, Appended, Expire, ExpiredRow, Message, Op, Store
 from ecq.topics import BadWrite, parse_target, parse_write, queue_filter
 from ecq.writer import PoolClosed, WriterPool
 
 log = logging.getLogger(__name__)
 
 PLUGIN_PATH = "ecq.plugin.EcqPlugin"
-GC_STEP_ROWS = 512
+GC_EVENTS_PENDING = 2048     # GC waits while more events than this wait for the recorder's thread
+GC_EVENTS_WAIT_S = 0.02
 
 
 class EcqPlugin(BaseTopicPlugin):
@@ -76,6 +77,8 @@ class EcqPlugin(BaseTopicPlugin):
         self._tasks: list[asyncio.Task] = []
         self._admin: Any = None
         self._closing = False
+        self._gc_lock = asyncio.Lock()
+        self._traffic = 0  # appends and PUBACKs so far: GC paces itself slower while it grows
         self._reader = BatchedReader(threads=4)
         self._read_deadline = SharedDeadline(self.settings.read_timeout, "ECQ store read")
         self._write_deadline = SharedDeadline(self.settings.write_timeout, "ECQ write commit")
@@ -244,13 +247,14 @@ class EcqPlugin(BaseTopicPlugin):
             if isinstance(op, Append):
                 self._appended(op, result)
             elif isinstance(op, Expire):
-                self._expired(op)
+                self._expired(op, result)
 
     def _appended(self, op: Append, result: Appended) -> None:
         size = len(op.payload)
         self.metrics.writes_accepted.inc()
         self.metrics.compactions.inc(len(result.replaced))
         self._queues += result.seqno == 1
+        self._traffic += 1
         self._stored_entries += 1 - len(result.replaced)
         self._stored_bytes += size - result.replaced_bytes
         self._event("appended", clientid=op.clientid, key=op.key, seqno=result.seqno, publish_ts_ms=op.ts_ms,
@@ -261,13 +265,15 @@ class EcqPlugin(BaseTopicPlugin):
         if (consumer := self.consumers.get(op.clientid)) and consumer.online:
             consumer.appended(result.seqno, result.replaced)
 
-    def _expired(self, op: Expire) -> None:
-        self.metrics.gc_deleted.inc(len(op.rows))
-        self._stored_entries -= len(op.rows)
-        self._stored_bytes -= sum(row.size for row in op.rows)
-        for row in op.rows:
-            self._event("expired", clientid=op.clientid, key=row.key, seqno=row.seqno, publish_ts_ms=row.ts_ms,
-                        payload_bytes=row.size)
+    def _expired(self, op: Expire, deleted: tuple[ExpiredRow, ...]) -> None:
+        self.metrics.gc_deleted.inc(len(deleted))
+        self._stored_entries -= len(deleted)
+        self._stored_bytes -= sum(row.size for row in deleted)
+        if self.events:  # one event per row; GC makes them by the million, so without _event's per-call overhead
+            record, ts_ms, clientid = self.events.record, now_ms(), op.clientid
+            for seqno, key, publish_ts_ms, size in deleted:
+                record("expired", ts_ms=ts_ms, clientid=clientid, key=key, seqno=seqno, publish_ts_ms=publish_ts_ms,
+                       payload_bytes=size)
 
     def _event(self, event_type: str, **fields: Any) -> None:
         if self.events:
@@ -284,6 +290,7 @@ class EcqPlugin(BaseTopicPlugin):
     def acked(self, clientid: str, message: Message, sent_monotonic: float) -> None:
         """Count a PUBACK, observe its round trip and record an ``acked`` event."""
         self.metrics.acks.inc()
+        self._traffic += 1
         self.metrics.delivery_latency.observe(time.monotonic() - sent_monotonic)
         self._event("acked", clientid=clientid, key=message.key, seqno=message.seqno, publish_ts_ms=message.ts_ms,
                     payload_bytes=len(message.payload))
@@ -410,22 +417,81 @@ class EcqPlugin(BaseTopicPlugin):
     async def run_gc(self) -> int:
         """Delete every entry published more than ``data_retention`` ago (SPEC.md section 1, GC).
 
-        Returns the number of entries deleted. It goes through the index table in steps of at most 512
-        entries: each step is read in a thread, then deleted through the writer agents of the queues it
-        touched (serialized with their appends). After each step GC pauses as long as the step took, so it
-        uses at most half of the time and the broker keeps serving. A broker shutdown ends the pass.
+        Returns the number of entries deleted. It goes through the index table in steps: each step is
+        read in a reader thread, then deleted through the writer agents of the queues it touched
+        (serialized with their appends), and records one ``expired`` event per deleted row. GC is
+        throttled so that delivery keeps its latency (issue 5): see :class:`GcPacer`. A pass that is
+        asked for while one runs starts after it; a broker shutdown ends the pass.
         """
-        self.metrics.gc_runs.inc()
-        cutoff_ms = now_ms() - int(self.settings.data_retention * 1000)
-        deleted, cursor = 0, None
-        while not self._closing:
-            started = time.monotonic()
-            found, cursor = await self.read(self.store.expired_step, cutoff_ms, GC_STEP_ROWS, cursor)
-            deletions = [self.pool.submit(cid, Expire(cid, tuple(rows))) for cid, rows in found.items()]
-            deleted += sum(await asyncio.gather(*deletions))
-            if cursor is None:
-                break
-            await asyncio.sleep(time.monotonic() - started)
-        if deleted:
-            log.info("ECQ GC deleted %d entries published before %d ms", deleted, cutoff_ms)
-        return deleted
+        async with self._gc_lock:
+            self.metrics.gc_runs.inc()
+            cutoff_ms = now_ms() - int(self.settings.data_retention * 1000)
+            pacer = GcPacer()
+            deleted, cursor = 0, None
+            while not self._closing:
+                started = time.monotonic()
+                found, cursor = await self.read(self.store.expired_step, cutoff_ms, pacer.rows, cursor)
+                deletions = [self.pool.submit(cid, Expire(cid, tuple(rows))) for cid, rows in found.items()]
+                deleted += sum(map(len, await asyncio.gather(*deletions)))
+                if cursor is None:
+                    break
+                pacer.note_traffic(self._traffic, time.monotonic())
+                await asyncio.sleep(pacer.pause_after(time.monotonic() - started))
+                await self._events_caught_up()
+            if deleted:
+                log.info("ECQ GC deleted %d entries published before %d ms", deleted, cutoff_ms)
+            return deleted
+
+    async def _events_caught_up(self) -> None:
+        """Wait (while the broker runs) until the event recorder has buffered the events GC made so far.
+
+        One ``expired`` event per deleted row must reach the event buffer: GC may not outrun the
+        recorder's in-memory deque (it drops its oldest events beyond ``max_pending``) nor fill the
+        ReplayQ past half its bound, and the recorder's thread shares the GIL with delivery.
+        """
+        while self.events and not self._closing:
+            stats = self.events.stats()
+            if (stats["pending_items"] <= GC_EVENTS_PENDING
+                    and stats["buffered_bytes"] <= self.settings.events_max_bytes // 2):
+                return
+            await asyncio.sleep(GC_EVENTS_WAIT_S)
+
+
+class GcPacer:
+    """How big a GC step is and how long GC pauses after it (issue 5: GC must not starve delivery).
+
+    The event loop is single-threaded and the reader, writer and event threads share the GIL with it,
+    so GC work delays every delivery that is due meanwhile. Two controls:
+
+    * Step size: each step's wall time (read in a thread, delete through the writer agents, record
+      the events on the loop) is kept near ``target_s`` by halving or doubling the rows per step
+      (``min_rows`` .. ``max_rows``), so one step holds up a delivery for a few ms at most. On a busy
+      broker steps take longer (they wait behind traffic) and shrink.
+    * Duty cycle: after a step GC pauses ``(1 - duty) / duty`` times as long as the step took (at most
+      ``max_pause_s``, so a shutdown never waits long). ``duty`` is ``min_duty`` while the broker has
+      traffic (appends or PUBACKs within the last ``quiet_s``) and ``max_duty`` while it has none.
+    """
+
+    def __init__(self, target_s: float = 0.005, min_duty: float = 0.1, max_duty: float = 0.5, quiet_s: float = 1.0,
+                 min_rows: int = 16, max_rows: int = 512, max_pause_s: float = 0.5) -> None:
+        self.rows = min_rows
+        self.duty = max_duty
+        self._target_s, self._min_duty, self._max_duty, self._quiet_s = target_s, min_duty, max_duty, quiet_s
+        self._min_rows, self._max_rows, self._max_pause_s = min_rows, max_rows, max_pause_s
+        self._traffic: int | None = None
+        self._traffic_at = float("-inf")
+
+    def note_traffic(self, count: int, now: float) -> None:
+        """``count``: the broker's appends and PUBACKs so far; ``now``: time.monotonic(). Sets ``duty``."""
+        if self._traffic is not None and count != self._traffic:
+            self._traffic_at = now
+        self._traffic = count
+        self.duty = self._min_duty if now - self._traffic_at < self._quiet_s else self._max_duty
+
+    def pause_after(self, busy_s: float) -> float:
+        """Seconds to pause after a step that took ``busy_s``; adapts the next step's rows."""
+        if busy_s > self._target_s:
+            self.rows = max(self._min_rows, self.rows // 2)
+        elif busy_s < self._target_s / 2:
+            self.rows = min(self._max_rows, self.rows * 2)
+        return min(self._max_pause_s, busy_s * (1 - self.duty) / self.duty)

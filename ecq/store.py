@@ -159,30 +159,31 @@ class Store:
 
     # --- writes -------------------------------------------------------------------------------------
 
-    def commit(self, ops: Sequence[Op]) -> list[Appended | int | None]:
+    def commit(self, ops: Sequence[Op]) -> list[Appended | tuple[ExpiredRow, ...] | None]:
         """Apply ``ops`` in order as one atomic write batch (group commit).
 
-        Returns one result per op: :class:`Appended` for an Append, the number of rows deleted for an
-        Expire, None for a SaveAck. Raises plyvel errors on I/O failure; then nothing was written.
+        Returns one result per op: :class:`Appended` for an Append, the rows it deleted for an Expire
+        (those still stored: an append of the same key may have replaced one since GC read it), None for
+        a SaveAck. Raises plyvel errors on I/O failure; then nothing was written.
         """
         batch_latest: dict[tuple[str, str], tuple[int, int, int]] = {}
-        results: list[Appended | int | None] = []
+        expired: set[tuple[str, int]] = set()  # (clientid, seqno) deleted by an Expire earlier in this batch
+        results: list[Appended | tuple[ExpiredRow, ...] | None] = []
         # one iterator, re-seeked per append, is several times cheaper than a new one per compaction scan
         with self._db.write_batch(transaction=True, sync=self._sync) as batch, \
                 self._db.iterator(include_value=False) as payload_keys:
             for op in ops:
                 if isinstance(op, Append):
-                    results.append(self._append(batch, payload_keys, op, batch_latest))
+                    results.append(self._append(batch, payload_keys, op, batch_latest, expired))
                 elif isinstance(op, SaveAck):
                     batch.put(_STATE + _s(op.clientid), _encode_state(op.state))
                     results.append(None)
                 else:
-                    self._expire(batch, op)
-                    results.append(len(op.rows))
+                    results.append(self._expire(batch, op, batch_latest, expired))
         return results
 
-    def _append(self, batch, payload_keys, op: Append,
-                batch_latest: dict[tuple[str, str], tuple[int, int, int]]) -> Appended:
+    def _append(self, batch, payload_keys, op: Append, batch_latest: dict[tuple[str, str], tuple[int, int, int]],
+                expired: set[tuple[str, int]]) -> Appended:
         queue, key = _s(op.clientid), op.key.encode()
         index_prefix, payload_prefix = _INDEX + queue, _PAYLOAD + queue + _s(op.key)
         seqno = self._next_seqno(op.clientid)
@@ -193,22 +194,33 @@ class Store:
         if slot in batch_latest:  # older rows in the database were already deleted by that earlier op
             older = [batch_latest[slot]]
         else:
-            older = list(self._live_versions(payload_keys, index_prefix, payload_prefix))
+            older = [version for version in self._live_versions(payload_keys, index_prefix, payload_prefix)
+                     if (op.clientid, version[0]) not in expired]
         for old_seqno, old_ts, _size in older:
             batch.delete(index_prefix + _U64.pack(old_seqno))
             batch.delete(payload_prefix + _U64.pack(old_seqno) + _U64.pack(old_ts))
         batch_latest[slot] = (seqno, op.ts_ms, len(op.payload))
         return Appended(seqno, tuple(old[0] for old in older), sum(old[2] for old in older))
 
-    @staticmethod
-    def _expire(batch, op: Expire) -> None:
-        queue = _s(op.clientid)
+    def _expire(self, batch, op: Expire, batch_latest: dict[tuple[str, str], tuple[int, int, int]],
+                expired: set[tuple[str, int]]) -> tuple[ExpiredRow, ...]:
+        """Delete the rows of ``op`` that are still stored; returns them. A row is gone when an append of
+        its key replaced it (in this batch, or committed after GC read the row) or an Expire deleted it."""
+        clientid = op.clientid
+        queue = _s(clientid)
         index_prefix, payload_prefix = _INDEX + queue, _PAYLOAD + queue
-        pack = _U64.pack
-        for seqno, key, ts_ms, _size in op.rows:
-            seqno_bytes = pack(seqno)
-            batch.delete(index_prefix + seqno_bytes)
-            batch.delete(payload_prefix + _s(key) + seqno_bytes + pack(ts_ms))
+        pack, get = _U64.pack, self._db.get
+        deleted = []
+        for row in op.rows:
+            seqno_bytes = pack(row.seqno)
+            index_key = index_prefix + seqno_bytes
+            if (clientid, row.key) in batch_latest or (clientid, row.seqno) in expired or get(index_key) is None:
+                continue
+            batch.delete(index_key)
+            batch.delete(payload_prefix + _s(row.key) + seqno_bytes + pack(row.ts_ms))
+            expired.add((clientid, row.seqno))
+            deleted.append(row)
+        return tuple(deleted)
 
     def _live_versions(self, payload_keys, index_prefix: bytes, payload_prefix: bytes
                        ) -> Iterator[tuple[int, int, int]]:

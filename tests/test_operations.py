@@ -153,7 +153,7 @@ def test_metrics_count_redeliveries_and_gc(make_broker, connect):
     second.subscribe("$ECQ/m2/#")
     assert second.expect(1)[0].payload == b"v"
     second.close()
-    write(producer, "m2", "other", "x")  # never read
+    write(producer, "m3", "other", "x")  # a queue nobody reads (m2 may still be connected a moment)
     time.sleep(1.2)  # both entries are now older than data_retention (acked entries stay stored until GC)
     assert ecq("gc", admin=broker.admin_port).returncode == 0
     m = scrape(broker)
