@@ -99,6 +99,23 @@ def test_p5_inflight_window_holds_at_most_reader_batch_size_unacked(make_broker,
     assert fourth.topic == "$ECQ/win1/k3"
 
 
+def test_p3_a_value_superseded_while_read_ahead_is_not_delivered(make_broker, connect):
+    broker = make_broker(reader_batch_size=3)
+    producer = connect(broker.port, "producer")
+    for i in range(6):
+        write(producer, "ra1", f"k{i}", f"v{i}")
+    consumer = connect(broker.port, "ra1", manual_ack=True)
+    consumer.subscribe("$ECQ/ra1/#")
+    first = consumer.expect(3)  # the window is full; k3..k5 are read ahead and wait
+    assert consumer.quiet(0.5) == []
+    write(producer, "ra1", "k4", "v4-new")  # compaction deletes the read-ahead k4=v4
+    for message in first:
+        consumer.ack(message)
+    rest = topics_payloads(consumer.expect(3))
+    assert consumer.quiet(1.0) == []
+    assert rest == [("$ECQ/ra1/k3", b"v3"), ("$ECQ/ra1/k5", b"v5"), ("$ECQ/ra1/k4", b"v4-new")]
+
+
 @pytest.mark.parametrize("how", ["sigterm", "kill9"])
 def test_p6_restart_keeps_queues_and_acked_positions(broker, connect, how):
     producer = connect(broker.port, "producer")
