@@ -29,8 +29,10 @@ then answers each publisher with one ``send`` instead of one per PUBACK (issue 5
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from amqtt.broker import Broker, BrokerContext
@@ -47,6 +49,8 @@ from ecq.topics import is_ecq_topic
 
 if TYPE_CHECKING:
     from ecq.plugin import EcqPlugin
+
+log = logging.getLogger(__name__)
 
 SUBACK_FAILURE = 0x80
 _QOS2_PUBREL_TIMEOUT_S = 10.0
@@ -87,8 +91,54 @@ def install(plugin_class: type) -> None:
         header.topic_name, header.packet_id = topic_name, packet_id
 
     BrokerProtocolHandler.handle_publish = handle_publish
+    BrokerProtocolHandler.handle_puback = handle_puback_at_once
+    original_stream_connected = Broker.stream_connected
+
+    async def stream_connected(broker: Broker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                               listener_name: str) -> None:
+        reader.set_exception = _end_of_stream_after_buffered_data(reader)
+        return await original_stream_connected(broker, reader, writer, listener_name)
+
+    Broker.stream_connected = stream_connected
     Broker.add_subscription = add_subscription
     PublishVariableHeader.__init__ = header_init
+
+
+def handle_puback_at_once(handler: BrokerProtocolHandler, puback: PubackPacket) -> Coroutine[Any, Any, None]:
+    """Resolve the waiter of an incoming PUBACK while the reader loop decodes it, not in a task of its own.
+
+    amqtt 0.12.1's reader loop runs ``handle_puback`` in a new task and cancels every such task still
+    pending when the stream ends, so a PUBACK that arrived together with DISCONNECT or the end of the
+    connection (``mosquitto_sub -C 1``) was dropped and ECQ redelivered an acknowledged message. Here the
+    waiter is resolved before the reader reads the next packet; what amqtt schedules is a finished no-op.
+    """
+    packet_id = puback.packet_id
+    waiter = handler._puback_waiters.get(packet_id)
+    if waiter is None or waiter.done():
+        log.warning("PUBACK for unknown packet id %s from %s", packet_id, client_id(handler))
+    else:
+        waiter.set_result(puback)
+    return _nothing()
+
+
+def _end_of_stream_after_buffered_data(reader: asyncio.StreamReader) -> Callable[[BaseException], None]:
+    """What a TCP connection's StreamReader does when the connection fails: end the stream after the bytes
+    already received, as a normal close does.
+
+    asyncio's ``StreamReader.set_exception`` makes every later read raise at once, even while the bytes
+    received before the failure are still buffered. A client that closes with unread data in its socket
+    makes its kernel send RST instead of FIN (``mosquitto_sub -C 1`` with more messages in flight): the
+    PUBACK it sent just before was in the buffer, amqtt 0.12.1's reader loop never decoded it, and ECQ
+    redelivered an acknowledged message (issue 10, point 4). The error itself is only logged.
+    """
+    def end_of_stream(exc: BaseException) -> None:
+        log.debug("connection error %r: the stream ends after the bytes already received", exc)
+        reader.feed_eof()
+    return end_of_stream
+
+
+async def _nothing() -> None:
+    return None
 
 
 def _find_plugin(plugins_manager: Any) -> EcqPlugin | None:

@@ -8,6 +8,11 @@ writer pool. Seqnos acked out of order are saved too, so a reconnect never redel
 Detaching (disconnect, takeover, unsubscribe) drops the inflight window; the next attach resumes
 after ``acked``: what was sent but not acked is delivered again (MQTT 3.1.1 section 4.4).
 
+Nothing new is sent to a consumer while one of its PUBACKs is not yet stored: an ack is committed to
+LevelDB before the next delivery to that consumer leaves, so after a crash only acks received after the
+last message the consumer was sent can be lost, and only those messages are delivered again (issue 10,
+point 5). A failed save (disk full) is retried every ``SAVE_RETRY_S`` and holds delivery meanwhile.
+
 The consumer reads up to one window ahead of what is in flight, so one store read (a thread hop)
 serves about one window of PUBACKs instead of each PUBACK causing a read (issue 5 reads profile). A
 read-ahead message that compaction superseded meanwhile is dropped, one that expired is skipped.
@@ -30,6 +35,7 @@ from ecq.writer import PoolClosed, WriterPool
 log = logging.getLogger(__name__)
 
 _UNKNOWN = 2**64  # above every seqno: "the stored tail is not known"
+SAVE_RETRY_S = 1.0  # after a failed ack-state save (disk full, I/O error), try again this much later
 
 # publish(connection, topic, payload) -> awaits the PUBACK; raises ConnectionError when the connection is gone.
 Publish = Callable[[Any, str, bytes], Awaitable[None]]
@@ -150,9 +156,10 @@ class Consumer:
                     self.wake()  # there may be more once slots free up; the next round checks
                 elif not self._wake.is_set():  # no append since the read began: everything stored was read
                     self._newest = self._read_cursor
-            self._hand_out_ready()
             if self._fold_acked():
                 self._save()
+            if not self.saving:  # every PUBACK received so far is stored before anything more is sent
+                self._hand_out_ready()
 
     async def _read(self, limit: int) -> list[Message]:
         min_ts = now_ms() - self._retention_ms
@@ -231,6 +238,16 @@ class Consumer:
     def _saved(self, future: asyncio.Future) -> None:
         self.saves_pending -= 1
         if not future.cancelled() and future.exception():
-            log.error("ECQ saving the state of consumer %s failed: %s", self.clientid, future.exception())
+            log.error("ECQ saving the state of consumer %s failed: %s; delivery to it waits and the save is "
+                      "retried in %.1fs", self.clientid, future.exception(), SAVE_RETRY_S)
+            self._save_due = True
+            asyncio.get_running_loop().call_later(SAVE_RETRY_S, self._retry_save)
+            return
         if self._save_due:
+            self._save()
+        else:
+            self.wake()  # the acks are stored: delivery may go on
+
+    def _retry_save(self) -> None:
+        if self._save_due and not self.saves_pending:
             self._save()

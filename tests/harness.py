@@ -97,7 +97,9 @@ class Client:
         if clean:
             self._c.disconnect()
         else:
-            self._c.socket().close()
+            sock = self._c.socket()
+            if sock is not None:  # None once paho saw the broker go away
+                sock.close()
         self._c.loop_stop()
 
 
@@ -117,7 +119,8 @@ def drain(connect, port: int, clientid: str, count: int, **client_options) -> li
     consumer = connect(port, clientid, **client_options)
     assert consumer.subscribe(f"$ECQ/{clientid}/#") == 1
     messages = topics_payloads(consumer.expect(count))
-    assert consumer.quiet(1.0) == []
+    extra = topics_payloads(consumer.quiet(1.0))
+    assert extra == [], f"after {messages}, more came: {extra}"
     return messages
 
 
@@ -137,12 +140,33 @@ class RawClient:
         self._send(0x32, struct.pack(">H", len(topic)) + topic + struct.pack(">H", packet_id) + payload)
         return self._recv()
 
+    def subscribe(self, topic_filter: bytes, qos: int = 1, packet_id: int = 1) -> tuple[int, bytes]:
+        """Send a SUBSCRIBE with one filter and return the broker's answer (type byte, body)."""
+        self._send(0x82, struct.pack(">H", packet_id) + struct.pack(">H", len(topic_filter)) + topic_filter
+                   + bytes([qos]))
+        return self._recv()
+
+    def receive_publish(self) -> tuple[bytes, int, bytes]:
+        """The next packet, which must be a QoS 1 PUBLISH: (topic, packet id, payload)."""
+        header, body = self._recv()
+        assert header & 0xF0 == 0x30, f"expected PUBLISH, got packet type {header >> 4}"
+        size = struct.unpack_from(">H", body)[0]
+        return body[2:2 + size], struct.unpack_from(">H", body, 2 + size)[0], body[4 + size:]
+
+    def send_raw(self, packets: bytes) -> None:
+        """Write already encoded packets in one ``sendall``: the broker reads them from one buffer."""
+        self.sock.sendall(packets)
+
     def ping(self) -> bool:
         """PINGREQ; True when PINGRESP comes back (the connection is still served)."""
         self._send(0xC0, b"")
         return self._recv() == (0xD0, b"")
 
-    def close(self) -> None:
+    def close(self, reset: bool = False) -> None:
+        """Close the socket; ``reset=True`` sends RST instead of FIN (SO_LINGER 0), as a kernel does when a
+        socket is closed with unread data."""
+        if reset:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.sock.close()
 
     def _send(self, header: int, body: bytes) -> None:
