@@ -32,6 +32,7 @@ import asyncio
 import logging
 import os
 import socket
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,7 @@ from amqtt.mqtt.pubcomp import PubcompPacket
 from amqtt.mqtt.packet import MQTTVariableHeader
 from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
 from amqtt.mqtt.pubrec import PubrecPacket
-from amqtt.session import OutgoingApplicationMessage
+from amqtt.session import OutgoingApplicationMessage, Session
 
 from ecq.topics import is_ecq_topic
 
@@ -100,6 +101,7 @@ def install(plugin_class: type) -> None:
         return await original_stream_connected(broker, reader, writer, listener_name)
 
     Broker.stream_connected = stream_connected
+    _install_persistent_takeover()
     Broker.add_subscription = add_subscription
     PublishVariableHeader.__init__ = header_init
 
@@ -139,6 +141,39 @@ def _end_of_stream_after_buffered_data(reader: asyncio.StreamReader) -> Callable
 
 async def _nothing() -> None:
     return None
+
+
+def _install_persistent_takeover() -> None:
+    """Keep the newest connection of a persistent session up when it takes over an older one.
+
+    On a takeover amqtt 0.12.1 hands the one Session object of a clean-session-off client to the new
+    connection and stops the old connection's handler; the old message loop then ends in
+    ``Broker._handle_disconnect``, which marks that shared session disconnected, fires
+    CLIENT_DISCONNECTED and publishes the session's Will (by then the new CONNECT's). The session monitor
+    later deletes the "disconnected" session and closes the new connection too (issue 10, point 9:
+    EOF 0.7 s after a takeover). MQTT 3.1.1 section 3.1.4 closes only the existing connection. So the
+    handler being replaced is noted before amqtt's takeover starts, and its end only stops that handler.
+    """
+    original_session = Broker._handle_client_session
+    original_disconnect = Broker._handle_disconnect
+    taken_over: weakref.WeakSet[BrokerProtocolHandler] = weakref.WeakSet()
+
+    async def handle_client_session(broker: Broker, reader: Any, writer: Any, session: Session,
+                                    handler: BrokerProtocolHandler, *args: Any) -> None:
+        _, previous = broker._sessions.get(session.client_id, (None, None))
+        if previous is not None and previous is not handler and previous.session is session:
+            taken_over.add(previous)
+        return await original_session(broker, reader, writer, session, handler, *args)
+
+    async def handle_disconnect(broker: Broker, session: Session, handler: BrokerProtocolHandler,
+                                disconnect_waiter: asyncio.Future) -> None:
+        if handler in taken_over:
+            await broker._stop_handler(handler)
+            return
+        await original_disconnect(broker, session, handler, disconnect_waiter)
+
+    Broker._handle_client_session = handle_client_session
+    Broker._handle_disconnect = handle_disconnect
 
 
 def _find_plugin(plugins_manager: Any) -> EcqPlugin | None:

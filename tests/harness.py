@@ -128,12 +128,14 @@ class RawClient:
     """A minimal MQTT 3.1.1 client on a plain socket, for packets that paho and mosquitto refuse to send
     (wildcards or NUL in a PUBLISH topic)."""
 
-    def __init__(self, port: int, client_id: str = "raw") -> None:
+    def __init__(self, port: int, client_id: str = "raw", clean_session: bool = True) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
         cid = client_id.encode()
-        variable = b"\x00\x04MQTT\x04\x02\x00\x3c" + struct.pack(">H", len(cid)) + cid
+        flags = b"\x02" if clean_session else b"\x00"
+        variable = b"\x00\x04MQTT\x04" + flags + b"\x00\x3c" + struct.pack(">H", len(cid)) + cid
         self._send(0x10, variable)
-        assert self._recv() == (0x20, b"\x00\x00"), "CONNECT refused"
+        header, body = self._recv()
+        assert header == 0x20 and body[1] == 0, f"CONNECT refused: {body!r}"
 
     def publish_qos1(self, topic: bytes, payload: bytes, packet_id: int) -> tuple[int, bytes]:
         """Send a QoS 1 PUBLISH and return the broker's answer (type byte, body)."""

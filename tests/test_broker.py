@@ -356,3 +356,26 @@ def test_a_late_puback_still_counts_and_delivery_goes_on(make_broker, connect):
     consumer.ack(second)
     time.sleep(0.5)
     assert "unknown pending message" not in broker.log()
+
+
+def test_p10_persistent_takeover_keeps_the_newest_connection_up(broker, connect):
+    # raw clients: paho would reconnect the old connection by itself and take the session back
+    producer = connect(broker.port, "producer")
+    write(producer, "tk9", "k0", "v0")
+    first = RawClient(broker.port, "tk9", clean_session=False)
+    assert first.subscribe(b"$ECQ/tk9/#") == (0x90, b"\x00\x01\x01")
+    assert first.receive_publish()[0] == b"$ECQ/tk9/k0"  # never acked
+    second = RawClient(broker.port, "tk9", clean_session=False)
+    try:
+        with pytest.raises(ConnectionError):
+            first.ping()  # closed by the takeover
+        topic, packet_id, payload = second.receive_publish()
+        assert (topic, payload) == (b"$ECQ/tk9/k0", b"v0")
+        second.send_raw(bytes([0x40, 0x02]) + packet_id.to_bytes(2, "big"))
+        time.sleep(2.5)  # two rounds of amqtt's session monitor, which closed the new connection too
+        assert second.ping(), "the newest connection was closed"
+        write(producer, "tk9", "k1", "v1")
+        assert second.receive_publish()[0] == b"$ECQ/tk9/k1"
+    finally:
+        first.close()
+        second.close()
