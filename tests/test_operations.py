@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import ECQ, free_port, write
+from tests.harness import ECQ, free_port, wait_until, write
 
 
 def ecq(*args: str, admin: int | None = None) -> subprocess.CompletedProcess:
@@ -50,8 +50,11 @@ def test_status_and_inspect_follow_writes_and_acks(broker, connect):
     first, second, _third = consumer.expect(3)
     consumer.ack(first)
     consumer.ack(second)
-    time.sleep(0.5)
-    after = json.loads(ecq("inspect", "client1", "--json", admin=broker.admin_port).stdout)
+
+    def inspect_json() -> dict:
+        return json.loads(ecq("inspect", "client1", "--json", admin=broker.admin_port).stdout)
+    assert wait_until(lambda: inspect_json()["acked"] == 3, 10)  # the two PUBACKs reached the broker
+    after = inspect_json()
     assert (after["acked"], after["pending"], after["inflight"], after["online"]) == (3, 1, 1, True)
     assert after["last_ack_ts"].endswith("Z")
     human = ecq("inspect", "client1", admin=broker.admin_port)
@@ -128,7 +131,7 @@ def test_metrics_count_what_happened(broker, connect):
     consumer = connect(broker.port, "m1")
     consumer.subscribe("$ECQ/m1/#")
     consumer.expect(2)
-    time.sleep(0.5)
+    assert wait_until(lambda: scrape(broker)["ecq_acks_total"] == 2, 10)  # paho's PUBACKs reached the broker
     m = scrape(broker)
     assert m["ecq_writes_accepted_total"] == 3
     assert m["ecq_writes_refused_total{reason=not_a_write}"] == 1
