@@ -33,7 +33,7 @@ from ecq.delivery import Consumer, now_ms
 from ecq.metrics import EcqMetrics
 from ecq.readers import BatchedReader
 from ecq.store import Append, Appended, Expire, ExpiredRow, Message, Op, Store
-from ecq.topics import BadWrite, parse_target, parse_write, queue_filter
+from ecq.topics import BadWrite, is_ecq_topic, parse_target, parse_write, queue_filter
 from ecq.writer import PoolClosed, WriterPool
 
 log = logging.getLogger(__name__)
@@ -311,6 +311,24 @@ class EcqPlugin(BaseTopicPlugin):
             log.warning("ECQ refused QoS 0 SUBSCRIBE of %s to %r: ECQ queues are read at QoS 1", clientid, topic_filter)
             return None
         return 1
+
+    def will_refusal(self, session: Session) -> str | None:
+        """Why a CONNECT carrying a Will must be refused (CONNACK 0x05), or None to accept it.
+
+        Nothing may reach ``$ECQ/<clientid>/...`` except ECQ's delivery, so a Will topic under ``$ECQ/`` is
+        always refused; any other Will topic must be allowed for publish by the ACL, checked with the
+        CONNECT's clientid, username and address (EMQX checks the Will when it is published; ECQ refuses at
+        CONNECT, so the client learns of it). The refusal is logged with the reason.
+        """
+        topic = session.will_topic or ""
+        if is_ecq_topic(topic):
+            reason = f"Will topic {topic!r} is under $ECQ/, where only ECQ delivers"
+        elif not self._acl_allows(session, "publish", topic):
+            reason = f"Will topic {topic!r} is denied for publish by the ACL"
+        else:
+            return None
+        log.warning("ECQ refused CONNECT of %r from %s: %s", session.client_id, session.remote_address, reason)
+        return reason
 
     async def topic_filtering(self, *, session: Session | None = None, topic: str | None = None,
                               action: Action | None = None) -> bool:
