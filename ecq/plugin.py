@@ -39,6 +39,8 @@ from ecq.writer import PoolClosed, WriterPool
 log = logging.getLogger(__name__)
 
 PLUGIN_PATH = "ecq.plugin.EcqPlugin"
+SECRET_OPTIONS = frozenset({"admin_token"})  # never shown by options(); pydantic's SecretStr hides them in inuse
+REDACTED = "**********"                      # what pydantic's SecretStr shows
 GC_EVENTS_PENDING = 2048     # GC waits while more events than this wait for the recorder's thread
 GC_EVENTS_WAIT_S = 0.02
 
@@ -112,7 +114,7 @@ class EcqPlugin(BaseTopicPlugin):
         if self.settings.admin_bind:
             host, port = split_host_port(self.settings.admin_bind)
             try:
-                self._admin = await admin.serve(self, host, port, self.settings.admin_token)
+                self._admin = await admin.serve(self, host, port, self.settings.admin_token_value())
                 log.info("ECQ admin API on http://%s/ (metrics at /metrics)", self.settings.admin_bind)
             except OSError as exc:
                 log.error("ECQ admin API not started: cannot bind %s: %s", self.settings.admin_bind, exc)
@@ -162,9 +164,12 @@ class EcqPlugin(BaseTopicPlugin):
     # --- operations (admin API, SIGHUP) -----------------------------------------------------------------
 
     def options(self, which: str) -> dict[str, Any]:
-        """Plugin options: ``origin`` as given in the config, ``inuse`` as parsed (durations in seconds)."""
+        """Plugin options: ``origin`` as given in the config, ``inuse`` as parsed (durations in seconds).
+
+        Secrets (``admin_token``) are replaced by ``**********`` in both.
+        """
         if which == "origin":
-            return dict(self._origin)
+            return {k: REDACTED if k in SECRET_OPTIONS else v for k, v in self._origin.items()}
         return self.settings.model_dump(mode="json")
 
     def reload_acl(self) -> int:
