@@ -224,7 +224,8 @@ def _refuse_forbidden_wills() -> None:
     """
     original = BrokerProtocolHandler.init_from_connect.__func__
 
-    async def init_from_connect(cls, reader, writer, plugins_manager, loop=None):
+    async def init_from_connect(cls: type[BrokerProtocolHandler], reader: Any, writer: Any, plugins_manager: Any,
+                                loop: asyncio.AbstractEventLoop | None = None) -> tuple[BrokerProtocolHandler, Any]:
         handler, session = await original(cls, reader, writer, plugins_manager, loop)
         plugin = _find_plugin(plugins_manager)
         reason = plugin.will_refusal(session) if plugin is not None and session.will_flag else None
