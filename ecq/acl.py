@@ -24,9 +24,11 @@ Semantics (EMQX ``emqx_authz_rule``, except where noted):
   (``10.1.2.3/8`` is ``10.0.0.0/8``), and an IPv4-mapped client address (``::ffff:127.0.0.1``) is
   matched as its IPv4 address. A client without a known address matches no ``ipaddr`` condition.
 - ``${clientid}`` and ``${username}`` in a topic are replaced by the client's values before matching,
-  also inside ``eq`` topics (EMQX leaves ``eq`` topics as written; the ECQ spec rule relies on it). The
-  topic does not match when the value is missing (no username) or contains ``+`` or ``#``, so a client
-  cannot widen a rule by choosing a wildcard as its clientid.
+  also inside ``eq`` topics (EMQX leaves ``eq`` topics as written; the ECQ spec rule relies on it). A
+  placeholder stands for exactly one topic level: the topic does not match when the value is missing
+  (no username) or contains ``/``, ``+``, ``#`` or NUL, so a client cannot widen a rule by its choice of
+  clientid or username (user ``alice/x`` must not match ``$ECQ/w/${username}/#`` on ``$ECQ/w/alice/x/k``,
+  which is alice's queue).
 - PUBLISH (MQTT 3.1.1 section 4.7): a rule's topic filter matches the topic name by MQTT rules: ``+``
   is one level, ``#`` the rest including the parent level, and a filter starting with a wildcard does
   not match a topic name starting with ``$``.
@@ -185,6 +187,7 @@ class EveryTopic:
 
 _PLACEHOLDER = re.compile(r"\$\{([^}]*)\}")
 _PLACEHOLDER_FIELDS = ("clientid", "username")
+_NOT_IN_A_LEVEL = ("/", "+", "#", "\x00")  # a placeholder value holding one of these matches nothing
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +216,7 @@ class RuleTopic:
                 rendered.append(piece)
                 continue
             value = getattr(client, piece)
-            if value is None or "+" in value or "#" in value:
+            if value is None or any(character in value for character in _NOT_IN_A_LEVEL):
                 return None
             rendered.append(value)
         return "".join(rendered)

@@ -1,7 +1,14 @@
 """Admin HTTP API of a running broker (issue 4), served with aiohttp on ``admin_bind`` (default 127.0.0.1:18083).
 
 All responses are JSON except ``/metrics`` (Prometheus text). With ``admin_token`` set, every request
-needs ``Authorization: Bearer <token>``; otherwise 401.
+needs ``Authorization: Bearer <token>``; otherwise 401. No answer shows the token (``**********``).
+
+Every request that is not GET or HEAD must come with a ``Host`` header naming this API's address, and its
+``Origin`` header, when present, must be ``http://`` and such a host; otherwise 403 with the reason. This
+stops a web page in the operator's browser from running GC or reloading the ACL: through DNS rebinding
+(its Host is the attacker's name) or a cross-site form POST (its Origin is the attacker's site). The
+accepted hosts are ``<admin_bind host>:<port>``, and when it is a loopback or wildcard address also
+``127.0.0.1:<port>``, ``localhost:<port>`` and ``[::1]:<port>`` (the port may be left out when it is 80).
 
 ====== ============================ ==================================================================
 method path                         answer
@@ -20,22 +27,32 @@ GET    /metrics                     Prometheus text exposition
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import logging
 from typing import TYPE_CHECKING
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from ecq.acl import AclError
+from ecq.config import is_loopback
 from ecq.status import broker_status, queue_info
 
 if TYPE_CHECKING:
     from ecq.plugin import EcqPlugin
 
+log = logging.getLogger(__name__)
+
 _PLUGIN = web.AppKey("plugin", object)
+_READ_ONLY_METHODS = frozenset({"GET", "HEAD"})
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
 
-def build_app(plugin: EcqPlugin, token: str | None) -> web.Application:
-    """The aiohttp application serving the routes above for ``plugin``."""
-    app = web.Application(middlewares=[_bearer_auth(token)] if token else [])
+def build_app(plugin: EcqPlugin, host: str, port: int, token: str | None) -> web.Application:
+    """The aiohttp application serving the routes above for ``plugin``, bound to ``host:port``."""
+    middlewares = [_same_site_writes(accepted_hosts(host, port))]
+    if token:
+        middlewares.append(_bearer_auth(token))
+    app = web.Application(middlewares=middlewares)
     app[_PLUGIN] = plugin
     app.add_routes([
         web.get("/api/v1/health", _health),
@@ -52,10 +69,53 @@ def build_app(plugin: EcqPlugin, token: str | None) -> web.Application:
 async def serve(plugin: EcqPlugin, host: str, port: int, token: str | None) -> web.AppRunner:
     """Start the API on ``host:port``; returns the runner to ``cleanup()`` on shutdown. Raises OSError."""
     # a running request (a long GC) must not hold the broker's shutdown: cancel it after 2 s
-    runner = web.AppRunner(build_app(plugin, token), access_log=None, shutdown_timeout=2.0)
+    runner = web.AppRunner(build_app(plugin, host, port, token), access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner
+
+
+def accepted_hosts(host: str, port: int) -> frozenset[str]:
+    """The ``Host`` header values, lower case, that name an API bound to ``host`` (no brackets) and ``port``."""
+    names = {f"[{host}]" if ":" in host else host}
+    if is_loopback(host) or _is_wildcard(host):
+        names.update(_LOOPBACK_HOSTS)
+    hosts = {f"{name}:{port}".lower() for name in names}
+    if port == 80:
+        hosts.update(name.lower() for name in names)
+    return frozenset(hosts)
+
+
+def _is_wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def _same_site_writes(hosts: frozenset[str]):
+    origins = frozenset(f"http://{host}" for host in hosts)
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        if request.method not in _READ_ONLY_METHODS:
+            problem = _cross_site_problem(request.headers, hosts, origins)
+            if problem is not None:
+                reason = f"refused {request.method} {request.path}: {problem}"
+                log.warning("ECQ admin API %s (from %s)", reason, request.remote)
+                return web.json_response({"error": reason}, status=403)
+        return await handler(request)
+    return middleware
+
+
+def _cross_site_problem(headers, hosts: frozenset[str], origins: frozenset[str]) -> str | None:
+    host, origin = headers.get(hdrs.HOST), headers.get(hdrs.ORIGIN)
+    if host is None or host.lower() not in hosts:
+        return (f"Host header {host!r} is not this admin API's address {sorted(hosts)} "
+                f"(protection against DNS rebinding)")
+    if origin is not None and origin.lower() not in origins:
+        return f"Origin {origin!r} is not this admin API (protection against cross-site requests)"
+    return None
 
 
 def _bearer_auth(token: str):

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -60,7 +60,8 @@ class EcqSettings(BaseModel):
     acl_file: Path | None = Field(default=None, description="EMQX-syntax ACL file; None = no ACL")
     acl_nomatch: Literal["allow", "deny"] = Field(default="allow", description="decision when no ACL rule matches")
     admin_bind: str | None = Field(default="127.0.0.1:18083", description="HOST:PORT of the admin API; None = off")
-    admin_token: str | None = Field(default=None, description="bearer token the admin API requires")
+    admin_token: SecretStr | None = Field(default=None, description="bearer token the admin API requires; "
+                                          "shown as ********** in dumps, reprs and the admin API")
     events: bool = Field(default=True, description="record queue events and export them to lake_dir")
     lake_dir: Path | None = Field(default=None, description="Parquet event lake; None = <data_dir>/lake")
     export_interval: PositiveDuration = Field(default=1.0, description="time between event exports")
@@ -77,13 +78,17 @@ class EcqSettings(BaseModel):
 
     @model_validator(mode="after")
     def _token_off_loopback(self) -> EcqSettings:
-        if self.admin_bind and not self.admin_token and not _is_loopback(split_host_port(self.admin_bind)[0]):
+        if self.admin_bind and not self.admin_token and not is_loopback(split_host_port(self.admin_bind)[0]):
             raise ValueError(f"admin_bind {self.admin_bind!r} is not a loopback address: set admin_token")
         return self
 
     def effective_pool_size(self) -> int:
         """Number of writer agents: ``writer_pool_size``, or the CPU count when it is 0 (SPEC.md section 1)."""
         return self.writer_pool_size or (os.cpu_count() or 1)
+
+    def admin_token_value(self) -> str | None:
+        """The admin bearer token itself, or None when there is none (``admin_token`` hides it from output)."""
+        return self.admin_token.get_secret_value() if self.admin_token else None
 
     def effective_lake_dir(self) -> Path:
         """Where exported events go: ``lake_dir``, or ``<data_dir>/lake``."""
@@ -98,7 +103,8 @@ def split_host_port(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ``::1``), without brackets."""
     if host == "localhost":
         return True
     try:

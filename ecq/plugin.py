@@ -33,12 +33,14 @@ from ecq.delivery import Consumer, now_ms
 from ecq.metrics import EcqMetrics
 from ecq.readers import BatchedReader
 from ecq.store import Append, Appended, Expire, ExpiredRow, Message, Op, Store
-from ecq.topics import BadWrite, parse_target, parse_write, queue_filter
+from ecq.topics import BadWrite, is_ecq_topic, parse_target, parse_write, queue_filter
 from ecq.writer import PoolClosed, WriterPool
 
 log = logging.getLogger(__name__)
 
 PLUGIN_PATH = "ecq.plugin.EcqPlugin"
+SECRET_OPTIONS = frozenset({"admin_token"})  # never shown by options(); pydantic's SecretStr hides them in inuse
+REDACTED = "**********"                      # what pydantic's SecretStr shows
 GC_EVENTS_PENDING = 2048     # GC waits while more events than this wait for the recorder's thread
 GC_EVENTS_WAIT_S = 0.02
 
@@ -112,7 +114,7 @@ class EcqPlugin(BaseTopicPlugin):
         if self.settings.admin_bind:
             host, port = split_host_port(self.settings.admin_bind)
             try:
-                self._admin = await admin.serve(self, host, port, self.settings.admin_token)
+                self._admin = await admin.serve(self, host, port, self.settings.admin_token_value())
                 log.info("ECQ admin API on http://%s/ (metrics at /metrics)", self.settings.admin_bind)
             except OSError as exc:
                 log.error("ECQ admin API not started: cannot bind %s: %s", self.settings.admin_bind, exc)
@@ -162,9 +164,12 @@ class EcqPlugin(BaseTopicPlugin):
     # --- operations (admin API, SIGHUP) -----------------------------------------------------------------
 
     def options(self, which: str) -> dict[str, Any]:
-        """Plugin options: ``origin`` as given in the config, ``inuse`` as parsed (durations in seconds)."""
+        """Plugin options: ``origin`` as given in the config, ``inuse`` as parsed (durations in seconds).
+
+        Secrets (``admin_token``) are replaced by ``**********`` in both.
+        """
         if which == "origin":
-            return dict(self._origin)
+            return {k: REDACTED if k in SECRET_OPTIONS else v for k, v in self._origin.items()}
         return self.settings.model_dump(mode="json")
 
     def reload_acl(self) -> int:
@@ -311,6 +316,24 @@ class EcqPlugin(BaseTopicPlugin):
             log.warning("ECQ refused QoS 0 SUBSCRIBE of %s to %r: ECQ queues are read at QoS 1", clientid, topic_filter)
             return None
         return 1
+
+    def will_refusal(self, session: Session) -> str | None:
+        """Why a CONNECT carrying a Will must be refused (CONNACK 0x05), or None to accept it.
+
+        Nothing may reach ``$ECQ/<clientid>/...`` except ECQ's delivery, so a Will topic under ``$ECQ/`` is
+        always refused; any other Will topic must be allowed for publish by the ACL, checked with the
+        CONNECT's clientid, username and address (EMQX checks the Will when it is published; ECQ refuses at
+        CONNECT, so the client learns of it). The refusal is logged with the reason.
+        """
+        topic = session.will_topic or ""
+        if is_ecq_topic(topic):
+            reason = f"Will topic {topic!r} is under $ECQ/, where only ECQ delivers"
+        elif not self._acl_allows(session, "publish", topic):
+            reason = f"Will topic {topic!r} is denied for publish by the ACL"
+        else:
+            return None
+        log.warning("ECQ refused CONNECT of %r from %s: %s", session.client_id, session.remote_address, reason)
+        return reason
 
     async def topic_filtering(self, *, session: Session | None = None, topic: str | None = None,
                               action: Action | None = None) -> bool:

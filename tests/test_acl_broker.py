@@ -119,3 +119,15 @@ def test_admin_reload(make_broker, connect, tmp_path):
         assert exc.code == 400 and f"{path}:1:" in json.load(exc)["error"]
     time.sleep(0.1)
     assert connect(broker.port, "a2").subscribe("x/y") == 0x80
+
+
+def test_a_username_with_a_slash_cannot_write_into_another_users_queue(make_broker, connect, tmp_path):
+    rules = '{allow, all, publish, ["$ECQ/w/${username}/#"]}.\n{deny, all, publish, ["$ECQ/w/#"]}.\n{allow, all}.\n'
+    broker, _ = acl_broker(make_broker, tmp_path, rules=rules)
+    connect(broker.port, "intruder", username="alice/x").publish("$ECQ/w/alice/x/k", "forged")
+    connect(broker.port, "owner", username="alice").publish("$ECQ/w/alice/control", "control")
+    consumer = connect(broker.port, "alice")
+    consumer.subscribe("$ECQ/alice/#")
+    assert [(m.topic, m.payload) for m in consumer.expect(1)] == [("$ECQ/alice/control", b"control")]
+    assert consumer.quiet(1.0) == []
+    assert "reason acl_denied" in broker.log()

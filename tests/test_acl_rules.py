@@ -167,6 +167,19 @@ def test_a_wildcard_in_a_placeholder_value_makes_the_topic_unmatched(clientid):
     assert decide(rules, client(clientid), "publish", "$ECQ/other/k") is NOMATCH
 
 
+@pytest.mark.parametrize("value", ["alice/x", "alice/", "/alice", "alice+", "alice#", "alice\x00"])
+@pytest.mark.parametrize("field", ["username", "clientid"])
+def test_a_placeholder_value_must_be_one_topic_level(field, value):
+    """User ``alice/x`` must not write into alice's queue through a rule meant for each user's own."""
+    rules = f'{{allow, all, publish, ["$ECQ/w/${{{field}}}/#", "eq $ECQ/w/${{{field}}}/k"]}}.'
+    who = client(clientid=value, username="u") if field == "clientid" else client(username=value)
+    assert decide(rules, who, "publish", f"$ECQ/w/{value}/k") is NOMATCH
+    assert decide(rules, who, "publish", "$ECQ/w/alice/x/k") is NOMATCH
+    assert decide(rules, who, "publish", "$ECQ/w/alice/k") is NOMATCH
+    one_level = client(clientid="alice", username="u") if field == "clientid" else client(username="alice")
+    assert decide(rules, one_level, "publish", "$ECQ/w/alice/x/k") is ALLOW
+
+
 # --- rule order, nomatch, catch-all ---------------------------------------------------------------------
 
 def test_the_first_matching_rule_decides():
