@@ -7,8 +7,10 @@ is an ordinary write. Real broker subprocess, paho clients and raw sockets over 
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+from pathlib import Path
 
 import yaml
 
@@ -111,7 +113,9 @@ def test_the_ecq_will_refusal_holds_whatever_the_acl_says(make_broker, tmp_path)
     attacker.drop()
 
 
-def test_a_plugin_broadcast_or_retain_under_ecq_reaches_no_queue(tmp_path, connect):
+def test_a_plugin_broadcast_or_retain_under_ecq_reaches_no_queue(tmp_path, connect, monkeypatch):
+    repo = str(Path(__file__).resolve().parent.parent)  # the broker process imports tests.forger_plugin
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
     broker = BrokerProcess(tmp_path)
     config = yaml.safe_load(broker.config_path.read_text())
     config["plugins"][FORGER] = {}
