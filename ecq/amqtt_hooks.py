@@ -297,19 +297,21 @@ def _close_abandoned_connections() -> None:
 
 
 def _time_limit_connect() -> None:
-    """Correct amqtt 0.12.1 ``Broker._initialize_client_session``, which waits for the first packet forever:
-    a socket that never sends a whole CONNECT held its file descriptor (issue 10 point 6). Now it is closed
-    after ``connect_timeout`` (EMQX does the same after its ``idle_timeout``). An unexpected exception while
-    reading the CONNECT becomes an ``AMQTTError``, so amqtt logs it and releases the listener's slot.
+    """Correct amqtt 0.12.1 ``BrokerProtocolHandler.init_from_connect``, which waits for the first packet
+    forever: a socket that never sends a whole CONNECT held its file descriptor (issue 10 point 6). Now it
+    is closed after ``connect_timeout`` (EMQX does the same after its ``idle_timeout``). An unexpected
+    exception while reading the CONNECT becomes an ``AMQTTError``, so amqtt logs it and releases the
+    listener's slot instead of ending the connection's task with it.
     """
-    original = Broker._initialize_client_session
+    original = BrokerProtocolHandler.init_from_connect.__func__
 
-    async def initialize_client_session(broker: Broker, reader: Any, writer: Any, *args: Any) -> Any:
+    async def init_from_connect(cls: type[BrokerProtocolHandler], reader: Any, writer: Any, *args: Any,
+                                **kwargs: Any) -> tuple[BrokerProtocolHandler, Any]:
         connection = _connections.get(reader)
         if connection is None:
-            return await original(broker, reader, writer, *args)
+            return await original(cls, reader, writer, *args, **kwargs)
         try:
-            handler, session = await asyncio.wait_for(original(broker, reader, writer, *args),
+            handler, session = await asyncio.wait_for(original(cls, reader, writer, *args, **kwargs),
                                                       connection.connect_timeout_s)
         except TimeoutError:
             raise AMQTTError(f"no CONNECT from {connection.peer} within {connection.connect_timeout_s:g} s: "
@@ -321,7 +323,7 @@ def _time_limit_connect() -> None:
         connection.client_id = session.client_id
         return handler, session
 
-    Broker._initialize_client_session = initialize_client_session
+    BrokerProtocolHandler.init_from_connect = classmethod(init_from_connect)
 
 
 def _check_fixed_headers() -> None:
