@@ -219,8 +219,8 @@ def set_listen_backlog(context: BrokerContext, backlog: int) -> int:
 
 
 # --- Bad clients (issue 10: points 6, 7, 8 and 10) -----------------------------------------------------------
-# Each function below corrects one amqtt 0.12.1 behaviour and is installed by one line in install(). They act only
-# on connections of brokers that run the ECQ plugin: those are registered in _connections by their reader.
+# Each function below corrects one amqtt 0.12.1 (or asyncio) behaviour and is installed by one line in install().
+# The connection hooks act only on brokers that run the ECQ plugin: their connections are in _connections, by reader.
 
 ACCEPT_ERROR_LOG_INTERVAL_S = 10.0
 _ACCEPT_ERROR = "socket.accept() out of system resource"  # asyncio's message (selector_events._accept_connection)
