@@ -51,11 +51,13 @@ class BrokerProcess:
 
     ``plugin_options`` are ECQ plugin options (see ecq.config.EcqSettings); ``heartbeat_interval``
     defaults to 1 s here so that tests never wait long on a missed wake-up, and the admin API gets a
-    free port of its own (``admin_port``).
+    free port of its own (``admin_port``). ``max_open_files``, when given, is the broker's file
+    descriptor limit (``ulimit -n``, set with util-linux ``prlimit``).
     """
 
-    def __init__(self, workdir: Path, **plugin_options) -> None:
+    def __init__(self, workdir: Path, *, max_open_files: int | None = None, **plugin_options) -> None:
         self.workdir = workdir
+        self.max_open_files = max_open_files
         self.data_dir = workdir / "data"
         self.port = free_port()
         self.log_path = workdir / "broker.log"
@@ -73,8 +75,10 @@ class BrokerProcess:
     def start(self) -> BrokerProcess:
         """Start the broker and wait until its port accepts connections (raises RuntimeError if not)."""
         log = self.log_path.open("a")
-        self.proc = subprocess.Popen([ECQ, "broker", "-c", str(self.config_path)], stdout=log, stderr=log,
-                                     cwd=self.workdir)
+        command = [ECQ, "broker", "-c", str(self.config_path)]
+        if self.max_open_files is not None:  # prlimit execs the broker: the pid stays the broker's
+            command = ["prlimit", f"--nofile={self.max_open_files}", *command]
+        self.proc = subprocess.Popen(command, stdout=log, stderr=log, cwd=self.workdir)
         log.close()
         if not wait_until(self._accepting, START_TIMEOUT_S, 0.05):
             self.kill()

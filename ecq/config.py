@@ -17,6 +17,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, f
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+MAX_REMAINING_LENGTH = 268_435_455  # the largest MQTT 3.1.1 packet body (section 2.2.3)
+PUBLISH_HEADER_ROOM = 2 + 65_535 + 2  # a PUBLISH's topic length, longest topic and packet id, in bytes
 
 
 def parse_duration(value: Any) -> float:
@@ -55,7 +57,10 @@ class EcqSettings(BaseModel):
     write_timeout: PositiveDuration = Field(default=5.0, description="an append not committed in time fails")
     read_timeout: PositiveDuration = Field(default=5.0, description="a batch read not done in time is retried")
     heartbeat_interval: PositiveDuration = Field(default=5.0, description="re-poll of idle online consumers")
-    max_payload_bytes: int = Field(default=1024 * 1024, ge=0, le=268_435_455, description="largest write payload")
+    max_payload_bytes: int = Field(default=1024 * 1024, ge=0, le=MAX_REMAINING_LENGTH, description="largest write payload")
+    max_packet_bytes: int | None = Field(default=None, ge=0, le=MAX_REMAINING_LENGTH,
+                                         description="largest MQTT packet body; None = max_payload_bytes + 65539")
+    connect_timeout: PositiveDuration = Field(default=10.0, description="a connection without CONNECT in time is closed")
     sync_writes: bool = Field(default=False, description="fsync each commit (survives power loss, slower)")
     acl_file: Path | None = Field(default=None, description="EMQX-syntax ACL file; None = no ACL")
     acl_nomatch: Literal["allow", "deny"] = Field(default="allow", description="decision when no ACL rule matches")
@@ -82,6 +87,14 @@ class EcqSettings(BaseModel):
             raise ValueError(f"admin_bind {self.admin_bind!r} is not a loopback address: set admin_token")
         return self
 
+    @model_validator(mode="after")
+    def _packet_fits_payload(self) -> EcqSettings:
+        if self.max_packet_bytes is not None and self.max_packet_bytes < self._write_packet_bytes():
+            raise ValueError(f"max_packet_bytes {self.max_packet_bytes} is below max_payload_bytes + "
+                             f"{PUBLISH_HEADER_ROOM} ({self._write_packet_bytes()}): a write of max_payload_bytes "
+                             "would close its publisher's connection instead of being refused")
+        return self
+
     def effective_pool_size(self) -> int:
         """Number of writer agents: ``writer_pool_size``, or the CPU count when it is 0 (SPEC.md section 1)."""
         return self.writer_pool_size or (os.cpu_count() or 1)
@@ -89,6 +102,13 @@ class EcqSettings(BaseModel):
     def admin_token_value(self) -> str | None:
         """The admin bearer token itself, or None when there is none (``admin_token`` hides it from output)."""
         return self.admin_token.get_secret_value() if self.admin_token else None
+    def effective_max_packet_bytes(self) -> int:
+        """Largest remaining length (MQTT 3.1.1 section 2.2.3, bytes) of a packet the broker reads:
+        ``max_packet_bytes``, or ``max_payload_bytes`` plus a PUBLISH's largest topic and packet id."""
+        return self.max_packet_bytes if self.max_packet_bytes is not None else self._write_packet_bytes()
+
+    def _write_packet_bytes(self) -> int:
+        return min(MAX_REMAINING_LENGTH, self.max_payload_bytes + PUBLISH_HEADER_ROOM)
 
     def effective_lake_dir(self) -> Path:
         """Where exported events go: ``lake_dir``, or ``<data_dir>/lake``."""

@@ -124,27 +124,37 @@ def drain(connect, port: int, clientid: str, count: int, **client_options) -> li
     return messages
 
 
+def fixed_header(first_byte: int, remaining_length: int) -> bytes:
+    """An MQTT fixed header: ``first_byte`` (packet type and flags), then the variable-length remaining length."""
+    encoded = bytearray()
+    while True:
+        byte, remaining_length = remaining_length % 128, remaining_length // 128
+        encoded.append(byte | (0x80 if remaining_length else 0))
+        if not remaining_length:
+            return bytes([first_byte]) + bytes(encoded)
+
+
 class RawClient:
     """A minimal MQTT 3.1.1 client on a plain socket, for packets that paho and mosquitto refuse to send
-    (wildcards or NUL in a PUBLISH topic)."""
+    (wildcards or NUL in a PUBLISH topic, protocol violations)."""
 
     def __init__(self, port: int, client_id: str = "raw", clean_session: bool = True) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
         cid = client_id.encode()
         flags = b"\x02" if clean_session else b"\x00"
         variable = b"\x00\x04MQTT\x04" + flags + b"\x00\x3c" + struct.pack(">H", len(cid)) + cid
-        self._send(0x10, variable)
+        self.send(0x10, variable)
         header, body = self._recv()
         assert header == 0x20 and body[1] == 0, f"CONNECT refused: {body!r}"
 
     def publish_qos1(self, topic: bytes, payload: bytes, packet_id: int) -> tuple[int, bytes]:
         """Send a QoS 1 PUBLISH and return the broker's answer (type byte, body)."""
-        self._send(0x32, struct.pack(">H", len(topic)) + topic + struct.pack(">H", packet_id) + payload)
+        self.send(0x32, struct.pack(">H", len(topic)) + topic + struct.pack(">H", packet_id) + payload)
         return self._recv()
 
     def subscribe(self, topic_filter: bytes, qos: int = 1, packet_id: int = 1) -> tuple[int, bytes]:
         """Send a SUBSCRIBE with one filter and return the broker's answer (type byte, body)."""
-        self._send(0x82, struct.pack(">H", packet_id) + struct.pack(">H", len(topic_filter)) + topic_filter
+        self.send(0x82, struct.pack(">H", packet_id) + struct.pack(">H", len(topic_filter)) + topic_filter
                    + bytes([qos]))
         return self._recv()
 
@@ -161,7 +171,7 @@ class RawClient:
 
     def ping(self) -> bool:
         """PINGREQ; True when PINGRESP comes back (the connection is still served)."""
-        self._send(0xC0, b"")
+        self.send(0xC0, b"")
         return self._recv() == (0xD0, b"")
 
     def close(self, reset: bool = False) -> None:
@@ -171,14 +181,21 @@ class RawClient:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.sock.close()
 
-    def _send(self, header: int, body: bytes) -> None:
-        size, encoded = len(body), bytearray()
-        while True:
-            byte, size = size % 128, size // 128
-            encoded.append(byte | (0x80 if size else 0))
-            if not size:
-                break
-        self.sock.sendall(bytes([header]) + bytes(encoded) + body)
+    def send(self, header: int, body: bytes) -> None:
+        """Send one packet: first byte ``header`` (type and flags), then ``body`` with its remaining length."""
+        self.sock.sendall(fixed_header(header, len(body)) + body)
+
+    def read_until_closed(self, timeout: float = 5.0) -> list[tuple[int, bytes]]:
+        """Every packet the broker sends until it closes the connection (raises TimeoutError if it does not)."""
+        self.sock.settimeout(timeout)
+        packets = []
+        try:
+            while True:
+                packets.append(self._recv())
+        except TimeoutError:
+            raise TimeoutError(f"broker kept the connection open; received {packets}") from None
+        except OSError:  # end of stream (ConnectionError from _read) or reset
+            return packets
 
     def _recv(self) -> tuple[int, bytes]:
         header = self._read(1)[0]

@@ -34,7 +34,7 @@ class WillClient(RawClient):
         payload = b"".join(_string(s) for s in (client_id.encode(), will_topic.encode(), will_payload))
         if username is not None:
             payload += _string(username.encode())
-        self._send(0x10, b"\x00\x04MQTT\x04" + bytes([flags]) + b"\x00\x3c" + payload)
+        self.send(0x10, b"\x00\x04MQTT\x04" + bytes([flags]) + b"\x00\x3c" + payload)
         self.connack = self._recv()
 
     def closed_by_broker(self) -> bool:
