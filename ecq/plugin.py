@@ -78,11 +78,13 @@ class EcqPlugin(BaseTopicPlugin):
         self._admin: Any = None
         self._closing = False
         self._gc_lock = asyncio.Lock()
+        self._session_dropped = 0
         self._traffic = 0  # appends and PUBACKs so far: GC paces itself slower while it grows
         self._reader = BatchedReader(threads=4)
         self._read_deadline = SharedDeadline(self.settings.read_timeout, "ECQ store read")
         self._write_deadline = SharedDeadline(self.settings.write_timeout, "ECQ write commit")
         hooks.install(EcqPlugin)
+        hooks.set_session_expiry(context, self.settings.session_expiry)
         log.info("ECQ plugin: data_dir=%s, %d writer agents", self.settings.data_dir, self.settings.effective_pool_size())
 
     # --- lifecycle ----------------------------------------------------------------------------------
@@ -294,6 +296,15 @@ class EcqPlugin(BaseTopicPlugin):
         self.metrics.delivery_latency.observe(time.monotonic() - sent_monotonic)
         self._event("acked", clientid=clientid, key=message.key, seqno=message.seqno, publish_ts_ms=message.ts_ms,
                     payload_bytes=len(message.payload))
+
+    def session_message_dropped(self, clientid: str, topic: str, reason: str) -> None:
+        """Count a message of an ordinary topic dropped from ``clientid``'s persistent session because a bound
+        was reached (``reason``: ``queue_full`` or ``inflight_full``); logs the 1st, 2nd, 4th, 8th... drop."""
+        self.metrics.session_dropped.labels(reason).inc()
+        self._session_dropped += 1
+        if self._session_dropped & (self._session_dropped - 1) == 0:
+            log.warning("ECQ dropped a message to %r for session %s (%s; %d dropped since start)",
+                        topic, clientid, reason, self._session_dropped)
 
     # --- subscriptions and connections --------------------------------------------------------------
 
