@@ -297,6 +297,38 @@ def test_qos2_flow_resumes_on_reconnect_with_publish_then_pubrel(broker):
     assert third.nothing_within(0.5)
 
 
+def test_puback_after_amqtts_five_seconds_settles_the_message(broker):
+    """amqtt stops waiting for a PUBACK after 5 s; the message is then kept for a resend on reconnect, and a
+    PUBACK that comes later settles it, so it is not sent again."""
+    sub = Mqtt(broker.port, "late-acker", clean=False)
+    assert sub.subscribe("late/#", 1) == 1
+    Mqtt(broker.port, "late-pub").publish("late/1", b"x", qos=1)
+    got = sub.next_publish()
+    time.sleep(6)  # past amqtt's fixed 5 s PUBACK wait: what is under test is what happens after it
+    sub.ack(PUBACK, got.packet_id)
+    assert sub.ping()  # the PUBACK was read before this PINGRESP
+    sub.disconnect()
+    assert Mqtt(broker.port, "late-acker", clean=False).nothing_within(1.0), "a late-acked message came again"
+
+
+def test_unacked_messages_kept_for_resend_are_bounded(make_broker):
+    """``session_max_inflight``: beyond it the oldest unacked message is dropped (ecq_session_dropped_total)."""
+    broker = make_broker(session_max_inflight=2)
+    sub = Mqtt(broker.port, "hoarder", clean=False)
+    assert sub.subscribe("h/#", 1) == 1
+    sender = Mqtt(broker.port, "h-pub")
+    for i in range(4):
+        sender.publish(f"h/{i}", b"v", qos=1, packet_id=i + 1)
+    assert sorted(sub.next_publish().topic for _ in range(4)) == ["h/0", "h/1", "h/2", "h/3"]
+    sub.disconnect()  # acking none
+    assert wait_until(lambda: metric(broker, 'ecq_session_dropped_total{reason="inflight_full"}') == 2)
+
+    again = Mqtt(broker.port, "hoarder", clean=False)
+    resent = [again.next_publish() for _ in range(2)]
+    assert all(p.dup for p in resent)
+    assert sorted(p.topic for p in resent) == ["h/2", "h/3"]
+
+
 def test_ecq_delivery_is_not_resent_twice_on_reconnect(broker, connect):
     """ECQ redelivers its own queue messages; amqtt's resend must not send them a second time."""
     consumer = Mqtt(broker.port, "ecq-c", clean=False)
@@ -315,7 +347,7 @@ def test_ecq_delivery_is_not_resent_twice_on_reconnect(broker, connect):
 
 # --- 4. persistent sessions under anonymous authentication --------------------------------------------
 
-def test_persistent_anonymous_session_keeps_subscription_and_offline_messages(broker):
+def test_persistent_anonymous_session_keeps_subscription_and_offline_messages(broker, connect):
     """Sections 3.1.2.4 and 3.2.2.2: a CleanSession=0 session outlives the connection, CONNACK says
     session-present, QoS 1 messages published meanwhile are delivered (with RETAIN=0: they were not
     published retained). amqtt's session monitor deleted every anonymous session within ~1 s."""
@@ -323,8 +355,11 @@ def test_persistent_anonymous_session_keeps_subscription_and_offline_messages(br
     assert not sub.session_present
     assert sub.subscribe("a/b", 1) == 1
     sub.disconnect()
+    watcher = connect(broker.port, "a-watcher")
+    assert watcher.subscribe("a/b", 1) == 1
     time.sleep(SESSION_MONITOR_WAIT_S)
     Mqtt(broker.port, "sender").publish("a/b", b"while away", qos=1)
+    watcher.expect(1)  # the broker handles the subscriptions of a message in order: "away" came first
 
     back = Mqtt(broker.port, "away", clean=False)
     assert back.session_present
@@ -392,8 +427,11 @@ def test_paho_persistent_subscriber_gets_message_sent_while_offline(broker, conn
     sub = connect(broker.port, "paho-away", clean_session=False)
     assert sub.subscribe("p/q", 1) == 1
     sub.close()
+    watcher = connect(broker.port, "p-watcher")
+    assert watcher.subscribe("p/q", 1) == 1
     time.sleep(SESSION_MONITOR_WAIT_S)
     connect(broker.port, "paho-pub").publish("p/q", b"hello", qos=1)
+    watcher.expect(1)  # so the message was handled while "paho-away" was offline
     back = connect(broker.port, "paho-away", clean_session=False)
     [got] = back.expect(1)
     assert (got.topic, got.payload, got.qos) == ("p/q", b"hello", 1)
