@@ -435,7 +435,8 @@ def _keep_for_resend(handler: BrokerProtocolHandler, message: Any) -> None:
             or (message.puback_packet if message.qos == QOS_1 else message.pubcomp_packet) is not None):
         return
     session.inflight_out.setdefault(message.packet_id, message)
-    kept = [pid for pid, m in session.inflight_out.items() if not is_ecq_topic(m.topic)]
+    waited = handler._puback_waiters.keys() | handler._pubrec_waiters.keys() | handler._pubcomp_waiters.keys()
+    kept = [pid for pid, m in session.inflight_out.items() if pid not in waited and not is_ecq_topic(m.topic)]
     for packet_id in kept[:max(0, len(kept) - plugin.settings.session_max_inflight)]:
         plugin.session_message_dropped(session.client_id, session.inflight_out.pop(packet_id).topic, "inflight_full")
 
