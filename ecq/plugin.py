@@ -73,7 +73,6 @@ class EcqPlugin(BaseTopicPlugin):
         })
         self._queues = self._stored_entries = self._stored_bytes = 0
         self._connections: dict[str, BrokerProtocolHandler] = {}
-        self._persistent_readers: set[str] = set()  # clean-session-off clients subscribed to their queue
         self._tasks: list[asyncio.Task] = []
         self._admin: Any = None
         self._closing = False
@@ -347,9 +346,9 @@ class EcqPlugin(BaseTopicPlugin):
     async def on_broker_client_connected(self, client_id: str, client_session: Session) -> None:
         """Enforce takeover (MQTT 3.1.1 section 3.1.4) and resume a persistent session's queue.
 
-        amqtt drops a disconnected session within a second when it counts as anonymous (every session
-        under AnonymousAuthPlugin), so ECQ itself remembers which persistent sessions read their queue
-        and subscribes them again on reconnect (MQTT 3.1.1 section 3.1.2.4). A clean session forgets it.
+        A persistent session keeps its ``$ECQ/<clientid>/#`` subscription across disconnects (until
+        ``session_expiry``; see ``amqtt_hooks._keep_persistent_sessions``), so its reconnect resumes delivery
+        (SPEC.md section 1, Delivery; MQTT 3.1.1 section 3.1.2.4). A clean session has none.
         """
         live = hooks.live_connection(self.context, client_id)
         previous = self._connections.get(client_id)
@@ -358,10 +357,6 @@ class EcqPlugin(BaseTopicPlugin):
             await hooks.close_connection(previous)
         if live is not None:
             self._connections[client_id] = live
-        if client_session.clean_session:
-            self._persistent_readers.discard(client_id)
-        elif client_id in self._persistent_readers and not self._holds_queue_subscription(client_id):
-            await self.context.add_subscription(client_id, queue_filter(client_id), 1)
         if self._holds_queue_subscription(client_id):
             await self._attach(client_id, live)
         elif (consumer := self.consumers.get(client_id)) and consumer.connection is not live:
@@ -370,15 +365,11 @@ class EcqPlugin(BaseTopicPlugin):
     async def on_broker_client_subscribed(self, client_id: str, topic: str, qos: int) -> None:
         """Start delivering once the SUBACK for ``$ECQ/<clientid>/#`` went out."""
         if topic == queue_filter(client_id):
-            session = self.context.get_session(client_id)
-            if session is not None and not session.clean_session:
-                self._persistent_readers.add(client_id)
             await self._attach(client_id, hooks.live_connection(self.context, client_id))
 
     async def on_broker_client_unsubscribed(self, client_id: str, topic: str) -> None:
         """Stop delivering when the consumer unsubscribes from its queue."""
         if topic == queue_filter(client_id):
-            self._persistent_readers.discard(client_id)
             if consumer := self.consumers.get(client_id):
                 consumer.detach()
 
