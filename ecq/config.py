@@ -73,6 +73,12 @@ class EcqSettings(BaseModel):
     events_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024, description="event buffer bound, bytes")
     listen_backlog: int = Field(default=1024, ge=1, le=65535,
                                 description="accept queue of the broker's TCP listeners (kernel caps it at somaxconn)")
+    session_max_queued: int = Field(default=1000, ge=1,
+                                    description="QoS 1/2 messages kept per disconnected persistent session")
+    session_max_inflight: int = Field(default=100, ge=1,
+                                      description="unacked QoS 1/2 messages kept per persistent session for resend")
+    session_expiry: PositiveDuration = Field(default=7200.0,
+                                             description="a disconnected persistent session is forgotten after this")
 
     @field_validator("admin_bind")
     @classmethod

@@ -28,6 +28,9 @@ class EcqMetrics:
         self.redeliveries = Counter("ecq_redeliveries", "QoS 1 PUBLISHes sent again after the consumer reconnected",
                                     registry=r)
         self.acks = Counter("ecq_acks", "PUBACKs received from consumers", registry=r)
+        self.session_dropped = Counter(
+            "ecq_session_dropped", "messages of ordinary topics dropped from a persistent session: queue_full "
+            "(session_max_queued), inflight_full (session_max_inflight)", ["reason"], registry=r)
         self.gc_runs = Counter("ecq_gc_runs", "garbage collection passes", registry=r)
         self.gc_deleted = Counter("ecq_gc_deleted_rows", "entries deleted by garbage collection", registry=r)
         self.append_latency = Histogram("ecq_append_latency_seconds", "PUBLISH received to write committed",

@@ -75,16 +75,17 @@ class EcqPlugin(BaseTopicPlugin):
         })
         self._queues = self._stored_entries = self._stored_bytes = 0
         self._connections: dict[str, BrokerProtocolHandler] = {}
-        self._persistent_readers: set[str] = set()  # clean-session-off clients subscribed to their queue
         self._tasks: list[asyncio.Task] = []
         self._admin: Any = None
         self._closing = False
         self._gc_lock = asyncio.Lock()
+        self._session_dropped = 0
         self._traffic = 0  # appends and PUBACKs so far: GC paces itself slower while it grows
         self._reader = BatchedReader(threads=4)
         self._read_deadline = SharedDeadline(self.settings.read_timeout, "ECQ store read")
         self._write_deadline = SharedDeadline(self.settings.write_timeout, "ECQ write commit")
         hooks.install(EcqPlugin)
+        hooks.set_session_expiry(context, self.settings.session_expiry)
         log.info("ECQ plugin: data_dir=%s, %d writer agents", self.settings.data_dir, self.settings.effective_pool_size())
 
     # --- lifecycle ----------------------------------------------------------------------------------
@@ -300,6 +301,15 @@ class EcqPlugin(BaseTopicPlugin):
         self._event("acked", clientid=clientid, key=message.key, seqno=message.seqno, publish_ts_ms=message.ts_ms,
                     payload_bytes=len(message.payload))
 
+    def session_message_dropped(self, clientid: str, topic: str, reason: str) -> None:
+        """Count a message of an ordinary topic dropped from ``clientid``'s persistent session because a bound
+        was reached (``reason``: ``queue_full`` or ``inflight_full``); logs the 1st, 2nd, 4th, 8th... drop."""
+        self.metrics.session_dropped.labels(reason).inc()
+        self._session_dropped += 1
+        if self._session_dropped & (self._session_dropped - 1) == 0:
+            log.warning("ECQ dropped a message to %r for session %s (%s; %d dropped since start)",
+                        topic, clientid, reason, self._session_dropped)
+
     # --- subscriptions and connections --------------------------------------------------------------
 
     def grant_subscription(self, clientid: str, topic_filter: str, qos: int) -> int | None:
@@ -359,9 +369,9 @@ class EcqPlugin(BaseTopicPlugin):
     async def on_broker_client_connected(self, client_id: str, client_session: Session) -> None:
         """Enforce takeover (MQTT 3.1.1 section 3.1.4) and resume a persistent session's queue.
 
-        amqtt drops a disconnected session within a second when it counts as anonymous (every session
-        under AnonymousAuthPlugin), so ECQ itself remembers which persistent sessions read their queue
-        and subscribes them again on reconnect (MQTT 3.1.1 section 3.1.2.4). A clean session forgets it.
+        A persistent session keeps its ``$ECQ/<clientid>/#`` subscription across disconnects (until
+        ``session_expiry``; see ``amqtt_hooks._keep_persistent_sessions``), so its reconnect resumes delivery
+        (SPEC.md section 1, Delivery; MQTT 3.1.1 section 3.1.2.4). A clean session has none.
         """
         live = hooks.live_connection(self.context, client_id)
         previous = self._connections.get(client_id)
@@ -370,10 +380,6 @@ class EcqPlugin(BaseTopicPlugin):
             await hooks.close_connection(previous)
         if live is not None:
             self._connections[client_id] = live
-        if client_session.clean_session:
-            self._persistent_readers.discard(client_id)
-        elif client_id in self._persistent_readers and not self._holds_queue_subscription(client_id):
-            await self.context.add_subscription(client_id, queue_filter(client_id), 1)
         if self._holds_queue_subscription(client_id):
             await self._attach(client_id, live)
         elif (consumer := self.consumers.get(client_id)) and consumer.connection is not live:
@@ -382,15 +388,11 @@ class EcqPlugin(BaseTopicPlugin):
     async def on_broker_client_subscribed(self, client_id: str, topic: str, qos: int) -> None:
         """Start delivering once the SUBACK for ``$ECQ/<clientid>/#`` went out."""
         if topic == queue_filter(client_id):
-            session = self.context.get_session(client_id)
-            if session is not None and not session.clean_session:
-                self._persistent_readers.add(client_id)
             await self._attach(client_id, hooks.live_connection(self.context, client_id))
 
     async def on_broker_client_unsubscribed(self, client_id: str, topic: str) -> None:
         """Stop delivering when the consumer unsubscribes from its queue."""
         if topic == queue_filter(client_id):
-            self._persistent_readers.discard(client_id)
             if consumer := self.consumers.get(client_id):
                 consumer.detach()
 
