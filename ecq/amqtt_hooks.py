@@ -29,11 +29,13 @@ then answers each publisher with one ``send`` instead of one per PUBACK (issue 5
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 from typing import TYPE_CHECKING, Any
 
 from amqtt.broker import Broker, BrokerContext
+from amqtt.events import BrokerEvents
 from amqtt.mqtt.constants import QOS_1
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.puback import PubackPacket
@@ -41,6 +43,7 @@ from amqtt.mqtt.pubcomp import PubcompPacket
 from amqtt.mqtt.packet import MQTTVariableHeader
 from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
 from amqtt.mqtt.pubrec import PubrecPacket
+from amqtt.plugins.manager import PluginManager
 from amqtt.session import OutgoingApplicationMessage
 
 from ecq.topics import is_ecq_topic
@@ -89,6 +92,8 @@ def install(plugin_class: type) -> None:
     BrokerProtocolHandler.handle_publish = handle_publish
     Broker.add_subscription = add_subscription
     PublishVariableHeader.__init__ = header_init
+    raise_pre_start_failure()
+    quiet_start_failure_traceback()
 
 
 def _find_plugin(plugins_manager: Any) -> EcqPlugin | None:
@@ -199,3 +204,34 @@ def set_listen_backlog(context: BrokerContext, backlog: int) -> int:
                     same_socket.listen(backlog)
                 changed += 1
     return changed
+
+
+# --- start-up failures are reported, not hidden (issue 10) ---------------------------------------------
+
+def raise_pre_start_failure() -> None:
+    """Make ``Broker.start`` raise the failure of the ECQ plugin's ``on_broker_pre_start``.
+
+    amqtt 0.12.1's ``PluginManager.fire_event(PRE_START, wait=True)`` runs each plugin's handler in a task
+    and only waits for it: an exception stays in the task, and ``Broker.start`` goes on to open the
+    listeners, so a broker whose store, writers and admin API never started logged "running". The plugin
+    keeps its failure in ``start_error``; this wrapper raises it before any listener is opened.
+    """
+    original_fire_event = PluginManager.fire_event
+
+    async def fire_event(manager: PluginManager, event_name: Any, *, wait: bool = False, **kwargs: Any) -> None:
+        await original_fire_event(manager, event_name, wait=wait, **kwargs)
+        if event_name == BrokerEvents.PRE_START and (plugin := _find_plugin(manager)) and plugin.start_error:
+            raise plugin.start_error
+
+    PluginManager.fire_event = fire_event
+
+
+class _NoStartFailureTraceback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Broker startup failed"
+
+
+def quiet_start_failure_traceback() -> None:
+    """Drop amqtt 0.12.1's ``logger.exception("Broker startup failed")`` in ``Broker.start``: it prints a
+    traceback for an ordinary failure such as a port in use, which ``ecq broker`` reports in one line."""
+    logging.getLogger("amqtt.broker").addFilter(_NoStartFailureTraceback())

@@ -20,9 +20,12 @@ the GIL released by plyvel) and are meant to run in a thread pool, off the event
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -38,6 +41,13 @@ _INDEX_END = bytes([_INDEX[0] + 1])  # first key after the index table
 
 class StoreError(RuntimeError):
     """The data directory cannot be opened (locked by another broker, corrupt, not writable)."""
+
+
+class StoreReadError(StoreError):
+    """A stored block cannot be read (LevelDB reports corruption or an I/O error): retrying will not help."""
+
+
+_SPACE_PROBE_BYTES = 1 << 20  # a write of this size must succeed before a failed store is reopened
 
 
 def _s(text: str) -> bytes:
@@ -137,20 +147,72 @@ class Store:
 
     def __init__(self, path: Path, sync: bool = False) -> None:
         path.mkdir(parents=True, exist_ok=True)
-        try:
-            self._db = plyvel.DB(str(path), create_if_missing=True)
-        except plyvel.IOError as exc:
-            raise StoreError(f"cannot open LevelDB at {path}: {exc} (is another broker using it?)") from exc
-        except plyvel.CorruptionError as exc:
-            raise StoreError(f"LevelDB at {path} is corrupt: {exc}") from exc
+        self.path = path
         self._sync = sync
         self._seqnos: dict[str, int] = {}
         self._seqno_lock = threading.Lock()
-        self.path = path
+        self._gate = _Gate()
+        self.write_error: str | None = None  # why the last commit failed; None once a commit succeeds
+        self._db = self._open()
+
+    def _open(self) -> plyvel.DB:
+        """Open with ``paranoid_checks``: LevelDB then fails the open on a damaged log or table metadata
+        instead of skipping what it cannot read. Raises StoreError naming the directory and LevelDB's reason."""
+        try:
+            return plyvel.DB(str(self.path), create_if_missing=True, paranoid_checks=True)
+        except plyvel.IOError as exc:
+            reason = _reason(exc)
+            if "lock" in reason.lower():
+                raise StoreError(f"cannot open LevelDB at {self.path}: {reason} (is another broker using it?)") from exc
+            raise StoreError(f"cannot open LevelDB at {self.path}: {reason}") from exc
+        except plyvel.CorruptionError as exc:
+            raise StoreError(f"LevelDB at {self.path} is corrupt: {_reason(exc)}; "
+                             f"`ecq repair --data-dir {self.path}` keeps what can be read") from exc
+
+    def verify(self) -> tuple[int, float]:
+        """Read every stored row with checksums on (not filling the block cache): LevelDB opens table files
+        lazily, so a damaged ``.ldb`` is otherwise found only when delivery reads it. O(stored bytes):
+        about 0.15 s for 100k entries (200k rows, 7 MB) on the 2-core dev VM.
+
+        Returns (rows, seconds). Raises StoreError naming the file (when LevelDB names it), the reason, and
+        the last key read intact.
+        """
+        started, rows, last = time.monotonic(), 0, b""
+        try:
+            with self._gate.shared():
+                # values share the blocks of their keys: reading every key reads (and checks) every block
+                for key in self._db.iterator(verify_checksums=True, fill_cache=False, include_value=False):
+                    rows, last = rows + 1, key
+        except (plyvel.CorruptionError, plyvel.IOError) as exc:
+            where = f"after {rows} intact rows, the last with key {last[:40]!r}" if rows else "before any intact row"
+            raise StoreError(f"LevelDB at {self.path} is corrupt: {_reason(exc)} (start-up check, {where}); "
+                             f"`ecq repair --data-dir {self.path}` keeps what can be read") from exc
+        return rows, time.monotonic() - started
 
     def close(self) -> None:
         """Close the database; pending writes were already committed by :meth:`commit`."""
-        self._db.close()
+        with self._gate.exclusive():
+            self._db.close()
+
+    def run(self, func: Callable, *args):
+        """``func(*args)`` while no :meth:`reopen` can close the database under it (for reads that iterate)."""
+        with self._gate.shared():
+            return func(*args)
+
+    def reopen_if_space(self) -> bool:
+        """After a failed commit: once a 1 MiB file can be written in the data directory, close and reopen
+        LevelDB, which clears the error LevelDB keeps after a failed background write (a memtable flush that
+        hit ENOSPC fails every later write until the database is reopened). Blocks until no read or commit
+        is running. Returns True when the database was reopened. Raises StoreError if it cannot be reopened
+        (then every operation fails until a later call succeeds).
+        """
+        if not _space_for(self.path):
+            return False
+        with self._gate.exclusive():
+            self._db.close()
+            self._seqnos.clear()  # seqnos handed out by failed batches were never stored
+            self._db = self._open()
+        return True
 
     def commits_without_waiting(self) -> bool:
         """True when a commit should not block on disk: no fsync (``sync`` off) and LevelDB's level 0 below
@@ -169,6 +231,16 @@ class Store:
         batch_latest: dict[tuple[str, str], tuple[int, int, int]] = {}
         expired: set[tuple[str, int]] = set()  # (clientid, seqno) deleted by an Expire earlier in this batch
         results: list[Appended | tuple[ExpiredRow, ...] | None] = []
+        try:
+            with self._gate.shared():
+                self._commit(ops, batch_latest, expired, results)
+        except (plyvel.Error, RuntimeError) as exc:  # RuntimeError: the database is closed (a reopen failed)
+            self.write_error = _reason(exc)
+            raise
+        self.write_error = None
+        return results
+
+    def _commit(self, ops, batch_latest, expired, results) -> None:
         # one iterator, re-seeked per append, is several times cheaper than a new one per compaction scan
         with self._db.write_batch(transaction=True, sync=self._sync) as batch, \
                 self._db.iterator(include_value=False) as payload_keys:
@@ -180,7 +252,6 @@ class Store:
                     results.append(None)
                 else:
                     results.append(self._expire(batch, op, batch_latest, expired))
-        return results
 
     def _append(self, batch, payload_keys, op: Append, batch_latest: dict[tuple[str, str], tuple[int, int, int]],
                 expired: set[tuple[str, int]]) -> Appended:
@@ -247,18 +318,27 @@ class Store:
     def read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0) -> list[Message]:
         """Up to ``limit`` messages of ``clientid`` with seqno > ``after``, in seqno order.
 
-        Entries published before ``min_ts_ms`` (expired, not yet collected) are skipped.
+        Entries published before ``min_ts_ms`` (expired, not yet collected) are skipped. Blocks read from
+        disk are checksummed; raises StoreReadError when LevelDB finds one damaged or unreadable.
         """
+        try:
+            with self._gate.shared():
+                return self._read_after(clientid, after, limit, min_ts_ms)
+        except (plyvel.CorruptionError, plyvel.IOError) as exc:
+            raise StoreReadError(f"LevelDB at {self.path}: {_reason(exc)}") from exc
+
+    def _read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int) -> list[Message]:
         prefix = _INDEX + _s(clientid)
         messages: list[Message] = []
         with self._db.snapshot() as snap:
-            rows = snap.iterator(start=prefix + _U64.pack(after + 1), stop=prefix + _MAX_U64, include_stop=True)
+            rows = snap.iterator(start=prefix + _U64.pack(after + 1), stop=prefix + _MAX_U64, include_stop=True,
+                                 verify_checksums=True)
             for index_key, value in rows:
                 seqno = _U64.unpack_from(index_key, len(prefix))[0]
                 ts_ms, key = _U64.unpack_from(value)[0], value[_INDEX_VALUE.size:].decode()
                 if ts_ms < min_ts_ms:
                     continue
-                payload = snap.get(_payload_key(clientid, key, seqno, ts_ms))
+                payload = snap.get(_payload_key(clientid, key, seqno, ts_ms), verify_checksums=True)
                 if payload is not None:
                     messages.append(Message(seqno, key, payload, ts_ms))
                     if len(messages) >= limit:
@@ -267,7 +347,8 @@ class Store:
 
     def ack_state(self, clientid: str) -> AckState:
         """The stored progress of ``clientid``'s consumer (acked 0 when it never acked)."""
-        raw = self._db.get(_STATE + _s(clientid))
+        with self._gate.shared():
+            raw = self._db.get(_STATE + _s(clientid))
         return _decode_state(raw) if raw else AckState()
 
     def last_seqno(self, clientid: str) -> int:
@@ -342,6 +423,96 @@ class Store:
         """Every stored consumer state as (clientid, state), in clientid key order."""
         for row, value in self._db.iterator(prefix=_STATE):
             yield _read_s(row, 1)[0], _decode_state(value)
+
+
+def repair(path: Path) -> None:
+    """Rebuild the LevelDB database at ``path`` from what can still be read (``plyvel.repair_db``).
+
+    Entries in damaged table blocks and the records of a damaged or cut log are dropped (LevelDB moves
+    unreadable files to ``path/lost``), so queue rows and acked positions may be lost or move back.
+    Raises StoreError when the database is in use or cannot be repaired.
+    """
+    if not (path / "CURRENT").exists():
+        raise StoreError(f"{path} holds no LevelDB database")
+    try:
+        plyvel.DB(str(path), paranoid_checks=False).close()
+    except plyvel.IOError as exc:
+        if "lock" in _reason(exc).lower():
+            raise StoreError(f"LevelDB at {path} is in use (is a broker running?): {_reason(exc)}") from exc
+    except plyvel.Error:
+        pass  # damaged: that is what the repair is for
+    try:
+        plyvel.repair_db(str(path), paranoid_checks=False)
+    except plyvel.Error as exc:
+        raise StoreError(f"cannot repair LevelDB at {path}: {_reason(exc)}") from exc
+
+
+def _reason(exc: Exception) -> str:
+    """LevelDB's status text of a plyvel error (plyvel gives it as bytes)."""
+    arg = exc.args[0] if exc.args else exc
+    return arg.decode(errors="replace") if isinstance(arg, bytes) else str(arg)
+
+
+def _space_for(path: Path) -> bool:
+    """True when a 1 MiB file can be written and synced in ``path`` (then removed)."""
+    probe = path / ".ecq-space-probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, bytes(_SPACE_PROBE_BYTES))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+class _Gate:
+    """Many users of the database at once, or one reopen alone (a readers-writer lock that a thread may
+    enter again while it holds it). A waiting reopen keeps new users out, so it cannot starve."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._users = 0
+        self._exclusive = False
+        self._depth = threading.local()
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        depth = getattr(self._depth, "n", 0)
+        if not depth:
+            with self._cond:
+                while self._exclusive:
+                    self._cond.wait()
+                self._users += 1
+        self._depth.n = depth + 1
+        try:
+            yield
+        finally:
+            self._depth.n = depth
+            if not depth:
+                with self._cond:
+                    self._users -= 1
+                    if not self._users:
+                        self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._exclusive = True
+            while self._users:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
 
 
 @dataclass(frozen=True, slots=True)
