@@ -20,7 +20,7 @@ the GIL released by plyvel) and are meant to run in a thread pool, off the event
 
 from __future__ import annotations
 
-import os
+import shutil
 import struct
 import threading
 import time
@@ -47,7 +47,7 @@ class StoreReadError(StoreError):
     """A stored block cannot be read (LevelDB reports corruption or an I/O error): retrying will not help."""
 
 
-_SPACE_PROBE_BYTES = 1 << 20  # a write of this size must succeed before a failed store is reopened
+_REOPEN_SPARE_BYTES = 8 << 20  # free space beyond twice the log before a failed store is reopened (2 memtables)
 
 
 def _s(text: str) -> bytes:
@@ -200,7 +200,7 @@ class Store:
             return func(*args)
 
     def reopen_if_space(self) -> bool:
-        """After a failed commit: once a 1 MiB file can be written in the data directory, close and reopen
+        """After a failed commit: once the disk has room (twice the log plus 8 MiB free), close and reopen
         LevelDB, which clears the error LevelDB keeps after a failed background write (a memtable flush that
         hit ENOSPC fails every later write until the database is reopened). Blocks until no read or commit
         is running. Returns True when the database was reopened. Raises StoreError if it cannot be reopened
@@ -216,8 +216,12 @@ class Store:
 
     def commits_without_waiting(self) -> bool:
         """True when a commit should not block on disk: no fsync (``sync`` off) and LevelDB's level 0 below
-        its write-slowdown mark (4 of the 8 files at which LevelDB starts delaying every write by 1 ms)."""
-        return not self._sync and int(self._db.get_property(b"leveldb.num-files-at-level0")) < _L0_INLINE_LIMIT
+        its write-slowdown mark (4 of the 8 files at which LevelDB starts delaying every write by 1 ms), and
+        no reopen under way."""
+        if self._sync or self._gate.reopening:  # a commit would wait for the reopen: not on the event loop
+            return False
+        with self._gate.shared():
+            return int(self._db.get_property(b"leveldb.num-files-at-level0")) < _L0_INLINE_LIMIT
 
     # --- writes -------------------------------------------------------------------------------------
 
@@ -454,20 +458,10 @@ def _reason(exc: Exception) -> str:
 
 
 def _space_for(path: Path) -> bool:
-    """True when a 1 MiB file can be written and synced in ``path`` (then removed)."""
-    probe = path / ".ecq-space-probe"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, bytes(_SPACE_PROBE_BYTES))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.unlink(missing_ok=True)
+    """True when the filesystem of ``path`` has room to reopen LevelDB and go on writing: recovery turns
+    the log into a table file (at most the log's size), then the next memtable flush needs its own."""
+    log_bytes = sum(f.stat().st_size for f in path.glob("*.log"))
+    return shutil.disk_usage(path).free >= 2 * log_bytes + _REOPEN_SPARE_BYTES
 
 
 class _Gate:
@@ -479,6 +473,11 @@ class _Gate:
         self._users = 0
         self._exclusive = False
         self._depth = threading.local()
+
+    @property
+    def reopening(self) -> bool:
+        """True while a reopen waits for or holds the database."""
+        return self._exclusive
 
     @contextmanager
     def shared(self) -> Iterator[None]:
