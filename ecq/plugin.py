@@ -216,7 +216,8 @@ class EcqPlugin(BaseTopicPlugin):
 
     async def _recover_store(self) -> None:
         """After a failed commit, reopen LevelDB once the disk has room again (see Store.reopen_if_space)."""
-        if not self.store.write_error:
+        reason = self.store.write_error
+        if not reason:
             return
         try:
             reopened = await asyncio.get_running_loop().run_in_executor(None, self.store.reopen_if_space)
@@ -224,8 +225,7 @@ class EcqPlugin(BaseTopicPlugin):
             log.error("ECQ store reopen failed, retrying in %.0f s: %s", STORE_RECOVERY_INTERVAL_S, exc)
             return
         if reopened:
-            log.warning("ECQ store reopened after failed writes (%s); writes are accepted again", self.store.write_error)
-            self.store.write_error = None
+            log.warning("ECQ store reopened after failed writes (%s); writes are accepted again", reason)
 
     def stored_totals(self) -> tuple[int, int]:
         """(entries, payload bytes) stored, as counted by this broker since start."""

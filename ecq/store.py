@@ -152,7 +152,7 @@ class Store:
         self._seqnos: dict[str, int] = {}
         self._seqno_lock = threading.Lock()
         self._gate = _Gate()
-        self.write_error: str | None = None  # why the last commit failed; None once a commit succeeds
+        self.write_error: str | None = None  # the I/O error that suspended commits; None again after a reopen
         self._db = self._open()
 
     def _open(self) -> plyvel.DB:
@@ -201,10 +201,11 @@ class Store:
 
     def reopen_if_space(self) -> bool:
         """After a failed commit: once the disk has room (twice the log plus 8 MiB free), close and reopen
-        LevelDB, which clears the error LevelDB keeps after a failed background write (a memtable flush that
-        hit ENOSPC fails every later write until the database is reopened). Blocks until no read or commit
-        is running. Returns True when the database was reopened. Raises StoreError if it cannot be reopened
-        (then every operation fails until a later call succeeds).
+        LevelDB, which starts a new log and clears the error LevelDB keeps after a failed background write (a
+        memtable flush that hit ENOSPC fails every later write until the database is reopened); then
+        commits are accepted again. Blocks until no read or commit is running. Returns True when the
+        database was reopened. Raises StoreError if it cannot be reopened (then every operation fails
+        until a later call succeeds).
         """
         if not _space_for(self.path):
             return False
@@ -212,6 +213,7 @@ class Store:
             self._db.close()
             self._seqnos.clear()  # seqnos handed out by failed batches were never stored
             self._db = self._open()
+            self.write_error = None
         return True
 
     def commits_without_waiting(self) -> bool:
@@ -230,18 +232,24 @@ class Store:
 
         Returns one result per op: :class:`Appended` for an Append, the rows it deleted for an Expire
         (those still stored: an append of the same key may have replaced one since GC read it), None for
-        a SaveAck. Raises plyvel errors on I/O failure; then nothing was written.
+        a SaveAck. Raises plyvel errors on failure; then nothing was written.
+
+        After an I/O error (disk full) every commit raises StoreError until :meth:`reopen_if_space`
+        succeeds: a failed log write can leave a partial record at the log's end, which LevelDB's recovery
+        reads as an unfinished last write; a record written after it would make it a damaged middle, and
+        the next open (with paranoid checks) would fail.
         """
+        if self.write_error:
+            raise StoreError(f"writes suspended until LevelDB is reopened: {self.write_error}")
         batch_latest: dict[tuple[str, str], tuple[int, int, int]] = {}
         expired: set[tuple[str, int]] = set()  # (clientid, seqno) deleted by an Expire earlier in this batch
         results: list[Appended | tuple[ExpiredRow, ...] | None] = []
         try:
             with self._gate.shared():
                 self._commit(ops, batch_latest, expired, results)
-        except (plyvel.Error, RuntimeError) as exc:  # RuntimeError: the database is closed (a reopen failed)
+        except (plyvel.IOError, RuntimeError) as exc:  # RuntimeError: the database is closed (a reopen failed)
             self.write_error = _reason(exc)
             raise
-        self.write_error = None
         return results
 
     def _commit(self, ops, batch_latest, expired, results) -> None:
