@@ -20,6 +20,7 @@ the GIL released by plyvel) and are meant to run in a thread pool, off the event
 
 from __future__ import annotations
 
+import logging
 import shutil
 import struct
 import threading
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import plyvel
+
+log = logging.getLogger(__name__)
 
 _U64 = struct.Struct(">Q")
 _INDEX_VALUE = struct.Struct(">QI")  # publish ms, payload size in bytes; the key follows
@@ -153,6 +156,9 @@ class Store:
         self._seqno_lock = threading.Lock()
         self._gate = _Gate()
         self.write_error: str | None = None  # the I/O error that suspended commits; None again after a reopen
+        for log_file, cut in _cut_logs(path):
+            log.warning("LevelDB log %s ends inside a record (%d bytes): its last write was cut off (power loss, "
+                        "full disk or a truncated file); what followed it, if anything, is lost", log_file, cut)
         self._db = self._open()
 
     def _open(self) -> plyvel.DB:
@@ -457,6 +463,37 @@ def repair(path: Path) -> None:
         plyvel.repair_db(str(path), paranoid_checks=False)
     except plyvel.Error as exc:
         raise StoreError(f"cannot repair LevelDB at {path}: {_reason(exc)}") from exc
+
+
+_LOG_BLOCK, _LOG_HEADER = 32768, 7  # LevelDB log format: 32 KiB blocks of records with a 7-byte header
+_FULL, _FIRST, _LAST = 1, 2, 4
+
+
+def _cut_logs(path: Path) -> list[tuple[Path, int]]:
+    """(log file, bytes of the cut record) for each LevelDB log in ``path`` that ends inside a record.
+
+    LevelDB's recovery, even with ``paranoid_checks``, takes such a tail for a write that was under way
+    at a crash and drops it without a word; a log cut at a record boundary cannot be told from a whole one.
+    """
+    cut = []
+    for log_file in sorted(path.glob("*.log")):
+        data = log_file.read_bytes()
+        pos, record_start = 0, None  # record_start: offset of a FIRST fragment whose LAST has not come
+        while pos < len(data):
+            left_in_block = _LOG_BLOCK - pos % _LOG_BLOCK
+            if left_in_block < _LOG_HEADER:  # block trailer
+                pos += left_in_block
+                continue
+            end = pos + _LOG_HEADER + int.from_bytes(data[pos + 4:pos + 6], "little")
+            if end > len(data):
+                record_start = pos if record_start is None else record_start
+                break
+            kind = data[pos + 6]
+            record_start = pos if kind == _FIRST else None if kind in (_FULL, _LAST) else record_start
+            pos = end
+        if record_start is not None:
+            cut.append((log_file, len(data) - record_start))
+    return cut
 
 
 def _reason(exc: Exception) -> str:

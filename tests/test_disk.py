@@ -105,6 +105,24 @@ def test_garbage_in_the_log_stops_start_up(tmp_path):
     broker.start()
 
 
+def test_cut_log_is_reported(tmp_path, connect):
+    """LevelDB, even with paranoid_checks, opens a log that ends inside a record (it takes it for a write
+    cut by a crash) and drops that record: the broker starts and names the file and the bytes cut."""
+    broker = BrokerProcess(tmp_path, data_retention="3650d")
+    store = Store(broker.data_dir)
+    for i in range(10):
+        store.commit([Append("d4", f"k{i}", os.urandom(5000), 1_700_000_000_000 + i)])
+    store.close()
+    log_file = next(broker.data_dir.glob("*.log"))
+    os.truncate(log_file, log_file.stat().st_size - 1000)
+
+    broker.start()
+    assert f"LevelDB log {log_file} ends inside a record (" in broker.log()
+    consumer = connect(broker.port, "d4")
+    assert consumer.subscribe("$ECQ/d4/#") == 1
+    assert len(consumer.expect(9)) == 9 and consumer.quiet(1.0) == []  # the cut last write is gone
+
+
 def metrics(broker: BrokerProcess) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{broker.admin_port}/metrics", timeout=10) as response:
         return response.read().decode()
