@@ -185,7 +185,7 @@ class Store:
         """
         started, rows, last = time.monotonic(), 0, b""
         try:
-            with self._gate.shared():
+            with self._gate:
                 # values share the blocks of their keys: reading every key reads (and checks) every block
                 for key in self._db.iterator(verify_checksums=True, fill_cache=False, include_value=False):
                     rows, last = rows + 1, key
@@ -202,7 +202,7 @@ class Store:
 
     def run(self, func: Callable, *args):
         """``func(*args)`` while no :meth:`reopen` can close the database under it (for reads that iterate)."""
-        with self._gate.shared():
+        with self._gate:
             return func(*args)
 
     def reopen_if_space(self) -> bool:
@@ -228,7 +228,7 @@ class Store:
         no reopen under way."""
         if self._sync or self._gate.reopening:  # a commit would wait for the reopen: not on the event loop
             return False
-        with self._gate.shared():
+        with self._gate:
             return int(self._db.get_property(b"leveldb.num-files-at-level0")) < _L0_INLINE_LIMIT
 
     # --- writes -------------------------------------------------------------------------------------
@@ -251,7 +251,7 @@ class Store:
         expired: set[tuple[str, int]] = set()  # (clientid, seqno) deleted by an Expire earlier in this batch
         results: list[Appended | tuple[ExpiredRow, ...] | None] = []
         try:
-            with self._gate.shared():
+            with self._gate:
                 self._commit(ops, batch_latest, expired, results)
         except (plyvel.IOError, RuntimeError) as exc:  # RuntimeError: the database is closed (a reopen failed)
             self.write_error = _reason(exc)
@@ -340,8 +340,7 @@ class Store:
         disk are checksummed; raises StoreReadError when LevelDB finds one damaged or unreadable.
         """
         try:
-            with self._gate.shared():
-                return self._read_after(clientid, after, limit, min_ts_ms)
+            return self._read_after(clientid, after, limit, min_ts_ms)
         except (plyvel.CorruptionError, plyvel.IOError) as exc:
             raise StoreReadError(f"LevelDB at {self.path}: {_reason(exc)}") from exc
 
@@ -365,8 +364,7 @@ class Store:
 
     def ack_state(self, clientid: str) -> AckState:
         """The stored progress of ``clientid``'s consumer (acked 0 when it never acked)."""
-        with self._gate.shared():
-            raw = self._db.get(_STATE + _s(clientid))
+        raw = self._db.get(_STATE + _s(clientid))
         return _decode_state(raw) if raw else AckState()
 
     def last_seqno(self, clientid: str) -> int:
@@ -510,38 +508,30 @@ def _space_for(path: Path) -> bool:
 
 
 class _Gate:
-    """Many users of the database at once, or one reopen alone (a readers-writer lock that a thread may
-    enter again while it holds it). A waiting reopen keeps new users out, so it cannot starve."""
+    """Many users of the database at once (``with gate:``), or one reopen alone (``with gate.exclusive():``).
+    A waiting reopen keeps new users out, so it cannot starve. Not reentrant: a user must not enter again."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
         self._users = 0
         self._exclusive = False
-        self._depth = threading.local()
 
     @property
     def reopening(self) -> bool:
         """True while a reopen waits for or holds the database."""
         return self._exclusive
 
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        depth = getattr(self._depth, "n", 0)
-        if not depth:
-            with self._cond:
-                while self._exclusive:
-                    self._cond.wait()
-                self._users += 1
-        self._depth.n = depth + 1
-        try:
-            yield
-        finally:
-            self._depth.n = depth
-            if not depth:
-                with self._cond:
-                    self._users -= 1
-                    if not self._users:
-                        self._cond.notify_all()
+    def __enter__(self) -> None:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._users += 1
+
+    def __exit__(self, *_exc: object) -> None:
+        with self._cond:
+            self._users -= 1
+            if not self._users and self._exclusive:
+                self._cond.notify_all()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
