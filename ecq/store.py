@@ -143,9 +143,11 @@ _L0_INLINE_LIMIT = 4  # level-0 files; LevelDB slows writes at 8 and stops them 
 
 
 class Store:
-    """The ECQ LevelDB database at ``path`` (created if missing).
+    """The ECQ LevelDB database at ``path`` (created if missing), opened with ``paranoid_checks``.
 
-    Raises StoreError when the database cannot be opened. ``sync=True`` fsyncs every commit.
+    Raises StoreError when the database cannot be opened. ``sync=True`` fsyncs every commit. A broker
+    that may call :meth:`reopen_if_space` runs its reads through :meth:`run`, so that no read uses the
+    database while it is closed and opened again; :meth:`commit` takes care of itself.
     """
 
     def __init__(self, path: Path, sync: bool = False) -> None:
@@ -201,7 +203,7 @@ class Store:
             self._db.close()
 
     def run(self, func: Callable, *args):
-        """``func(*args)`` while no :meth:`reopen` can close the database under it (for reads that iterate)."""
+        """``func(*args)`` while no :meth:`reopen_if_space` can close the database under it (for reads that iterate)."""
         with self._gate:
             return func(*args)
 

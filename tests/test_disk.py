@@ -240,3 +240,9 @@ def test_full_disk_degrades_then_recovers_when_space_is_freed(small_disk, tmp_pa
 def queue(broker: BrokerProcess, clientid: str) -> dict:
     with urllib.request.urlopen(f"http://127.0.0.1:{broker.admin_port}/api/v1/queues/{clientid}", timeout=10) as r:
         return json.load(r)
+
+
+def test_repair_refuses_a_store_in_use(broker):
+    result = repair(broker.data_dir)
+    assert result.returncode == 1
+    assert f"LevelDB at {broker.data_dir} is in use (is a broker running?)" in result.stderr
