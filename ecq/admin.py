@@ -13,7 +13,8 @@ accepted hosts are ``<admin_bind host>:<port>``, and when it is a loopback or wi
 ====== ============================ ==================================================================
 method path                         answer
 ====== ============================ ==================================================================
-GET    /api/v1/health               ``{"status": "ok"}``
+GET    /api/v1/health               ``{"status": "ok"}``; 503 ``{"status": "degraded", "reason": ...}`` while
+                                    store writes fail (disk full)
 GET    /api/v1/status               queues, messages, bytes, consumers online, first/last index entries
 GET    /api/v1/queues/{clientid}    one queue (see ecq.status.queue_info); 404 when unknown
 POST   /api/v1/gc                   run GC now: ``{"deleted": rows}``
@@ -130,8 +131,9 @@ def _bearer_auth(token: str):
     return middleware
 
 
-async def _health(_request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+async def _health(request: web.Request) -> web.Response:
+    health = request.app[_PLUGIN].health()
+    return web.json_response(health, status=200 if health["status"] == "ok" else 503)
 
 
 async def _status(request: web.Request) -> web.Response:

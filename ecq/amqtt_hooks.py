@@ -56,6 +56,7 @@ from amqtt.mqtt.pubcomp import PubcompPacket
 from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
 from amqtt.mqtt.pubrec import PubrecPacket
 from amqtt.mqtt.subscribe import SubscribePayload
+from amqtt.plugins.manager import PluginManager
 from amqtt.session import OUTGOING, OutgoingApplicationMessage, Session
 
 from ecq.topics import is_ecq_topic
@@ -132,6 +133,8 @@ def install(plugin_class: type) -> None:
     _conformant_fan_out()
     _resend_unacked_on_reconnect()
     _enforce_keepalive()
+    raise_pre_start_failure()
+    quiet_start_failure_traceback()
 
 
 def handle_puback_at_once(handler: BrokerProtocolHandler, puback: PubackPacket) -> Coroutine[Any, Any, None]:
@@ -896,3 +899,34 @@ def _enforce_keepalive() -> None:
 
     BrokerProtocolHandler.init_from_connect = classmethod(init_from_connect)
     BrokerProtocolHandler.handle_read_timeout = handle_read_timeout
+
+
+# --- start-up failures are reported, not hidden (issue 10) ---------------------------------------------
+
+def raise_pre_start_failure() -> None:
+    """Make ``Broker.start`` raise the failure of the ECQ plugin's ``on_broker_pre_start``.
+
+    amqtt 0.12.1's ``PluginManager.fire_event(PRE_START, wait=True)`` runs each plugin's handler in a task
+    and only waits for it: an exception stays in the task, and ``Broker.start`` goes on to open the
+    listeners, so a broker whose store, writers and admin API never started logged "running". The plugin
+    keeps its failure in ``start_error``; this wrapper raises it before any listener is opened.
+    """
+    original_fire_event = PluginManager.fire_event
+
+    async def fire_event(manager: PluginManager, event_name: Any, *, wait: bool = False, **kwargs: Any) -> None:
+        await original_fire_event(manager, event_name, wait=wait, **kwargs)
+        if event_name == BrokerEvents.PRE_START and (plugin := _find_plugin(manager)) and plugin.start_error:
+            raise plugin.start_error
+
+    PluginManager.fire_event = fire_event
+
+
+class _NoStartFailureTraceback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Broker startup failed"
+
+
+def quiet_start_failure_traceback() -> None:
+    """Drop amqtt 0.12.1's ``logger.exception("Broker startup failed")`` in ``Broker.start``: it prints a
+    traceback for an ordinary failure such as a port in use, which ``ecq broker`` reports in one line."""
+    logging.getLogger("amqtt.broker").addFilter(_NoStartFailureTraceback())

@@ -2,15 +2,17 @@
 
 ``ecq broker`` runs amqtt with the ECQ plugin in the foreground. ``ecq status``, ``ecq inspect``,
 ``ecq gc`` and ``ecq show-config`` talk to a running broker through its admin API (issue 4); when no
-broker answers, ``status`` and ``inspect`` read the data directory directly.
+broker answers, ``status`` and ``inspect`` read the data directory directly. ``ecq repair`` rebuilds a
+damaged store.
 
-Exit codes: 0 ok, 1 not found (or, for ``broker``, a runtime failure such as a port in use or a locked
-store), 2 usage or configuration error, 3 broker unreachable.
+Exit codes: 0 ok, 1 not found (or, for ``broker``, a runtime failure such as a port in use, a locked or
+corrupt store; for ``repair``, a store it cannot repair), 2 usage or configuration error, 3 broker unreachable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc as pygc  # the name gc is the `ecq gc` command below
 import json
 import logging
@@ -26,14 +28,15 @@ from typing import Any
 import click
 import yaml
 from amqtt.broker import Broker
+from amqtt.contexts import BrokerConfig, ListenerConfig
 from pydantic import ValidationError
 
 from ecq.acl import AclError, load_acl
-from ecq.config import EcqSettings
+from ecq.config import EcqSettings, split_host_port
 from ecq.pipeline_cli import pipeline
 from ecq.plugin import PLUGIN_PATH, EcqPlugin
 from ecq.status import broker_status, queue_info
-from ecq.store import Store, StoreError
+from ecq.store import Store, StoreError, repair as repair_store
 
 EXIT_NOT_FOUND, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections of Python's cyclic GC (CPython: 700)
@@ -70,7 +73,57 @@ def load_broker_config(path: Path | None) -> dict[str, Any]:
     if not isinstance(plugins, dict) or PLUGIN_PATH not in plugins:
         raise click.UsageError(f"broker config {path} does not list {PLUGIN_PATH} under 'plugins:'")
     plugins[PLUGIN_PATH] = plugins[PLUGIN_PATH] or {}
+    check_broker_keys(config, path)
     return config
+
+
+# amqtt 0.12.1's BrokerConfig fields; it also takes `topic-check` for `topic_check`
+_BROKER_KEYS = {f.name for f in dataclasses.fields(BrokerConfig)} | {"topic-check"}
+_LISTENER_KEYS = {f.name for f in dataclasses.fields(ListenerConfig)}
+
+
+def check_broker_keys(config: dict[str, Any], path: Path | None) -> None:
+    """Refuse unknown top-level keys and listener keys of an amqtt broker config, and a listener ``bind``
+    that is not ``HOST:PORT`` (amqtt 0.12.1 would bind every interface for ``:1883`` and port 1883 for
+    ``127.0.0.1:``). Raises click.UsageError naming the key."""
+    unknown = sorted(set(config) - _BROKER_KEYS)
+    if unknown:
+        raise click.UsageError(f"broker config {path}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                               f"amqtt accepts {', '.join(sorted(_BROKER_KEYS))}")
+    listeners = config.get("listeners") or {}
+    if not isinstance(listeners, dict):
+        raise click.UsageError(f"broker config {path}: 'listeners' must be a mapping of listener names")
+    for name, listener in listeners.items():
+        if not isinstance(listener, dict):
+            raise click.UsageError(f"broker config {path}: listeners.{name} must be a mapping")
+        if unknown := sorted(set(listener) - _LISTENER_KEYS):
+            raise click.UsageError(f"broker config {path}: listeners.{name}: unknown key(s) {', '.join(map(repr, unknown))}")
+        if "bind" in listener:
+            try:
+                split_host_port(listener["bind"])
+            except ValueError as exc:
+                raise click.UsageError(f"broker config {path}: listeners.{name}.bind: {exc}") from exc
+
+
+def check_data_dir(path: Path) -> None:
+    """Refuse a ``data_dir`` that is a file, cannot be created or is not writable (click.UsageError)."""
+    if path.exists() and not path.is_dir():
+        raise click.UsageError(f"data_dir {path}: exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.UsageError(f"data_dir {path}: cannot create it: {exc.strerror or exc}") from exc
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise click.UsageError(f"data_dir {path}: not writable")
+
+
+def _check_bind(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    if value is not None:
+        try:
+            split_host_port(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from exc
+    return value
 
 
 def check_plugin_options(options: dict[str, Any]) -> EcqSettings:
@@ -88,13 +141,15 @@ def check_plugin_options(options: dict[str, Any]) -> EcqSettings:
             load_acl(settings.acl_file)
         except AclError as exc:
             raise click.UsageError(f"bad ACL file: {exc}") from exc
+    check_data_dir(settings.data_dir)
     return settings
 
 
 @main.command()
 @click.option("-c", "--config", "config_path", type=click.Path(path_type=Path, dir_okay=False),
               help="amqtt broker YAML config listing ecq.plugin.EcqPlugin (default: the packaged one)")
-@click.option("--bind", help="HOST:PORT of the MQTT TCP listener (overrides the config's default listener)")
+@click.option("--bind", callback=_check_bind,
+              help="HOST:PORT of the MQTT TCP listener (overrides the config's default listener)")
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False),
               help="LevelDB directory (overrides the plugin's data_dir)")
 @click.option("--acl", "acl_file", type=click.Path(path_type=Path, dir_okay=False),
@@ -131,7 +186,7 @@ async def _serve(config: dict[str, Any]) -> int:
     try:
         broker = Broker(config)
         await broker.start()
-    except Exception as exc:
+    except Exception as exc:  # port in use, store corrupt or locked, admin API address taken: one line, exit 1
         cause = exc.__cause__ or exc
         log.error("broker failed to start: %s", cause)
         return 1
@@ -171,6 +226,30 @@ def _reload_acl(plugin: EcqPlugin) -> None:
         plugin.reload_acl()
     except AclError as exc:
         log.error("ACL reload failed, keeping the old rules: %s", exc)
+
+
+@main.command("repair")
+@click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), required=True,
+              help="the broker's LevelDB directory (the broker must be stopped)")
+def repair(data_dir: Path) -> None:
+    """Rebuild a damaged store from what can still be read (LevelDB RepairDB).
+
+    Entries in damaged blocks and the tail of a cut log are dropped: queue rows and acked positions may
+    be lost or move back (a consumer then gets some messages again). Exit 1 when it cannot repair.
+    """
+    try:
+        repair_store(data_dir)
+        store = Store(data_dir)
+        try:
+            rows, _seconds = store.verify()
+            entries, _bytes = store.stored_totals()
+        finally:
+            store.close()
+    except StoreError as exc:
+        click.echo(f"ecq repair: {exc}", err=True)
+        sys.exit(1)
+    click.echo(f"repaired {data_dir}: {rows} rows readable, {entries} queue entries; unreadable files, if any, "
+               f"are in {data_dir / 'lost'} and LevelDB's report in {data_dir / 'LOG'}")
 
 
 # --- operator commands: talk to the admin API --------------------------------------------------------

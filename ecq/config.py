@@ -8,12 +8,14 @@ names the option and the rule it broke; ``ecq broker`` prints it and exits befor
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, StrictBool,
+                      StrictInt, field_validator, model_validator)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -37,7 +39,26 @@ def parse_duration(value: Any) -> float:
     return float(number) * _UNIT_SECONDS[unit]
 
 
-PositiveDuration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0)]
+MAX_DURATION_S = 10 * 365 * 86400.0  # ten years: anything longer is a typo, and timers need finite values
+
+
+def _bounded(minimum_s: float):
+    """A duration option of at least ``minimum_s`` and at most ten years (NaN and infinity refused)."""
+    def check(seconds: float) -> float:
+        if not math.isfinite(seconds) or not minimum_s <= seconds <= MAX_DURATION_S:
+            raise ValueError(f"must be a duration from {_show(minimum_s)} to 10 years, not {seconds!r} s")
+        return seconds
+    return Annotated[float, BeforeValidator(parse_duration), AfterValidator(check)]
+
+
+def _show(seconds: float) -> str:
+    return f"{seconds * 1000:g}ms" if seconds < 1 else f"{seconds:g}s"
+
+
+Timer = _bounded(0.01)       # heartbeat, timeouts, export interval: a shorter timer only burns CPU
+GcInterval = _bounded(0.1)
+Retention = _bounded(1.0)
+Int = StrictInt              # YAML `true` is not 1
 
 
 class EcqSettings(BaseModel):
@@ -50,34 +71,34 @@ class EcqSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     data_dir: Path = Field(default=Path("storage"), description="LevelDB directory; created if missing")
-    writer_pool_size: int = Field(default=0, ge=0, le=10240, description="writer agents; 0 = CPU count")
-    data_retention: PositiveDuration = Field(default=7 * 86400.0, description="age after which GC deletes a write")
-    gc_interval: PositiveDuration = Field(default=3600.0, description="time between GC passes")
-    reader_batch_size: int = Field(default=5, ge=1, le=31, description="inflight window per consumer")
-    write_timeout: PositiveDuration = Field(default=5.0, description="an append not committed in time fails")
-    read_timeout: PositiveDuration = Field(default=5.0, description="a batch read not done in time is retried")
-    heartbeat_interval: PositiveDuration = Field(default=5.0, description="re-poll of idle online consumers")
-    max_payload_bytes: int = Field(default=1024 * 1024, ge=0, le=MAX_REMAINING_LENGTH, description="largest write payload")
-    max_packet_bytes: int | None = Field(default=None, ge=0, le=MAX_REMAINING_LENGTH,
+    writer_pool_size: Int = Field(default=0, ge=0, le=10240, description="writer agents; 0 = CPU count")
+    data_retention: Retention = Field(default=7 * 86400.0, description="age after which GC deletes a write")
+    gc_interval: GcInterval = Field(default=3600.0, description="time between GC passes")
+    reader_batch_size: Int = Field(default=5, ge=1, le=31, description="inflight window per consumer")
+    write_timeout: Timer = Field(default=5.0, description="an append not committed in time fails")
+    read_timeout: Timer = Field(default=5.0, description="a batch read not done in time is retried")
+    heartbeat_interval: Timer = Field(default=5.0, description="re-poll of idle online consumers")
+    max_payload_bytes: Int = Field(default=1024 * 1024, ge=0, le=MAX_REMAINING_LENGTH, description="largest write payload")
+    max_packet_bytes: Int | None = Field(default=None, ge=0, le=MAX_REMAINING_LENGTH,
                                          description="largest MQTT packet body; None = max_payload_bytes + 65539")
-    connect_timeout: PositiveDuration = Field(default=10.0, description="a connection without CONNECT in time is closed")
-    sync_writes: bool = Field(default=False, description="fsync each commit (survives power loss, slower)")
+    connect_timeout: Timer = Field(default=10.0, description="a connection without CONNECT in time is closed")
+    sync_writes: StrictBool = Field(default=False, description="fsync each commit (survives power loss, slower)")
     acl_file: Path | None = Field(default=None, description="EMQX-syntax ACL file; None = no ACL")
     acl_nomatch: Literal["allow", "deny"] = Field(default="allow", description="decision when no ACL rule matches")
     admin_bind: str | None = Field(default="127.0.0.1:18083", description="HOST:PORT of the admin API; None = off")
     admin_token: SecretStr | None = Field(default=None, description="bearer token the admin API requires; "
                                           "shown as ********** in dumps, reprs and the admin API")
-    events: bool = Field(default=True, description="record queue events and export them to lake_dir")
+    events: StrictBool = Field(default=True, description="record queue events and export them to lake_dir")
     lake_dir: Path | None = Field(default=None, description="Parquet event lake; None = <data_dir>/lake")
-    export_interval: PositiveDuration = Field(default=1.0, description="time between event exports")
-    events_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024, description="event buffer bound, bytes")
-    listen_backlog: int = Field(default=1024, ge=1, le=65535,
+    export_interval: Timer = Field(default=1.0, description="time between event exports")
+    events_max_bytes: Int = Field(default=256 * 1024 * 1024, ge=1024, description="event buffer bound, bytes")
+    listen_backlog: Int = Field(default=1024, ge=1, le=65535,
                                 description="accept queue of the broker's TCP listeners (kernel caps it at somaxconn)")
-    session_max_queued: int = Field(default=1000, ge=1,
+    session_max_queued: Int = Field(default=1000, ge=1,
                                     description="QoS 1/2 messages kept per disconnected persistent session")
-    session_max_inflight: int = Field(default=100, ge=1,
+    session_max_inflight: Int = Field(default=100, ge=1,
                                       description="unacked QoS 1/2 messages kept per persistent session for resend")
-    session_expiry: PositiveDuration = Field(default=7200.0,
+    session_expiry: Timer = Field(default=7200.0,
                                              description="a disconnected persistent session is forgotten after this")
 
     @field_validator("admin_bind")
@@ -121,11 +142,12 @@ class EcqSettings(BaseModel):
         return self.lake_dir or self.data_dir / "lake"
 
 
-def split_host_port(value: str) -> tuple[str, int]:
-    """``"127.0.0.1:18083"`` / ``"[::1]:18083"`` -> (host, port). Raises ValueError naming the rule."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{value!r} is not HOST:PORT with a port from 1 to 65535")
+def split_host_port(value: Any) -> tuple[str, int]:
+    """``"127.0.0.1:18083"`` / ``"[::1]:18083"`` -> (host, port). The host is required (``0.0.0.0`` for every
+    IPv4 interface). Raises ValueError naming the rule."""
+    host, sep, port = str(value).rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{value!r} is not HOST:PORT with a host and a port from 1 to 65535")
     return host.strip("[]"), int(port)
 
 

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from ecq.deadlines import SharedDeadline
-from ecq.store import AckState, Message, SaveAck, Store
+from ecq.store import AckState, Message, SaveAck, Store, StoreReadError
 from ecq.topics import delivery_topic
 from ecq.writer import PoolClosed, WriterPool
 
@@ -145,6 +145,10 @@ class Consumer:
                 wanted = free + self._window  # read one window ahead: one store read per window of PUBACKs
                 try:
                     messages = await self._read(wanted)
+                except StoreReadError as exc:  # a damaged block stays damaged: stop rather than retry forever
+                    log.error("ECQ delivery of %s stopped: cannot read its queue: %s; stop the broker and run "
+                              "`ecq repair`", self.clientid, exc)
+                    return
                 except Exception as exc:  # timeout or LevelDB error: a later round retries, nothing is skipped
                     log.warning("ECQ read for %s failed (%s); retrying in %.1fs",
                                 self.clientid, exc or type(exc).__name__, self._read_deadline.timeout_s)

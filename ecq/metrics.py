@@ -32,6 +32,8 @@ class EcqMetrics:
             "ecq_session_dropped", "messages of ordinary topics dropped from a persistent session: queue_full "
             "(session_max_queued), inflight_full (session_max_inflight)", ["reason"], registry=r)
         self.gc_runs = Counter("ecq_gc_runs", "garbage collection passes", registry=r)
+        self.store_errors = Counter("ecq_store_errors", "LevelDB operations that failed, by op (read: a damaged "
+                                    "block stopped a queue's delivery; write: a commit failed)", ["op"], registry=r)
         self.gc_deleted = Counter("ecq_gc_deleted_rows", "entries deleted by garbage collection", registry=r)
         self.append_latency = Histogram("ecq_append_latency_seconds", "PUBLISH received to write committed",
                                         buckets=_LATENCY_BUCKETS_S, registry=r)

@@ -32,7 +32,7 @@ from ecq.deadlines import SharedDeadline
 from ecq.delivery import Consumer, now_ms
 from ecq.metrics import EcqMetrics
 from ecq.readers import BatchedReader
-from ecq.store import Append, Appended, Expire, ExpiredRow, Message, Op, Store
+from ecq.store import Append, Appended, Expire, ExpiredRow, Message, Op, Store, StoreError, StoreReadError
 from ecq.topics import BadWrite, is_ecq_topic, parse_target, parse_write, queue_filter
 from ecq.writer import PoolClosed, WriterPool
 
@@ -43,6 +43,7 @@ SECRET_OPTIONS = frozenset({"admin_token"})  # never shown by options(); pydanti
 REDACTED = "**********"                      # what pydantic's SecretStr shows
 GC_EVENTS_PENDING = 2048     # GC waits while more events than this wait for the recorder's thread
 GC_EVENTS_WAIT_S = 0.02
+STORE_RECOVERY_INTERVAL_S = 1.0  # after a failed commit, how often to look for free space and reopen LevelDB
 
 
 class EcqPlugin(BaseTopicPlugin):
@@ -62,7 +63,11 @@ class EcqPlugin(BaseTopicPlugin):
         self.settings = EcqSettings(**self._origin)
         self.acl: Acl | None = load_acl(self.settings.acl_file) if self.settings.acl_file else None
         self.store = Store(self.settings.data_dir, sync=self.settings.sync_writes)
-        self.pool = WriterPool(self.store, self.settings.effective_pool_size(), self._on_commit)
+        rows, seconds = self.store.verify()
+        log.info("ECQ store checked: %d rows read with checksums in %.2f s", rows, seconds)
+        self.pool = WriterPool(self.store, self.settings.effective_pool_size(), self._on_commit,
+                               on_error=self._commit_failed)
+        self.start_error: Exception | None = None  # raised by ecq.amqtt_hooks from Broker.start
         self.consumers: dict[str, Consumer] = {}
         self.events = self._open_events() if self.settings.events else None
         self.metrics = EcqMetrics({
@@ -102,23 +107,32 @@ class EcqPlugin(BaseTopicPlugin):
         """Count what is stored, start the writer agents, GC, heartbeat, event export and the admin API.
 
         amqtt awaits this before it opens its listeners, so once the MQTT port accepts, ECQ is ready.
-        A failure to bind the admin API is logged and the broker runs without it.
+        amqtt 0.12.1 runs it in a task and ignores its exception, so a failure (the store cannot be read,
+        the admin address is taken) is kept in ``start_error``; ecq.amqtt_hooks raises it from Broker.start.
         """
+        try:
+            await self._start()
+        except Exception as exc:
+            self.start_error = exc
+
+    async def _start(self) -> None:
         self._queues = await self.read(self.store.count_queues)
         self._stored_entries, self._stored_bytes = await self.read(self.store.stored_totals)
         self.pool.start()
         self._tasks = [asyncio.create_task(self._every(self.settings.gc_interval, self.run_gc), name="ecq-gc"),
                        asyncio.create_task(self._every(self.settings.heartbeat_interval, self._heartbeat),
-                                           name="ecq-heartbeat")]
+                                           name="ecq-heartbeat"),
+                       asyncio.create_task(self._every(STORE_RECOVERY_INTERVAL_S, self._recover_store),
+                                           name="ecq-store-recovery")]
         if self.events:
             await self._start_events()
         if self.settings.admin_bind:
             host, port = split_host_port(self.settings.admin_bind)
             try:
                 self._admin = await admin.serve(self, host, port, self.settings.admin_token_value())
-                log.info("ECQ admin API on http://%s/ (metrics at /metrics)", self.settings.admin_bind)
-            except OSError as exc:
-                log.error("ECQ admin API not started: cannot bind %s: %s", self.settings.admin_bind, exc)
+            except OSError as exc:  # another broker's API there would answer `ecq status` for this one
+                raise OSError(f"cannot serve the admin API on {self.settings.admin_bind}: {exc.strerror or exc}") from None
+            log.info("ECQ admin API on http://%s/ (metrics at /metrics)", self.settings.admin_bind)
 
     async def on_broker_post_start(self) -> None:
         """Widen the MQTT listeners' accept queue to ``listen_backlog`` once amqtt opened them."""
@@ -183,7 +197,41 @@ class EcqPlugin(BaseTopicPlugin):
 
     async def read(self, func, *args):
         """Run a blocking store read ``func(*args)`` in the plugin's reader threads (drained before the store closes)."""
-        return await self._reader.read(func, *args)
+        return await self._read_soon(func, *args)
+
+    def _read_soon(self, func, *args) -> asyncio.Future:
+        """A future of ``func(*args)`` run in a reader thread while the store cannot be reopened under it;
+        a StoreReadError (damaged block) is counted as ``ecq_store_errors_total{op="read"}``."""
+        future = self._reader.read(self.store.run, func, *args)
+        future.add_done_callback(self._count_read_error)
+        return future
+
+    def _count_read_error(self, future: asyncio.Future) -> None:
+        if not future.cancelled() and isinstance(future.exception(), StoreReadError):
+            self.metrics.store_errors.labels("read").inc()
+
+    def _commit_failed(self, _exc: Exception) -> None:
+        self.metrics.store_errors.labels("write").inc()
+
+    def health(self) -> dict[str, str]:
+        """``{"status": "ok"}``, or ``{"status": "degraded", "reason": ...}`` while commits to the store fail
+        (writes get no PUBACK, ack positions are not saved)."""
+        if self.store.write_error:
+            return {"status": "degraded", "reason": f"store writes fail: {self.store.write_error}"}
+        return {"status": "ok"}
+
+    async def _recover_store(self) -> None:
+        """After a failed commit, reopen LevelDB once the disk has room again (see Store.reopen_if_space)."""
+        reason = self.store.write_error
+        if not reason:
+            return
+        try:
+            reopened = await asyncio.get_running_loop().run_in_executor(None, self.store.reopen_if_space)
+        except StoreError as exc:
+            log.error("ECQ store reopen failed, retrying in %.0f s: %s", STORE_RECOVERY_INTERVAL_S, exc)
+            return
+        if reopened:
+            log.warning("ECQ store reopened after failed writes (%s); writes are accepted again", reason)
 
     def stored_totals(self) -> tuple[int, int]:
         """(entries, payload bytes) stored, as counted by this broker since start."""
@@ -419,7 +467,7 @@ class EcqPlugin(BaseTopicPlugin):
             state = await self.read(self.store.ack_state, clientid)
             self.consumers.setdefault(clientid, Consumer(
                 clientid, state, store=self.store, pool=self.pool, publish=hooks.publish_qos1, observer=self,
-                read=self._reader.read,
+                read=self._read_soon,
                 window=self.settings.reader_batch_size, read_deadline=self._read_deadline,
                 retention_s=self.settings.data_retention))
         # checked after the await: an UNSUBSCRIBE, disconnect, takeover or shutdown may have happened meanwhile

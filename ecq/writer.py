@@ -30,11 +30,14 @@ class PoolClosed(RuntimeError):
 
 
 class WriterPool:
-    """``size`` agents over ``store``; ``on_commit(ops, results)`` runs on the event loop after each batch."""
+    """``size`` agents over ``store``; ``on_commit(ops, results)`` runs on the event loop after each batch,
+    ``on_error(exc)`` after each batch that failed."""
 
-    def __init__(self, store: Store, size: int, on_commit: OnCommit, max_batch: int = 1024) -> None:
+    def __init__(self, store: Store, size: int, on_commit: OnCommit, max_batch: int = 1024,
+                 on_error: Callable[[Exception], None] = lambda _exc: None) -> None:
         self._store = store
         self._on_commit = on_commit
+        self._on_error = on_error
         self._max_batch = max_batch
         self._queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(size)]
         self._executor = ThreadPoolExecutor(max_workers=min(size, 4), thread_name_prefix="ecq-writer")
@@ -86,6 +89,7 @@ class WriterPool:
                     results = await loop.run_in_executor(self._executor, self._store.commit, ops)
             except Exception as exc:  # LevelDB I/O error: fail this batch, keep the agent alive
                 log.error("ECQ commit of %d ops failed: %s", len(ops), exc)
+                self._on_error(exc)
                 for _, fut in live:
                     if not fut.done():
                         fut.set_exception(exc)

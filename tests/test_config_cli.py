@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 
 import pytest
@@ -33,7 +34,7 @@ def test_defaults_follow_the_spec():
     ("writer_pool_size", 10241, "less than or equal to 10240"),
     ("writer_pool_size", -1, "greater than or equal to 0"),
     ("data_retention", "7 weeks", "not a duration"),
-    ("gc_interval", "0s", "greater than 0"),
+    ("gc_interval", "0s", "must be a duration from 100ms to 10 years"),
     ("write_timeout", True, "must be a duration"),
     ("max_payload_bytes", -5, "greater than or equal to 0"),
     ("retention", "7d", "Extra inputs are not permitted"),
@@ -102,3 +103,105 @@ def test_default_config_with_bind_and_data_dir_and_sigint(tmp_path):
     finally:
         proc.kill()
 
+
+
+# --- issue 10: values that would break the broker are refused at start-up --------------------------------
+
+def refused(result: subprocess.CompletedProcess, code: int, *expected: str) -> None:
+    assert result.returncode == code, result.stderr
+    for text in expected:
+        assert text in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("yaml_options, expected", [
+    ("heartbeat_interval: .inf", "heartbeat_interval: Value error, must be a duration from 10ms to 10 years, not inf s"),
+    ("read_timeout: .nan", "read_timeout: Value error, must be a duration from 10ms to 10 years, not nan s"),
+    ("heartbeat_interval: 1.0e-7", "heartbeat_interval: Value error, must be a duration from 10ms to 10 years"),
+    ("write_timeout: 0.001", "write_timeout: Value error, must be a duration from 10ms to 10 years"),
+    ("gc_interval: 4000d", "gc_interval: Value error, must be a duration from 100ms to 10 years"),
+    ("data_retention: 100ms", "data_retention: Value error, must be a duration from 1s to 10 years"),
+    ("reader_batch_size: true", "reader_batch_size: Input should be a valid integer"),
+    ("writer_pool_size: '4'", "writer_pool_size: Input should be a valid integer"),
+    ("max_payload_bytes: 1.5", "max_payload_bytes: Input should be a valid integer"),
+    ("sync_writes: 1", "sync_writes: Input should be a valid boolean"),
+])
+def test_broker_refuses_absurd_values(tmp_path, yaml_options, expected):
+    config = yaml.safe_dump(ecq_config(data_dir=str(tmp_path / "d"))) + ""
+    config = config.replace("ecq.plugin.EcqPlugin:\n", f"ecq.plugin.EcqPlugin:\n    {yaml_options}\n")
+    refused(run_broker(tmp_path, config), 2, expected)
+
+
+@pytest.mark.parametrize("bind", ["nonsense", ":99999", "127.0.0.1:", ":31911", "127.0.0.1:0", "[]:1883"])
+def test_bind_option_must_be_host_and_port(tmp_path, bind):
+    result = run_broker(tmp_path, ecq_config(data_dir=str(tmp_path / "d")), "--bind", bind)
+    refused(result, 2, f"Invalid value for '--bind': {bind!r} is not HOST:PORT with a host and a port from 1 to 65535")
+
+
+@pytest.mark.parametrize("bind", [":1883", "127.0.0.1:", "localhost:70000", 1883])
+def test_listener_bind_must_be_host_and_port(tmp_path, bind):
+    config = ecq_config(data_dir=str(tmp_path / "d"))
+    config["listeners"]["default"]["bind"] = bind
+    refused(run_broker(tmp_path, config), 2, "listeners.default.bind:", "is not HOST:PORT")
+
+
+@pytest.mark.parametrize("key, named", [("timeout-disconnect-delay", "'timeout-disconnect-delay'"),
+                                        ("listners", "'listners'")])
+def test_unknown_top_level_keys_are_refused(tmp_path, key, named):
+    config = ecq_config(data_dir=str(tmp_path / "d"))
+    config[key] = 2
+    refused(run_broker(tmp_path, config), 2, f"unknown key(s) {named}", "amqtt accepts auth, listeners, plugins")
+
+
+def test_unknown_listener_key_is_refused(tmp_path):
+    config = ecq_config(data_dir=str(tmp_path / "d"))
+    config["listeners"]["default"]["max_conections"] = 5
+    refused(run_broker(tmp_path, config), 2, "listeners.default: unknown key(s) 'max_conections'")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory on a read-only tmpfs (unmounted at teardown)."""
+    path = tmp_path / "ro"
+    path.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs (needs root): {result.stderr.strip()}")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_unusable_data_dir_is_named(tmp_path, read_only_dir):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    refused(run_broker(tmp_path, ecq_config(data_dir=str(a_file))), 2, f"data_dir {a_file}: exists and is not a directory")
+    refused(run_broker(tmp_path, ecq_config(data_dir=str(a_file / "sub"))), 2,
+            f"data_dir {a_file / 'sub'}: cannot create it: Not a directory")
+    refused(run_broker(tmp_path, ecq_config(data_dir=str(read_only_dir))), 2, f"data_dir {read_only_dir}: not writable")
+
+
+def listening_socket() -> tuple[socket.socket, int]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock, sock.getsockname()[1]
+
+
+def test_mqtt_port_in_use_is_one_line_and_exit_1(tmp_path):
+    sock, port = listening_socket()
+    with sock:
+        result = run_broker(tmp_path, ecq_config(data_dir=str(tmp_path / "d"), admin_bind=""), "--bind", f"127.0.0.1:{port}")
+    refused(result, 1, f"broker failed to start: [Errno 98] error while attempting to bind on address ('127.0.0.1', {port})")
+    assert result.stderr.count("ERROR") == 1
+
+
+def test_admin_port_in_use_is_fatal(tmp_path):
+    """A broker running without its API would let `ecq status` report on whichever broker holds the port."""
+    sock, admin_port = listening_socket()
+    mqtt_port = free_port()
+    with sock:
+        result = run_broker(tmp_path, ecq_config(data_dir=str(tmp_path / "d"), admin_bind=f"127.0.0.1:{admin_port}"),
+                            "--bind", f"127.0.0.1:{mqtt_port}")
+    refused(result, 1, f"broker failed to start: cannot serve the admin API on 127.0.0.1:{admin_port}: "
+                       "error while attempting to bind")
+    assert "broker running" not in result.stderr and "Listener 'default' bind" not in result.stderr
