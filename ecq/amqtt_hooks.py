@@ -1,29 +1,31 @@
-"""The two places where ECQ must own amqtt 0.12.1's behaviour, and every use of its internals.
+"""Every place where ECQ owns amqtt 0.12.1's behaviour, and every use of its internals (one module on purpose).
 
-Plugin events cannot do what SPEC.md section 1 asks, because in stock amqtt 0.12.1:
+:func:`install` wraps amqtt's methods once per process, one line per correction. Each wrapper finds the
+ECQ plugin in the broker's or handler's own PluginManager, so several brokers in one process work
+independently and a broker without the ECQ plugin behaves exactly as stock amqtt. Each correction's
+docstring names the amqtt behaviour it replaces. The sections, in file order:
 
-1. ``ProtocolHandler.handle_publish`` queues an incoming QoS 1 PUBLISH and sends its PUBACK at once,
-   before anything is stored; then ``Broker._handle_message_delivery`` logs a warning for any topic
-   starting with ``$`` and ends that client's message loop. So ``BrokerProtocolHandler.handle_publish``
-   is wrapped: a PUBLISH under ``$ECQ/`` goes to :meth:`EcqPlugin.handle_ecq_publish`, which stores the
-   write and only then acknowledges it (MQTT 3.1.1 section 4.3.2: PUBACK after taking ownership).
-2. ``topic_filtering`` plugins see a SUBSCRIBE's filter but not its QoS, and ECQ queues are read only at
-   QoS 1. So ``Broker.add_subscription`` is wrapped: for a ``$ECQ/`` filter the plugin grants QoS 1 or
-   refuses with return code 0x80 (MQTT 3.1.1 section 3.9.3).
-
-3. ``PublishVariableHeader`` refuses ``+``/``#`` in a PUBLISH topic while decoding, leaving the rest of
-   the packet unread; the reader then takes the payload for a new packet and drops the connection. For
-   ``$ECQ/`` topics the check is left to ECQ, which refuses such a write with a reason and keeps the
-   publisher connected (SPEC.md section 1, bad writes). Other topics keep amqtt's check.
-
-The first two wrappers find the plugin in the handler's or broker's own PluginManager, so several brokers in one
-process work independently and a broker without the ECQ plugin behaves exactly as stock amqtt.
-
-ECQ's own packets (the PUBACK of a write, the PUBLISH of a delivery) do not go through amqtt's
-``_send_packet``, which makes one socket ``send`` per packet: :func:`send_soon` gathers every packet for
-a connection queued during one event-loop iteration into one write. A commit of a few hundred writes
-then answers each publisher with one ``send`` instead of one per PUBACK (issue 5 profile: the per-packet
-``send`` was 14 % of the event loop). amqtt's ``PACKET_SENT`` plugin event is not fired for them.
+1. ECQ's own paths. Plugin events cannot do what SPEC.md section 1 asks, because in stock amqtt:
+   ``ProtocolHandler.handle_publish`` PUBACKs a QoS 1 PUBLISH before anything is stored, so a PUBLISH
+   under ``$ECQ/`` goes to :meth:`EcqPlugin.handle_ecq_publish`, which stores, then acknowledges (MQTT
+   3.1.1 section 4.3.2); ``topic_filtering`` plugins do not see a SUBSCRIBE's QoS, so
+   ``Broker.add_subscription`` asks the plugin to grant QoS 1 or refuse (0x80, section 3.9.3);
+   ``PublishVariableHeader`` refuses ``+``/``#`` mid-decode and desynchronises the stream, so for
+   ``$ECQ/`` topics ECQ refuses such a write itself and keeps the publisher connected. ECQ's own packets
+   (write PUBACKs, deliveries) leave through :func:`send_soon`, one socket write per connection and
+   event-loop iteration (issue 5: one ``send`` per packet was 14 % of the loop); amqtt's
+   ``PACKET_SENT`` event is not fired for them.
+2. An acknowledged message stays acknowledged (issue 10, points 4 and 9): a PUBACK counts the moment it
+   is decoded, also when the client resets the connection right after it; a persistent-session takeover
+   closes only the old connection.
+3. Bad clients (issue 10, points 6, 7, 8, 10): sockets closed on every path, CONNECT timeout, packet size
+   and protocol checks before a body is read, ``$``-topics no longer end a client's loop, a bounded log of
+   accept failures.
+4. Nothing reaches ``$ECQ/<clientid>/...`` but ECQ's delivery (issue 10, point 1): Wills, broadcasts,
+   retained messages.
+5. MQTT 3.1.1 for ordinary topics (issue 15): persistent sessions, retained messages, QoS of a fan-out,
+   resend on reconnect, keepalive, with per-session bounds.
+6. Start-up failures are reported, not hidden (issue 10, point 11).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import socket
 import struct
 import time
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -105,18 +107,11 @@ def install(plugin_class: type) -> None:
         header.topic_name, header.packet_id = topic_name, packet_id
 
     BrokerProtocolHandler.handle_publish = handle_publish
-    BrokerProtocolHandler.handle_puback = handle_puback_at_once
-    original_stream_connected = Broker.stream_connected
-
-    async def stream_connected(broker: Broker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                               listener_name: str) -> None:
-        reader.set_exception = _end_of_stream_after_buffered_data(reader)
-        return await original_stream_connected(broker, reader, writer, listener_name)
-
-    Broker.stream_connected = stream_connected
-    _install_persistent_takeover()
     Broker.add_subscription = add_subscription
     PublishVariableHeader.__init__ = header_init
+    BrokerProtocolHandler.handle_puback = handle_puback_at_once
+    _read_to_the_end_after_a_reset()
+    _keep_the_new_connection_on_persistent_takeover()
     _close_abandoned_connections()
     _time_limit_connect()
     _check_fixed_headers()
@@ -135,76 +130,6 @@ def install(plugin_class: type) -> None:
     _enforce_keepalive()
     raise_pre_start_failure()
     quiet_start_failure_traceback()
-
-
-def handle_puback_at_once(handler: BrokerProtocolHandler, puback: PubackPacket) -> Coroutine[Any, Any, None]:
-    """Resolve the waiter of an incoming PUBACK while the reader loop decodes it, not in a task of its own.
-
-    amqtt 0.12.1's reader loop runs ``handle_puback`` in a new task and cancels every such task still
-    pending when the stream ends, so a PUBACK that arrived together with DISCONNECT or the end of the
-    connection (``mosquitto_sub -C 1``) was dropped and ECQ redelivered an acknowledged message. Here the
-    waiter is resolved before the reader reads the next packet; what amqtt schedules is a finished no-op.
-    """
-    packet_id = puback.packet_id
-    waiter = handler._puback_waiters.get(packet_id)
-    if waiter is None or waiter.done():
-        log.warning("PUBACK for unknown packet id %s from %s", packet_id, client_id(handler))
-    else:
-        waiter.set_result(puback)
-    return _nothing()
-
-
-def _end_of_stream_after_buffered_data(reader: asyncio.StreamReader) -> Callable[[BaseException], None]:
-    """What a TCP connection's StreamReader does when the connection fails: end the stream after the bytes
-    already received, as a normal close does.
-
-    asyncio's ``StreamReader.set_exception`` makes every later read raise at once, even while the bytes
-    received before the failure are still buffered. A client that closes with unread data in its socket
-    makes its kernel send RST instead of FIN (``mosquitto_sub -C 1`` with more messages in flight): the
-    PUBACK it sent just before was in the buffer, amqtt 0.12.1's reader loop never decoded it, and ECQ
-    redelivered an acknowledged message (issue 10, point 4). The error itself is only logged.
-    """
-    def end_of_stream(exc: BaseException) -> None:
-        log.debug("connection error %r: the stream ends after the bytes already received", exc)
-        reader.feed_eof()
-    return end_of_stream
-
-
-async def _nothing() -> None:
-    return None
-
-
-def _install_persistent_takeover() -> None:
-    """Keep the newest connection of a persistent session up when it takes over an older one.
-
-    On a takeover amqtt 0.12.1 hands the one Session object of a clean-session-off client to the new
-    connection and stops the old connection's handler; the old message loop then ends in
-    ``Broker._handle_disconnect``, which marks that shared session disconnected, fires
-    CLIENT_DISCONNECTED and publishes the session's Will (by then the new CONNECT's). The session monitor
-    later deletes the "disconnected" session and closes the new connection too (issue 10, point 9:
-    EOF 0.7 s after a takeover). MQTT 3.1.1 section 3.1.4 closes only the existing connection. So the
-    handler being replaced is noted before amqtt's takeover starts, and its end only stops that handler.
-    """
-    original_session = Broker._handle_client_session
-    original_disconnect = Broker._handle_disconnect
-    taken_over: weakref.WeakSet[BrokerProtocolHandler] = weakref.WeakSet()
-
-    async def handle_client_session(broker: Broker, reader: Any, writer: Any, session: Session,
-                                    handler: BrokerProtocolHandler, *args: Any) -> None:
-        _, previous = broker._sessions.get(session.client_id, (None, None))
-        if previous is not None and previous is not handler and previous.session is session:
-            taken_over.add(previous)
-        return await original_session(broker, reader, writer, session, handler, *args)
-
-    async def handle_disconnect(broker: Broker, session: Session, handler: BrokerProtocolHandler,
-                                disconnect_waiter: asyncio.Future) -> None:
-        if handler in taken_over:
-            await broker._stop_handler(handler)
-            return
-        await original_disconnect(broker, session, handler, disconnect_waiter)
-
-    Broker._handle_client_session = handle_client_session
-    Broker._handle_disconnect = handle_disconnect
 
 
 def _find_plugin(plugins_manager: Any) -> EcqPlugin | None:
@@ -317,7 +242,88 @@ def set_listen_backlog(context: BrokerContext, backlog: int) -> int:
     return changed
 
 
-# --- Bad clients (issue 10: points 6, 7, 8 and 10) -----------------------------------------------------------
+# --- an acknowledged message stays acknowledged; a takeover keeps the new connection (issue 10: points 4, 9) ---
+
+
+def handle_puback_at_once(handler: BrokerProtocolHandler, puback: PubackPacket) -> Coroutine[Any, Any, None]:
+    """Resolve the waiter of an incoming PUBACK while the reader loop decodes it, not in a task of its own.
+
+    amqtt 0.12.1's reader loop runs ``handle_puback`` in a new task and cancels every such task still
+    pending when the stream ends, so a PUBACK that arrived together with DISCONNECT or the end of the
+    connection (``mosquitto_sub -C 1``) was dropped and ECQ redelivered an acknowledged message. Here the
+    waiter is resolved before the reader reads the next packet; what amqtt schedules is a finished no-op.
+    """
+    packet_id = puback.packet_id
+    waiter = handler._puback_waiters.get(packet_id)
+    if waiter is None or waiter.done():
+        log.warning("PUBACK for unknown packet id %s from %s", packet_id, client_id(handler))
+    else:
+        waiter.set_result(puback)
+    return _nothing()
+
+
+def _read_to_the_end_after_a_reset() -> None:
+    """When a TCP connection fails, its StreamReader ends the stream after the bytes already received, as a
+    normal close does.
+
+    asyncio's ``StreamReader.set_exception`` makes every later read raise at once, even while the bytes
+    received before the failure are still buffered. A client that closes with unread data in its socket
+    makes its kernel send RST instead of FIN (``mosquitto_sub -C 1`` with more messages in flight): the
+    PUBACK it sent just before was in the buffer, amqtt 0.12.1's reader loop never decoded it, and ECQ
+    redelivered an acknowledged message (issue 10, point 4). The error itself is only logged (debug).
+    """
+    original = Broker.stream_connected
+
+    async def stream_connected(broker: Broker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                               listener_name: str) -> None:
+        def end_of_stream(exc: BaseException) -> None:
+            log.debug("connection error %r: the stream ends after the bytes already received", exc)
+            reader.feed_eof()
+
+        reader.set_exception = end_of_stream
+        return await original(broker, reader, writer, listener_name)
+
+    Broker.stream_connected = stream_connected
+
+
+async def _nothing() -> None:
+    return None
+
+
+def _keep_the_new_connection_on_persistent_takeover() -> None:
+    """Keep the newest connection of a persistent session up when it takes over an older one.
+
+    On a takeover amqtt 0.12.1 hands the one Session object of a clean-session-off client to the new
+    connection and stops the old connection's handler; the old message loop then ends in
+    ``Broker._handle_disconnect``, which marks that shared session disconnected, fires
+    CLIENT_DISCONNECTED and publishes the session's Will (by then the new CONNECT's). The session monitor
+    later deletes the "disconnected" session and closes the new connection too (issue 10, point 9:
+    EOF 0.7 s after a takeover). MQTT 3.1.1 section 3.1.4 closes only the existing connection. So the
+    handler being replaced is noted before amqtt's takeover starts, and its end only stops that handler.
+    """
+    original_session = Broker._handle_client_session
+    original_disconnect = Broker._handle_disconnect
+    taken_over: weakref.WeakSet[BrokerProtocolHandler] = weakref.WeakSet()
+
+    async def handle_client_session(broker: Broker, reader: Any, writer: Any, session: Session,
+                                    handler: BrokerProtocolHandler, *args: Any) -> None:
+        _, previous = broker._sessions.get(session.client_id, (None, None))
+        if previous is not None and previous is not handler and previous.session is session:
+            taken_over.add(previous)
+        return await original_session(broker, reader, writer, session, handler, *args)
+
+    async def handle_disconnect(broker: Broker, session: Session, handler: BrokerProtocolHandler,
+                                disconnect_waiter: asyncio.Future) -> None:
+        if handler in taken_over:
+            await broker._stop_handler(handler)
+            return
+        await original_disconnect(broker, session, handler, disconnect_waiter)
+
+    Broker._handle_client_session = handle_client_session
+    Broker._handle_disconnect = handle_disconnect
+
+
+# --- bad clients (issue 10: points 6, 7, 8 and 10) -----------------------------------------------------------
 # Each function below corrects one amqtt 0.12.1 (or asyncio) behaviour and is installed by one line in install().
 # The connection hooks act only on brokers that run the ECQ plugin: their connections are in _connections, by reader.
 
@@ -841,14 +847,16 @@ def _resend_unacked_on_reconnect() -> None:
         await asyncio.gather(*(asyncio.wait_for(handler._handle_message_flow(m), _RESEND_TIMEOUT_S) for m in messages),
                              return_exceptions=True)
 
-    async def handle_puback(handler: BrokerProtocolHandler, puback: PubackPacket) -> None:
+    def handle_puback(handler: BrokerProtocolHandler, puback: PubackPacket) -> Coroutine[Any, Any, None]:
+        # not a coroutine function: like handle_puback_at_once, it acts while the reader loop decodes the PUBACK
         packet_id = puback.variable_header.packet_id if puback.variable_header else None
         late = handler.session.inflight_out.get(packet_id) if handler.session else None
         if (packet_id in handler._puback_waiters or late is None or late.qos != QOS_1 or is_ecq_topic(late.topic)
                 or _find_plugin(handler.plugins_manager) is None):
-            return await original_puback(handler, puback)
+            return original_puback(handler, puback)
         late.puback_packet = puback
         del handler.session.inflight_out[packet_id]
+        return _nothing()
 
     BrokerProtocolHandler._handle_message_flow = handle_message_flow
     BrokerProtocolHandler._retry_deliveries = retry_deliveries

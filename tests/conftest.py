@@ -8,18 +8,25 @@ from tests.harness import BrokerProcess, Client
 
 
 @pytest.fixture
-def make_broker(tmp_path):
-    """Factory: make_broker(**plugin_options) -> started BrokerProcess; every one is killed at teardown."""
-    started: list[BrokerProcess] = []
+def broker_process(tmp_path):
+    """Factory: broker_process(**options) -> BrokerProcess in ``tmp_path``, not started (its config and data dir
+    can be prepared first); every one is killed at teardown, whoever started it."""
+    made: list[BrokerProcess] = []
 
     def factory(**options) -> BrokerProcess:
-        broker = BrokerProcess(tmp_path, **options).start()
-        started.append(broker)
+        broker = BrokerProcess(tmp_path, **options)
+        made.append(broker)
         return broker
 
     yield factory
-    for broker in started:
+    for broker in made:
         broker.kill()
+
+
+@pytest.fixture
+def make_broker(broker_process):
+    """Factory: make_broker(**plugin_options) -> started BrokerProcess; every one is killed at teardown."""
+    return lambda **options: broker_process(**options).start()
 
 
 @pytest.fixture

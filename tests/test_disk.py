@@ -51,8 +51,8 @@ def repair(data_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run([ECQ, "repair", "--data-dir", str(data_dir)], capture_output=True, text=True, timeout=60)
 
 
-def test_garbage_in_a_table_file_stops_start_up_until_repair(tmp_path, connect):
-    broker = BrokerProcess(tmp_path, data_retention="3650d")
+def test_garbage_in_a_table_file_stops_start_up_until_repair(tmp_path, connect, broker_process):
+    broker = broker_process(data_retention="3650d")
     fill_store(broker.data_dir, "d1", 3000, 2000)
     table = ldb_files(broker.data_dir)[0]
     overwrite(table, 100, 20_000)
@@ -75,8 +75,8 @@ def test_garbage_in_a_table_file_stops_start_up_until_repair(tmp_path, connect):
     assert len(consumer.expect(kept, timeout=30)) == kept
 
 
-def test_truncated_table_file_is_named(tmp_path):
-    broker = BrokerProcess(tmp_path)
+def test_truncated_table_file_is_named(tmp_path, broker_process):
+    broker = broker_process()
     fill_store(broker.data_dir, "d2", 3000, 2000)
     table = ldb_files(broker.data_dir)[0]
     os.truncate(table, table.stat().st_size // 2)
@@ -89,8 +89,8 @@ def test_truncated_table_file_is_named(tmp_path):
     broker.start()
 
 
-def test_garbage_in_the_log_stops_start_up(tmp_path):
-    broker = BrokerProcess(tmp_path)
+def test_garbage_in_the_log_stops_start_up(tmp_path, broker_process):
+    broker = broker_process()
     store = Store(broker.data_dir)
     store.commit([Append("d3", f"k{i}", b"v" * 1000, 1_700_000_000_000) for i in range(200)])
     store.close()  # the writes are in the .log only
@@ -105,10 +105,10 @@ def test_garbage_in_the_log_stops_start_up(tmp_path):
     broker.start()
 
 
-def test_cut_log_is_reported(tmp_path, connect):
+def test_cut_log_is_reported(tmp_path, connect, broker_process):
     """LevelDB, even with paranoid_checks, opens a log that ends inside a record (it takes it for a write
     cut by a crash) and drops that record: the broker starts and names the file and the bytes cut."""
-    broker = BrokerProcess(tmp_path, data_retention="3650d")
+    broker = broker_process(data_retention="3650d")
     store = Store(broker.data_dir)
     for i in range(10):
         store.commit([Append("d4", f"k{i}", os.urandom(5000), 1_700_000_000_000 + i)])
@@ -128,8 +128,8 @@ def metrics(broker: BrokerProcess) -> str:
         return response.read().decode()
 
 
-def test_block_damaged_at_run_time_stops_that_queue_once(tmp_path, connect):
-    broker = BrokerProcess(tmp_path, data_retention="3650d", read_timeout="200ms")
+def test_block_damaged_at_run_time_stops_that_queue_once(tmp_path, connect, broker_process):
+    broker = broker_process(data_retention="3650d", read_timeout="200ms")
     fill_store(broker.data_dir, "bad", 3000, 2000)
     broker.start()
     for table in ldb_files(broker.data_dir):  # the data blocks; the index blocks at the end are already loaded
@@ -199,8 +199,8 @@ def try_write(port: int, key: str, payload: bytes) -> bool:
         client.close()
 
 
-def test_full_disk_degrades_then_recovers_when_space_is_freed(small_disk, tmp_path, connect):
-    broker = BrokerProcess(tmp_path, data_retention="3650d").start()
+def test_full_disk_degrades_then_recovers_when_space_is_freed(small_disk, tmp_path, connect, broker_process):
+    broker = broker_process(data_retention="3650d").start()
     assert broker.data_dir == small_disk
     producer = connect(broker.port, "p")
     for i in range(350):  # ~3.6 MB: LevelDB's 4 MB memtable is nearly full

@@ -13,7 +13,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from tests.harness import Client, wait_until
+from tests.harness import Client, RawClient, wait_until
 
 PUBLISH, PUBACK, PUBREC, PUBREL, PUBCOMP, SUBACK, PINGRESP = 3, 4, 5, 6, 7, 9, 13
 SESSION_MONITOR_WAIT_S = 2.5  # amqtt's session monitor runs every 1 s; nothing a client sees tells it ran
@@ -36,8 +36,8 @@ def _utf8(text: str) -> bytes:
     return struct.pack(">H", len(data)) + data
 
 
-class Mqtt:
-    """A raw MQTT 3.1.1 client on a socket; it acknowledges nothing unless told to."""
+class Mqtt(RawClient):
+    """A raw MQTT 3.1.1 client on a socket that reads flags and packet ids; it acknowledges nothing unless told to."""
 
     def __init__(self, port: int, client_id: str, clean: bool = True, keepalive: int = 60,
                  will: tuple[str, bytes] | None = None) -> None:
@@ -49,7 +49,7 @@ class Mqtt:
             flags |= 0x04  # Will flag, Will QoS 0, no Will retain
             payload += _utf8(will[0]) + struct.pack(">H", len(will[1])) + will[1]
         self.send(0x10, b"\x00\x04MQTT\x04" + bytes([flags]) + struct.pack(">H", keepalive) + payload)
-        kind, body = self.recv()
+        kind, body = self._recv()
         assert kind >> 4 == 2 and body[1] == 0, f"CONNECT refused: {kind:#x} {body!r}"
         self.session_present = bool(body[0] & 1)
 
@@ -72,7 +72,7 @@ class Mqtt:
         if self._held:
             return self._held.pop(0)
         self.sock.settimeout(timeout)
-        kind, body = self.recv()
+        kind, body = self._recv()
         assert kind >> 4 == PUBLISH, f"expected PUBLISH, got {kind:#x}"
         return self._parse(kind, body)
 
@@ -82,7 +82,7 @@ class Mqtt:
             return False
         self.sock.settimeout(seconds)
         try:
-            self.recv()
+            self._recv()
         except socket.timeout:
             return True
         return False
@@ -94,7 +94,7 @@ class Mqtt:
     def expect(self, kind: int, timeout: float = 5.0) -> bytes:
         """The body of the next packet, which must be of type ``kind``."""
         self.sock.settimeout(timeout)
-        got, body = self.recv()
+        got, body = self._recv()
         assert got >> 4 == kind, f"expected packet type {kind}, got {got:#x}"
         return body
 
@@ -116,30 +116,10 @@ class Mqtt:
         except ConnectionResetError:
             return True
 
-    def send(self, header: int, body: bytes) -> None:
-        size, encoded = len(body), bytearray()
-        while True:
-            byte, size = size % 128, size // 128
-            encoded.append(byte | (0x80 if size else 0))
-            if not size:
-                break
-        self.sock.sendall(bytes([header]) + bytes(encoded) + body)
-
-    def recv(self) -> tuple[int, bytes]:
-        header = self._read(1)[0]
-        size, shift = 0, 0
-        while True:
-            byte = self._read(1)[0]
-            size |= (byte & 0x7F) << shift
-            shift += 7
-            if not byte & 0x80:
-                break
-        return header, self._read(size)
-
     def _recv_skipping_publishes(self) -> tuple[int, bytes]:
         self.sock.settimeout(5)
         while True:
-            kind, body = self.recv()
+            kind, body = self._recv()
             if kind >> 4 != PUBLISH:
                 return kind, body
             self._held.append(self._parse(kind, body))
@@ -151,18 +131,6 @@ class Mqtt:
         topic, rest = body[2:2 + size].decode(), body[2 + size:]
         packet_id = struct.unpack(">H", rest[:2])[0] if qos else None
         return Publish(topic, rest[2:] if qos else rest, qos, bool(kind & 1), bool(kind & 8), packet_id)
-
-    def _read(self, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = self.sock.recv(n - len(data))
-            if not chunk:
-                raise ConnectionError("broker closed the connection")
-            data += chunk
-        return data
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def metric(broker, name: str) -> float:

@@ -113,10 +113,10 @@ def test_the_ecq_will_refusal_holds_whatever_the_acl_says(make_broker, tmp_path)
     attacker.drop()
 
 
-def test_a_plugin_broadcast_or_retain_under_ecq_reaches_no_queue(tmp_path, connect, monkeypatch):
+def test_a_plugin_broadcast_or_retain_under_ecq_reaches_no_queue(tmp_path, connect, monkeypatch, broker_process):
     repo = str(Path(__file__).resolve().parent.parent)  # the broker process imports tests.forger_plugin
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    broker = BrokerProcess(tmp_path)
+    broker = broker_process()
     config = yaml.safe_load(broker.config_path.read_text())
     config["plugins"][FORGER] = {}
     broker.config_path.write_text(yaml.safe_dump(config))
