@@ -31,17 +31,18 @@ from amqtt.broker import Broker
 from amqtt.contexts import BrokerConfig, ListenerConfig
 from pydantic import ValidationError
 
-from ecq.acl import AclError, load_acl
+from ecq.broker.acl import AclError, load_acl
 from ecq.config import EcqSettings, split_host_port
 from ecq.pipeline_cli import pipeline
-from ecq.plugin import PLUGIN_PATH, EcqPlugin
-from ecq.status import broker_status, queue_info
-from ecq.store import Store, StoreError, repair as repair_store
+from ecq.broker.plugin import PLUGIN_PATH, EcqPlugin
+from ecq.ops.status import broker_status, queue_info
+from ecq.queue.store import Store, StoreError, repair as repair_store
 
 EXIT_NOT_FOUND, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections of Python's cyclic GC (CPython: 700)
 GIL_SWITCH_INTERVAL_S = 0.0005  # how long a thread may hold the GIL while another waits (CPython: 0.005)
 DEFAULT_ADMIN = "127.0.0.1:18083"
+OLD_PLUGIN_PATH = "ecq.plugin.EcqPlugin"  # before the package layout; named in the error for old configs
 
 log = logging.getLogger("ecq")
 
@@ -70,6 +71,9 @@ def load_broker_config(path: Path | None) -> dict[str, Any]:
     if isinstance(plugins, list):  # amqtt also accepts a list of one-key mappings
         plugins = {k: v for item in plugins for k, v in (item.items() if isinstance(item, dict) else [(item, None)])}
         config["plugins"] = plugins
+    if isinstance(plugins, dict) and OLD_PLUGIN_PATH in plugins:
+        raise click.UsageError(f"broker config {path}: the plugin {OLD_PLUGIN_PATH} is now {PLUGIN_PATH}; rename it "
+                               "under 'plugins:'")
     if not isinstance(plugins, dict) or PLUGIN_PATH not in plugins:
         raise click.UsageError(f"broker config {path} does not list {PLUGIN_PATH} under 'plugins:'")
     plugins[PLUGIN_PATH] = plugins[PLUGIN_PATH] or {}
@@ -147,7 +151,7 @@ def check_plugin_options(options: dict[str, Any]) -> EcqSettings:
 
 @main.command()
 @click.option("-c", "--config", "config_path", type=click.Path(path_type=Path, dir_okay=False),
-              help="amqtt broker YAML config listing ecq.plugin.EcqPlugin (default: the packaged one)")
+              help="amqtt broker YAML config listing ecq.broker.plugin.EcqPlugin (default: the packaged one)")
 @click.option("--bind", callback=_check_bind,
               help="HOST:PORT of the MQTT TCP listener (overrides the config's default listener)")
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False),

@@ -62,7 +62,7 @@ Int = StrictInt              # YAML `true` is not 1
 
 
 class EcqSettings(BaseModel):
-    """Validated options of the ECQ plugin (the mapping under ``ecq.plugin.EcqPlugin`` in amqtt's ``plugins:``).
+    """Validated options of the ECQ plugin (the mapping under ``ecq.broker.plugin.EcqPlugin`` in amqtt's ``plugins:``).
 
     Units: durations in seconds (parsed from strings as above), sizes in bytes.
     Unknown options are refused so that a typo cannot silently fall back to a default.

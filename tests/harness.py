@@ -1,6 +1,6 @@
 """Test harness: real MQTT clients over TCP (paho-mqtt, and a raw socket client) with bounded waits.
 
-The broker process itself comes from :mod:`ecq.broker_process`.
+The broker process itself comes from :mod:`ecq.testing`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import paho.mqtt.client as mqtt
 
-from ecq.broker_process import ECQ, BrokerProcess, free_port, port_open, wait_until  # noqa: F401 (re-exported)
+from ecq.testing import ECQ, BrokerProcess, free_port, port_open, wait_until  # noqa: F401 (re-exported)
 
 
 @dataclass

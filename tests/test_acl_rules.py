@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ecq.acl import AclError, ClientInfo, Decision, load_acl, parse_acl
+from ecq.broker.acl import AclError, ClientInfo, Decision, load_acl, parse_acl
 
 ALLOW, DENY, NOMATCH = Decision.ALLOW, Decision.DENY, Decision.NOMATCH
 ACL_DIR = Path(__file__).resolve().parent.parent / "acl"

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from ecq.broker_process import ANONYMOUS_AUTH
+from ecq.testing import ANONYMOUS_AUTH
 from ecq.config import EcqSettings, parse_duration
 from tests.harness import ECQ, Client, free_port, port_open, wait_until
 
@@ -53,7 +53,7 @@ def run_broker(tmp_path, config: dict | str, *extra: str) -> subprocess.Complete
 
 def ecq_config(**options) -> dict:
     return {"listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{free_port()}"}},
-            "plugins": {**ANONYMOUS_AUTH, "ecq.plugin.EcqPlugin": options}}
+            "plugins": {**ANONYMOUS_AUTH, "ecq.broker.plugin.EcqPlugin": options}}
 
 
 @pytest.mark.parametrize("option, value, expected", [
@@ -69,7 +69,7 @@ def test_broker_refuses_to_start_with_a_bad_option(tmp_path, option, value, expe
 
 def test_broker_refuses_config_without_the_plugin(tmp_path):
     result = run_broker(tmp_path, {"listeners": {"default": {"type": "tcp", "bind": "127.0.0.1:1"}}})
-    assert result.returncode == 2 and "does not list ecq.plugin.EcqPlugin" in result.stderr
+    assert result.returncode == 2 and "does not list ecq.broker.plugin.EcqPlugin" in result.stderr
 
 
 def test_broker_refuses_unparsable_yaml(tmp_path):
@@ -128,7 +128,7 @@ def refused(result: subprocess.CompletedProcess, code: int, *expected: str) -> N
 ])
 def test_broker_refuses_absurd_values(tmp_path, yaml_options, expected):
     config = yaml.safe_dump(ecq_config(data_dir=str(tmp_path / "d"))) + ""
-    config = config.replace("ecq.plugin.EcqPlugin:\n", f"ecq.plugin.EcqPlugin:\n    {yaml_options}\n")
+    config = config.replace("ecq.broker.plugin.EcqPlugin:\n", f"ecq.broker.plugin.EcqPlugin:\n    {yaml_options}\n")
     refused(run_broker(tmp_path, config), 2, expected)
 
 

@@ -1,10 +1,10 @@
-"""ecq.deadlines.SharedDeadline: futures expire on time, one timer per event-loop iteration."""
+"""ecq.queue.deadlines.SharedDeadline: futures expire on time, one timer per event-loop iteration."""
 
 import asyncio
 
 import pytest
 
-from ecq.deadlines import SharedDeadline
+from ecq.queue.deadlines import SharedDeadline
 
 
 async def test_shared_deadline_fails_only_futures_still_pending():

@@ -11,8 +11,8 @@ import pyarrow.dataset as ds
 import pytest
 
 from ecq.events import COLUMNS
-from ecq.plugin import GcPacer
-from ecq.store import Append, Expire, Store
+from ecq.broker.plugin import GcPacer
+from ecq.queue.store import Append, Expire, Store
 from tests.harness import BrokerProcess, wait_until
 
 HOUR_MS = 3_600_000

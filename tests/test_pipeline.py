@@ -302,7 +302,7 @@ def test_load_refuses_bad_input_before_publishing(spark, make_broker, connect, t
 
 
 def test_load_counts_rows_it_could_not_publish(spark, tmp_path):
-    from ecq.broker_process import free_port
+    from ecq.testing import free_port
 
     csv = tmp_path / "rows.csv"
     csv.write_text("clientid,key,payload\n" + "".join(f"c{i % 3},k{i},v\n" for i in range(30)))

@@ -1,11 +1,11 @@
-"""ecq.readers.BatchedReader: results, errors, one thread hop per event-loop iteration, shutdown."""
+"""ecq.queue.readers.BatchedReader: results, errors, one thread hop per event-loop iteration, shutdown."""
 
 import asyncio
 import threading
 
 import pytest
 
-from ecq.readers import BatchedReader
+from ecq.queue.readers import BatchedReader
 
 
 @pytest.fixture

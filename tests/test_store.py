@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ecq.store import AckState, Append, Appended, Expire, SaveAck, Store, StoreError
+from ecq.queue.store import AckState, Append, Appended, Expire, SaveAck, Store, StoreError
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from benchlib.loadgen import Endpoint
-from ecq.broker_process import BrokerProcess, free_port, port_open, wait_until
+from ecq.testing import BrokerProcess, free_port, port_open, wait_until
 
 READY_TIMEOUT_S = 300.0   # a broker counting 1M stored entries at start-up takes a while
 STOP_TIMEOUT_S = 60.0     # a clean stop commits what is queued and closes LevelDB

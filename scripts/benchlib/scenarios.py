@@ -26,7 +26,7 @@ from benchlib.brokers import EcqBroker, ExternalBroker, StockBroker, elapsed_s
 from benchlib.loadgen import ConsumeTask, FlowTask, LoadPool, Messages, PublishTask, identified_payload, split
 from benchlib.report import Row, ScenarioResult, source_digest
 from benchlib.sampler import ResourceSampler, listen_drops, rss_split_bytes
-from ecq.store import Append, Store
+from ecq.queue.store import Append, Store
 
 SETUP_ALLOWANCE_S = 180.0     # connecting thousands of clients before a phase's barrier, and the way back
 MIN_RATE_PER_S = 300.0        # a phase gets count / MIN_RATE_PER_S seconds (at least 60) before TIMEOUT
@@ -487,7 +487,7 @@ SCALE_DRAINERS = 1000         # consumers draining their queues at each checkpoi
 
 def scale(bench: Bench, out: ScenarioResult) -> None:
     """--scale-entries / 10 queues: first 1 key each written over MQTT (the small checkpoint), then keys
-    k1..k9 added straight into the data dir with ecq.store.Store while the broker is stopped (this preload
+    k1..k9 added straight into the data dir with ecq.queue.store.Store while the broker is stopped (this preload
     bypasses MQTT), then one more MQTT write per queue. At each checkpoint: broker RSS after traffic that
     touched every queue, and disk bytes per stored entry. Finally GC of every entry, with the p99 of a
     paced realtime flow during GC next to the same flow without GC."""

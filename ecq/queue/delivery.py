@@ -27,10 +27,10 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from ecq.deadlines import SharedDeadline
-from ecq.store import AckState, Message, SaveAck, Store, StoreReadError
-from ecq.topics import delivery_topic
-from ecq.writer import PoolClosed, WriterPool
+from ecq.queue.deadlines import SharedDeadline
+from ecq.queue.store import AckState, Message, SaveAck, Store, StoreReadError
+from ecq.queue.topics import delivery_topic
+from ecq.queue.writer import PoolClosed, WriterPool
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from ecq.delivery import Consumer
-from ecq.store import AckState, IndexEntry, Store
+from ecq.queue.delivery import Consumer
+from ecq.queue.store import AckState, IndexEntry, Store
 
 CONSUMERS_LISTED = 100
 

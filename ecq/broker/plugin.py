@@ -1,4 +1,4 @@
-"""The ECQ amqtt broker plugin: enable it by listing ``ecq.plugin.EcqPlugin`` under ``plugins:``.
+"""The ECQ amqtt broker plugin: enable it by listing ``ecq.broker.plugin.EcqPlugin`` under ``plugins:``.
 
 It stores ``$ECQ/w/<clientid>/<key>`` writes in LevelDB with compaction by key, delivers each queue at
 QoS 1 to the one client ``<clientid>`` subscribed to ``$ECQ/<clientid>/#``, and garbage-collects
@@ -24,21 +24,21 @@ from amqtt.mqtt.publish import PublishPacket
 from amqtt.plugins.base import BaseTopicPlugin
 from amqtt.session import Session
 
-from ecq import admin
-from ecq import amqtt_hooks as hooks
-from ecq.acl import Acl, ClientInfo, Decision, load_acl
+from ecq.ops import admin
+from ecq.broker import amqtt_hooks as hooks
+from ecq.broker.acl import Acl, ClientInfo, Decision, load_acl
 from ecq.config import EcqSettings, split_host_port
-from ecq.deadlines import SharedDeadline
-from ecq.delivery import Consumer, now_ms
-from ecq.metrics import EcqMetrics
-from ecq.readers import BatchedReader
-from ecq.store import Append, Appended, Expire, ExpiredRow, Message, Op, Store, StoreError, StoreReadError
-from ecq.topics import BadWrite, is_ecq_topic, parse_target, parse_write, queue_filter
-from ecq.writer import PoolClosed, WriterPool
+from ecq.queue.deadlines import SharedDeadline
+from ecq.queue.delivery import Consumer, now_ms
+from ecq.ops.metrics import EcqMetrics
+from ecq.queue.readers import BatchedReader
+from ecq.queue.store import Append, Appended, Expire, ExpiredRow, Message, Op, Store, StoreError, StoreReadError
+from ecq.queue.topics import BadWrite, is_ecq_topic, parse_target, parse_write, queue_filter
+from ecq.queue.writer import PoolClosed, WriterPool
 
 log = logging.getLogger(__name__)
 
-PLUGIN_PATH = "ecq.plugin.EcqPlugin"
+PLUGIN_PATH = "ecq.broker.plugin.EcqPlugin"
 SECRET_OPTIONS = frozenset({"admin_token"})  # never shown by options(); pydantic's SecretStr hides them in inuse
 REDACTED = "**********"                      # what pydantic's SecretStr shows
 GC_EVENTS_PENDING = 2048     # GC waits while more events than this wait for the recorder's thread
@@ -50,7 +50,7 @@ class EcqPlugin(BaseTopicPlugin):
     """amqtt broker plugin for exclusive compacted queues.
 
     Raises (through amqtt's PluginInitError) pydantic.ValidationError for a bad option,
-    ecq.store.StoreError when the data directory cannot be opened, ecq.acl.AclError for a bad ACL file.
+    ecq.queue.store.StoreError when the data directory cannot be opened, ecq.broker.acl.AclError for a bad ACL file.
     """
 
     # amqtt fills this dataclass from the YAML mapping (and refuses unknown keys); EcqSettings validates it.
@@ -67,7 +67,7 @@ class EcqPlugin(BaseTopicPlugin):
         log.info("ECQ store checked: %d rows read with checksums in %.2f s", rows, seconds)
         self.pool = WriterPool(self.store, self.settings.effective_pool_size(), self._on_commit,
                                on_error=self._commit_failed)
-        self.start_error: Exception | None = None  # raised by ecq.amqtt_hooks from Broker.start
+        self.start_error: Exception | None = None  # raised by ecq.broker.amqtt_hooks from Broker.start
         self.consumers: dict[str, Consumer] = {}
         self.events = self._open_events() if self.settings.events else None
         self.metrics = EcqMetrics({
@@ -108,7 +108,7 @@ class EcqPlugin(BaseTopicPlugin):
 
         amqtt awaits this before it opens its listeners, so once the MQTT port accepts, ECQ is ready.
         amqtt 0.12.1 runs it in a task and ignores its exception, so a failure (the store cannot be read,
-        the admin address is taken) is kept in ``start_error``; ecq.amqtt_hooks raises it from Broker.start.
+        the admin address is taken) is kept in ``start_error``; ecq.broker.amqtt_hooks raises it from Broker.start.
         """
         try:
             await self._start()
@@ -333,7 +333,7 @@ class EcqPlugin(BaseTopicPlugin):
         if self.events:
             self.events.record(event_type, ts_ms=now_ms(), **fields)
 
-    # --- delivery observer (ecq.delivery.DeliveryObserver) ---------------------------------------------
+    # --- delivery observer (ecq.queue.delivery.DeliveryObserver) ---------------------------------------------
 
     def delivered(self, clientid: str, message: Message, attempt: int) -> None:
         """Count a send and record a ``delivered`` event."""

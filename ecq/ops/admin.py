@@ -16,7 +16,7 @@ method path                         answer
 GET    /api/v1/health               ``{"status": "ok"}``; 503 ``{"status": "degraded", "reason": ...}`` while
                                     store writes fail (disk full)
 GET    /api/v1/status               queues, messages, bytes, consumers online, first/last index entries
-GET    /api/v1/queues/{clientid}    one queue (see ecq.status.queue_info); 404 when unknown
+GET    /api/v1/queues/{clientid}    one queue (see ecq.ops.status.queue_info); 404 when unknown
 POST   /api/v1/gc                   run GC now: ``{"deleted": rows}``
 GET    /api/v1/config?which=W       plugin options, ``origin`` (as given) or ``inuse`` (as parsed)
 POST   /api/v1/acl/reload           reload the ACL file: ``{"reloaded": true, "rules": n}``; 400 and the
@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING
 
 from aiohttp import hdrs, web
 
-from ecq.acl import AclError
+from ecq.broker.acl import AclError
 from ecq.config import is_loopback
-from ecq.status import broker_status, queue_info
+from ecq.ops.status import broker_status, queue_info
 
 if TYPE_CHECKING:
-    from ecq.plugin import EcqPlugin
+    from ecq.broker.plugin import EcqPlugin
 
 log = logging.getLogger(__name__)
 

@@ -67,7 +67,7 @@ class BrokerProcess:
                    "admin_bind": f"127.0.0.1:{self.admin_port}", **plugin_options}
         config = {
             "listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{self.port}"}},
-            "plugins": {**ANONYMOUS_AUTH, "ecq.plugin.EcqPlugin": options},
+            "plugins": {**ANONYMOUS_AUTH, "ecq.broker.plugin.EcqPlugin": options},
         }
         self.config_path.write_text(yaml.safe_dump(config))
         self.proc: subprocess.Popen | None = None

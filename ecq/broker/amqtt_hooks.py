@@ -61,10 +61,10 @@ from amqtt.mqtt.subscribe import SubscribePayload
 from amqtt.plugins.manager import PluginManager
 from amqtt.session import OUTGOING, OutgoingApplicationMessage, Session
 
-from ecq.topics import is_ecq_topic
+from ecq.queue.topics import is_ecq_topic
 
 if TYPE_CHECKING:
-    from ecq.plugin import EcqPlugin
+    from ecq.broker.plugin import EcqPlugin
 
 log = logging.getLogger(__name__)
 
