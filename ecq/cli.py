@@ -1,7 +1,7 @@
 """The ``ecq`` command line (console script).
 
 ``ecq broker`` runs amqtt with the ECQ plugin in the foreground. ``ecq status``, ``ecq inspect``,
-``ecq gc`` and ``ecq show-config`` talk to a running broker through its admin API (issue 4); when no
+``ecq gc`` and ``ecq show-config`` talk to a running broker through its admin API (ecq.ops.client); when no
 broker answers, ``status`` and ``inspect`` read the data directory directly. ``ecq repair`` rebuilds a
 damaged store.
 
@@ -14,12 +14,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc as pygc  # the name gc is the `ecq gc` command below
-import json
 import logging
 import os
 import signal
 import sys
-import urllib.error
 import urllib.request
 from importlib import resources
 from pathlib import Path
@@ -35,10 +33,11 @@ from ecq.broker.acl import AclError, load_acl
 from ecq.config import EcqSettings, split_host_port
 from ecq.pipeline_cli import pipeline
 from ecq.broker.plugin import PLUGIN_PATH, EcqPlugin
+from ecq.ops.client import (EXIT_NOT_FOUND, Unreachable, call_admin, check_answer, emit, render_queue,
+                            render_status)
 from ecq.ops.status import broker_status, queue_info
 from ecq.queue.store import Store, StoreError, repair as repair_store
 
-EXIT_NOT_FOUND, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections of Python's cyclic GC (CPython: 700)
 GIL_SWITCH_INTERVAL_S = 0.0005  # how long a thread may hold the GIL while another waits (CPython: 0.005)
 DEFAULT_ADMIN = "127.0.0.1:18083"
@@ -258,18 +257,6 @@ def repair(data_dir: Path) -> None:
 
 # --- operator commands: talk to the admin API --------------------------------------------------------
 
-class Unreachable(click.ClickException):
-    """No broker answered at the admin address (exit code 3)."""
-
-    exit_code = EXIT_UNREACHABLE
-
-
-class Refused(click.ClickException):
-    """The broker answered but refused the request's token (exit code 3; no fallback to the data dir)."""
-
-    exit_code = EXIT_UNREACHABLE
-
-
 def admin_options(func):
     """--admin HOST:PORT, --token and --json, shared by the operator commands."""
     func = click.option("--json", "as_json", is_flag=True, help="print JSON for scripts")(func)
@@ -277,20 +264,6 @@ def admin_options(func):
                         help="admin bearer token (default: $ECQ_ADMIN_TOKEN)")(func)
     return click.option("--admin", default=DEFAULT_ADMIN, show_default=True,
                         help="HOST:PORT of the broker's admin API")(func)
-
-
-def call_admin(admin: str, path: str, token: str | None, method: str = "GET") -> tuple[int, Any]:
-    """One admin API call; returns (HTTP status, decoded JSON). Raises Unreachable when nothing answers."""
-    request = urllib.request.Request(f"http://{admin}{path}", method=method)
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.load(response)
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.load(exc)
-    except (urllib.error.URLError, OSError) as exc:
-        raise Unreachable(f"no broker answers at {admin}: {getattr(exc, 'reason', exc)}") from exc
 
 
 def read_data_dir(data_dir: Path, admin: str, reader):
@@ -307,22 +280,6 @@ def read_data_dir(data_dir: Path, admin: str, reader):
         store.close()
 
 
-def emit(data: Any, as_json: bool, render) -> None:
-    """Print ``data`` as JSON or through ``render(data) -> str``."""
-    click.echo(json.dumps(data, indent=2) if as_json else render(data))
-
-
-def _check(status: int, body: Any) -> Any:
-    if status == 401:
-        raise Refused(f"admin API refused the request: {body.get('error')}")
-    if status == 404:
-        click.echo(body.get("error", "not found"), err=True)
-        sys.exit(EXIT_NOT_FOUND)
-    if status >= 400:
-        raise click.ClickException(body.get("error", f"admin API answered HTTP {status}"))
-    return body
-
-
 @main.command()
 @admin_options
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=Path("storage"),
@@ -330,7 +287,7 @@ def _check(status: int, body: Any) -> Any:
 def status(admin: str, token: str | None, as_json: bool, data_dir: Path) -> None:
     """Queues, stored messages and bytes, consumers online, first/last index entries, consumer states."""
     try:
-        data = _check(*call_admin(admin, "/api/v1/status", token))
+        data = check_answer(*call_admin(admin, "/api/v1/status", token))
     except Unreachable:
         data = read_data_dir(data_dir, admin, broker_status)
         data["source"] = f"data dir {data_dir} (no broker running)"
@@ -345,7 +302,7 @@ def status(admin: str, token: str | None, as_json: bool, data_dir: Path) -> None
 def inspect(clientid: str, admin: str, token: str | None, as_json: bool, data_dir: Path) -> None:
     """One queue: acked seqno, last ack time, queue range such as [3,...,9], pending, inflight, online."""
     try:
-        data = _check(*call_admin(admin, f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}", token))
+        data = check_answer(*call_admin(admin, f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}", token))
     except Unreachable:
         data = read_data_dir(data_dir, admin, lambda store: queue_info(store, clientid))
         if data is None:
@@ -358,7 +315,7 @@ def inspect(clientid: str, admin: str, token: str | None, as_json: bool, data_di
 @admin_options
 def gc(admin: str, token: str | None, as_json: bool) -> None:
     """Run garbage collection now on the running broker."""
-    data = _check(*call_admin(admin, "/api/v1/gc", token, method="POST"))
+    data = check_answer(*call_admin(admin, "/api/v1/gc", token, method="POST"))
     emit(data, as_json, lambda d: f"GC deleted {d['deleted']} expired entries")
 
 
@@ -367,39 +324,5 @@ def gc(admin: str, token: str | None, as_json: bool) -> None:
 @admin_options
 def show_config(which: str, admin: str, token: str | None, as_json: bool) -> None:
     """The ECQ plugin options of the running broker: as given (origin) or as parsed (inuse)."""
-    data = _check(*call_admin(admin, f"/api/v1/config?which={which}", token))
+    data = check_answer(*call_admin(admin, f"/api/v1/config?which={which}", token))
     emit(data, as_json, lambda d: "\n".join(f"{k}: {v}" for k, v in d.items()))
-
-
-def render_status(d: dict[str, Any]) -> str:
-    """Human-readable `ecq status`."""
-    lines = [f"queues:            {d['queues']}", f"messages stored:   {d['messages']}",
-             f"bytes stored:      {d['bytes']}", f"consumers online:  {d['consumers_online']}",
-             f"first index entry: {_index_line(d['first_index'])}",
-             f"last index entry:  {_index_line(d['last_index'])}"]
-    if d.get("events"):
-        e = d["events"]
-        lines.append(f"events:            {e.get('recorded', 0)} recorded, {e.get('dropped_items', 0)} dropped, "
-                     f"{e.get('buffered_items', 0)} buffered")
-    if "source" in d:
-        lines.append(f"source:            {d['source']}")
-    lines.append(f"consumers ({d['consumers_total']} with stored state):")
-    for c in d["consumers"]:
-        lines.append(f"  {c['clientid']}  acked {c['acked']}  last ack {c['last_ack_ts'] or 'never'}"
-                     f"  {'online' if c['online'] else 'offline'}")
-    return "\n".join(lines)
-
-
-def render_queue(d: dict[str, Any]) -> str:
-    """Human-readable `ecq inspect`."""
-    return "\n".join([f"clientid:    {d['clientid']}", f"acked:       {d['acked']}",
-                      f"last ack:    {d['last_ack_ts'] or 'never'}", f"queue range: {d['range']}",
-                      f"last seqno:  {d['last_seqno']}", f"stored:      {d['stored']}",
-                      f"pending:     {d['pending']}", f"inflight:    {d['inflight']}",
-                      f"online:      {'yes' if d['online'] else 'no'}"])
-
-
-def _index_line(entry: dict[str, Any] | None) -> str:
-    if entry is None:
-        return "none"
-    return f"{entry['clientid']} seqno {entry['seqno']} key {entry['key']} at {entry['ts']}"
