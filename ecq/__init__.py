@@ -1,1 +1,1 @@
-"""ECQ: exclusive compacted queues for MQTT, as an amqtt broker plugin backed by LevelDB (SPEC.md section 1)."""
+"""ECQ: exclusive compacted queues for MQTT, as an amqtt broker plugin backed by LevelDB."""

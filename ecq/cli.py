@@ -204,7 +204,7 @@ async def _serve(config: dict[str, Any]) -> int:
 
 
 def _tune_python_runtime() -> None:
-    """Keep Python's cyclic garbage collector and the GIL from stalling the event loop (issue 5: latency).
+    """Keep Python's cyclic garbage collector and the GIL from stalling the event loop (the latency benchmark showed both).
 
     With CPython's thresholds (700, 10, 10) objects that live a few ms (events on their way to the event
     buffer, rows being exported, GC steps) survive two young collections, and each time that old

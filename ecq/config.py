@@ -1,4 +1,4 @@
-"""ECQ plugin options: one pydantic model with the reference defaults of SPEC.md section 1 ("Configuration").
+"""ECQ plugin options: one pydantic model with the defaults of the ECQ reference plugin (EMQX ecq).
 
 Durations accept a number of seconds or a string with a unit: ``500ms``, ``5s``, ``10m``, ``1h``, ``7d``.
 They are held as float seconds. A bad value raises :class:`pydantic.ValidationError`, whose message
@@ -123,7 +123,7 @@ class EcqSettings(BaseModel):
         return self
 
     def effective_pool_size(self) -> int:
-        """Number of writer agents: ``writer_pool_size``, or the CPU count when it is 0 (SPEC.md section 1)."""
+        """Number of writer agents: ``writer_pool_size``, or the CPU count when it is 0."""
         return self.writer_pool_size or (os.cpu_count() or 1)
 
     def admin_token_value(self) -> str | None:

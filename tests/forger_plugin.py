@@ -1,4 +1,4 @@
-"""A test-only amqtt plugin that forges messages through amqtt's own plugin API (issue 10, point 1).
+"""A test-only amqtt plugin that forges messages through amqtt's own plugin API.
 
 A PUBLISH to ``forge/<topic>`` makes it broadcast the payload on ``<topic>`` at QoS 1 with
 ``BrokerContext.broadcast_message`` and store it as retained with ``BrokerContext.retain_message``:

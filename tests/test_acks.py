@@ -1,4 +1,4 @@
-"""An acknowledged message is never delivered again (issue 10, points 4 and 5), over TCP against a real broker.
+"""An acknowledged message is never delivered again, over TCP against a real broker.
 
 No test here sleeps before a disconnect: a PUBACK that the broker read from the socket must count even
 when the DISCONNECT and the end of the stream arrive in the same read.

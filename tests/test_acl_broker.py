@@ -1,4 +1,4 @@
-"""Issue 4: the ACL file in a live broker: deny on publish and subscribe, ECQ ownership, reload."""
+"""The ACL file in a live broker: deny on publish and subscribe, ECQ ownership, reload."""
 
 from __future__ import annotations
 

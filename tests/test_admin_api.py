@@ -1,4 +1,4 @@
-"""Issue 10, point 3: admin API hardening over a live broker: no answer shows the token; state-changing
+"""Admin API hardening over a live broker: no answer shows the token; state-changing
 calls must name this API in Host (DNS rebinding) and, when sent, in Origin (cross-site requests)."""
 
 from __future__ import annotations

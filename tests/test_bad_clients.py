@@ -1,4 +1,4 @@
-"""A bad client cannot take the broker down (issue 10, points 6, 7, 8 and 10).
+"""A bad client cannot take the broker down: descriptors, CONNECT timeout, packet size, protocol violations.
 
 Real `ecq broker` subprocesses, some under a low file-descriptor limit; bad clients are raw sockets.
 """

@@ -1,4 +1,4 @@
-"""Issue 2 behaviour, over TCP against a real `ecq broker` process with paho-mqtt clients.
+"""The queue behaviour end to end, over TCP against a real `ecq broker` process with paho-mqtt clients.
 
 Test names carry the issue's point numbers (p1..p13).
 """

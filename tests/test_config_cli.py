@@ -105,7 +105,7 @@ def test_default_config_with_bind_and_data_dir_and_sigint(tmp_path):
 
 
 
-# --- issue 10: values that would break the broker are refused at start-up --------------------------------
+# --- values that would break the broker are refused at start-up --------------------------------
 
 def refused(result: subprocess.CompletedProcess, code: int, *expected: str) -> None:
     assert result.returncode == code, result.stderr

@@ -1,4 +1,4 @@
-"""Issue 10: a bad disk is reported, not hidden. Real `ecq broker` processes on real LevelDB directories:
+"""A bad disk is reported, not hidden. Real `ecq broker` processes on real LevelDB directories:
 damaged .ldb/.log files stop start-up (exit 1) until `ecq repair`; a block damaged while the broker runs
 stops that queue's delivery with one log line and a metric; a full disk degrades health and the broker
 recovers by itself once space is freed."""

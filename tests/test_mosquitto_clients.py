@@ -1,4 +1,4 @@
-"""Issue 2 point 14: points 1, 2, 3 and 7 with Debian's mosquitto_pub / mosquitto_sub as the clients."""
+"""Delivery, compaction, refused writes and ownership with Debian's mosquitto_pub / mosquitto_sub as the clients."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 15: ordinary (non-``$ECQ``) topics behave as MQTT 3.1.1 says, where amqtt 0.12.1 alone does not.
+"""Ordinary (non-``$ECQ``) topics behave as MQTT 3.1.1 says, where amqtt 0.12.1 alone does not.
 
 Against a real `ecq broker` process over TCP. :class:`Mqtt` is a raw-socket MQTT 3.1.1 client so that
 the tests can read what paho hides (RETAIN and DUP flags, packet ids, CONNACK session-present) and

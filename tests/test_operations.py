@@ -1,4 +1,4 @@
-"""Issue 4 over a live broker: the operator CLI as a subprocess, the admin API, Prometheus metrics."""
+"""Operations over a live broker: the operator CLI as a subprocess, the admin API, Prometheus metrics."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 10, point 1: nothing reaches ``$ECQ/<clientid>/...`` except ECQ's own delivery.
+"""Nothing reaches ``$ECQ/<clientid>/...`` except ECQ's own delivery.
 
 A Will under ``$ECQ/`` (or one the ACL denies for publish) is refused at CONNECT with CONNACK 0x05; amqtt
 never broadcasts to nor retains an ``$ECQ/`` topic, whoever asks (a Will, a plugin); a retained ECQ write

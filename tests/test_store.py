@@ -1,4 +1,4 @@
-"""The LevelDB tables on a real database in a temp dir (SPEC.md section 1, "Tables")."""
+"""The LevelDB tables on a real database in a temp dir."""
 
 from __future__ import annotations
 

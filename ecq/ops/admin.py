@@ -1,4 +1,4 @@
-"""Admin HTTP API of a running broker (issue 4), served with aiohttp on ``admin_bind`` (default 127.0.0.1:18083).
+"""Admin HTTP API of a running broker, served with aiohttp on ``admin_bind`` (default 127.0.0.1:18083).
 
 All responses are JSON except ``/metrics`` (Prometheus text). With ``admin_token`` set, every request
 needs ``Authorization: Bearer <token>``; otherwise 401. No answer shows the token (``**********``).

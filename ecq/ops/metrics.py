@@ -1,4 +1,4 @@
-"""Prometheus metrics of one ECQ broker (issue 4), in a registry of their own so brokers in one process
+"""Prometheus metrics of one ECQ broker, in a registry of their own so brokers in one process
 do not mix. Served as Prometheus text at the admin API's ``/metrics``.
 
 Counters grow from broker start; gauges are read at scrape time from the plugin through callbacks.

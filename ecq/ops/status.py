@@ -1,4 +1,4 @@
-"""What `ecq status` and `ecq inspect` report (SPEC.md section 1, "Operations"), computed from the store
+"""What `ecq status` and `ecq inspect` report, computed from the store
 and, when the broker runs, from its live consumers. Shapes are plain JSON-ready dicts.
 
 Timestamps are RFC 3339 strings in UTC (or null); counts are entries; bytes are payload bytes.

@@ -1,7 +1,7 @@
 """Timeouts for many futures at the cost of one timer per event-loop iteration.
 
 ``asyncio.wait_for`` arms a timer per call; with one per write and one per store read, timer handles
-were ~10 % of the event loop in the issue 5 latency profile. Futures registered during the same
+were ~10 % of the event loop in the latency benchmark's profile. Futures registered during the same
 loop iteration with the same timeout expire together, so they can share one timer.
 """
 

@@ -3,7 +3,7 @@ run together in one thread hop.
 
 A hop to a thread pool costs the event loop tens of microseconds (a concurrent Future, a queue put, a
 wake-up through the loop's self-pipe) and makes the loop and the thread trade the GIL. With a thousand
-consumers each reading a few messages, that hop cost more than the reads (issue 5 reads profile).
+consumers each reading a few messages, that hop cost more than the reads (measured in the reads benchmark's profile).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ECQ topic grammar (SPEC.md section 1, "Topics").
+"""ECQ topic grammar.
 
 - producer PUBLISH   ``$ECQ/w/<clientid>/<key>``  (``<key>`` may itself contain ``/``)
 - consumer SUBSCRIBE ``$ECQ/<clientid>/#``        (only by the client ``<clientid>``, QoS 1)
