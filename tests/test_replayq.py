@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from ecq.replayq import MAGIC, AckRef, Dropped, ReplayQ, ReplayQError
+from ecq.events.replayq import MAGIC, AckRef, Dropped, ReplayQ, ReplayQError
 
 REPO = Path(__file__).resolve().parent.parent
 HEADER = 12  # magic, CRC32, length
@@ -234,7 +234,7 @@ def test_offload_keeps_items_in_ram_until_the_threshold_then_spills_the_tail(tmp
 
 def test_offload_crash_keeps_what_reached_disk(tmp_path):
     run_and_crash(f"""
-        from ecq.replayq import ReplayQ
+        from ecq.events.replayq import ReplayQ
         q = ReplayQ.open({{"dir": {str(tmp_path)!r}, "offload": True, "seg_bytes": 100}})
         for i in range(6):
             q.append([b"%040d" % i])
@@ -381,7 +381,7 @@ def test_a_segment_changed_under_an_open_queue_is_an_error(tmp_path):
 
 def test_kill_9_loses_nothing_that_append_returned_and_repeats_only_unacked(tmp_path):
     run_and_crash(f"""
-        from ecq.replayq import ReplayQ
+        from ecq.events.replayq import ReplayQ
         q = ReplayQ.open({{"dir": {str(tmp_path)!r}, "seg_bytes": 200, "fsync": "always"}})
         for i in range(20):
             q.append([b"%040d" % i])
@@ -398,7 +398,7 @@ def test_a_failed_write_is_truncated_away(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(f"""
             import resource, signal
-            from ecq.replayq import ReplayQ
+            from ecq.events.replayq import ReplayQ
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.RLIM_INFINITY))
             q = ReplayQ.open({{"dir": {str(tmp_path)!r}, "fsync": "never"}})

@@ -15,7 +15,7 @@ from py4j.protocol import Py4JJavaError
 from pyspark.errors import PySparkException
 from pyspark.sql import DataFrame, SparkSession
 
-from ecq.events import COLUMNS, SCHEMA
+from ecq.events.recorder import COLUMNS, SCHEMA
 from ecq.pipeline import PipelineError
 
 MIN_JAVA = 17  # pyspark 4 runs on Java 17 or 21

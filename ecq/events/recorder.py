@@ -77,7 +77,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ecq.replayq import AckRef, ReplayQ, ReplayQConfig
+from ecq.events.replayq import AckRef, ReplayQ, ReplayQConfig
 
 log = logging.getLogger(__name__)
 
