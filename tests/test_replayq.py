@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from ecq.events.replayq import MAGIC, AckRef, Dropped, ReplayQ, ReplayQError
+from ecq.events.replayq import AckRef, Dropped, ReplayQ, ReplayQError
+from ecq.events.segments import MAGIC
 
 REPO = Path(__file__).resolve().parent.parent
 HEADER = 12  # magic, CRC32, length
@@ -332,6 +333,24 @@ def test_truncation_inside_the_commit_segment_keeps_ids_consistent(tmp_path):
     q = open_q(tmp_path)
     q.append([b"new"])
     assert q.count() == 2 and drain(q) == [items(5)[2], b"new"]
+
+
+def test_committed_is_the_position_in_commit_that_a_reopen_resumes_after(tmp_path):
+    q = open_q(tmp_path, seg_bytes=100, max_total_bytes=250)
+    assert q.committed() == AckRef(0, 0)
+    append_each(q, items(4))
+    ref, _ = q.pop(count_limit=3)
+    assert q.committed() == AckRef(0, 0)  # popped, not acked
+    q.ack(ref)
+    assert q.committed() == ref == AckRef(2, 1)
+    assert json.loads((tmp_path / "COMMIT").read_text()) == {"segno": 2, "id": 1}
+    q.append(items(6, start=4))  # over max_total_bytes with nothing outstanding: drops are committed at once
+    dropped_to = q.committed()
+    assert dropped_to > ref
+    q.close()
+    q = open_q(tmp_path, seg_bytes=100)
+    assert q.committed() == dropped_to
+    assert open_q(None).committed() == AckRef(0, 0)
 
 
 def test_deleting_commit_hands_out_every_item_still_on_disk(tmp_path):
