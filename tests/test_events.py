@@ -16,7 +16,9 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from ecq.events import COLUMNS, SCHEMA, EventRecorder, LakeExporter, read_stream_id
+from ecq.events import EventRecorder, LakeExporter
+from ecq.events.recorder import read_stream_id
+from ecq.events.schema import COLUMNS, SCHEMA
 
 HOUR_MS = 3_600_000
 T0 = 1_767_225_540_000  # 2025-12-31T23:59:00Z: events run across a date and an hour boundary
@@ -228,8 +230,9 @@ async def test_close_is_bounded_while_the_lake_is_down_and_the_events_wait_for_t
 CRASH_AFTER_RENAME = """
 import os, sys
 from pathlib import Path
-from ecq.events import read_stream_id, write_batch
-from ecq.replayq import ReplayQ, ReplayQConfig
+from ecq.events.lake import write_batch
+from ecq.events.recorder import read_stream_id
+from ecq.events.replayq import ReplayQ, ReplayQConfig
 
 buffer_dir, lake, count = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 queue = ReplayQ.open(ReplayQConfig(dir=buffer_dir, fsync="never"))

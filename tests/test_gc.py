@@ -10,7 +10,7 @@ import urllib.request
 import pyarrow.dataset as ds
 import pytest
 
-from ecq.events import COLUMNS
+from ecq.events.schema import COLUMNS
 from ecq.broker.plugin import GcPacer
 from ecq.queue.store import Append, Expire, Store
 from tests.harness import BrokerProcess, wait_until

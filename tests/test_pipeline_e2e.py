@@ -12,7 +12,7 @@ import pyarrow.dataset as ds
 import pytest
 from click.testing import CliRunner
 
-from ecq.events import COLUMNS
+from ecq.events.schema import COLUMNS
 from ecq.pipeline.report import read_table
 from ecq.pipeline.spark import spark_session
 from ecq.pipeline_cli import pipeline

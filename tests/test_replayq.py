@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from ecq.replayq import MAGIC, AckRef, Dropped, ReplayQ, ReplayQError
+from ecq.events.replayq import AckRef, Dropped, ReplayQ, ReplayQError
+from ecq.events.segments import MAGIC
 
 REPO = Path(__file__).resolve().parent.parent
 HEADER = 12  # magic, CRC32, length
@@ -234,7 +235,7 @@ def test_offload_keeps_items_in_ram_until_the_threshold_then_spills_the_tail(tmp
 
 def test_offload_crash_keeps_what_reached_disk(tmp_path):
     run_and_crash(f"""
-        from ecq.replayq import ReplayQ
+        from ecq.events.replayq import ReplayQ
         q = ReplayQ.open({{"dir": {str(tmp_path)!r}, "offload": True, "seg_bytes": 100}})
         for i in range(6):
             q.append([b"%040d" % i])
@@ -334,6 +335,24 @@ def test_truncation_inside_the_commit_segment_keeps_ids_consistent(tmp_path):
     assert q.count() == 2 and drain(q) == [items(5)[2], b"new"]
 
 
+def test_committed_is_the_position_in_commit_that_a_reopen_resumes_after(tmp_path):
+    q = open_q(tmp_path, seg_bytes=100, max_total_bytes=250)
+    assert q.committed() == AckRef(0, 0)
+    append_each(q, items(4))
+    ref, _ = q.pop(count_limit=3)
+    assert q.committed() == AckRef(0, 0)  # popped, not acked
+    q.ack(ref)
+    assert q.committed() == ref == AckRef(2, 1)
+    assert json.loads((tmp_path / "COMMIT").read_text()) == {"segno": 2, "id": 1}
+    q.append(items(6, start=4))  # over max_total_bytes with nothing outstanding: drops are committed at once
+    dropped_to = q.committed()
+    assert dropped_to > ref
+    q.close()
+    q = open_q(tmp_path, seg_bytes=100)
+    assert q.committed() == dropped_to
+    assert open_q(None).committed() == AckRef(0, 0)
+
+
 def test_deleting_commit_hands_out_every_item_still_on_disk(tmp_path):
     q = open_q(tmp_path, seg_bytes=100)
     append_each(q, items(6))
@@ -381,7 +400,7 @@ def test_a_segment_changed_under_an_open_queue_is_an_error(tmp_path):
 
 def test_kill_9_loses_nothing_that_append_returned_and_repeats_only_unacked(tmp_path):
     run_and_crash(f"""
-        from ecq.replayq import ReplayQ
+        from ecq.events.replayq import ReplayQ
         q = ReplayQ.open({{"dir": {str(tmp_path)!r}, "seg_bytes": 200, "fsync": "always"}})
         for i in range(20):
             q.append([b"%040d" % i])
@@ -398,7 +417,7 @@ def test_a_failed_write_is_truncated_away(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(f"""
             import resource, signal
-            from ecq.replayq import ReplayQ
+            from ecq.events.replayq import ReplayQ
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.RLIM_INFINITY))
             q = ReplayQ.open({{"dir": {str(tmp_path)!r}, "fsync": "never"}})

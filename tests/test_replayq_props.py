@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ecq.replayq import AckRef, ReplayQ
+from ecq.events.replayq import AckRef, ReplayQ
 
 MODES = {
     "memory": {},

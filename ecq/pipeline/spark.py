@@ -15,7 +15,7 @@ from py4j.protocol import Py4JJavaError
 from pyspark.errors import PySparkException
 from pyspark.sql import DataFrame, SparkSession
 
-from ecq.events import COLUMNS, SCHEMA
+from ecq.events.schema import COLUMNS, SCHEMA
 from ecq.pipeline import PipelineError
 
 MIN_JAVA = 17  # pyspark 4 runs on Java 17 or 21
@@ -94,8 +94,8 @@ def check_lake(lake: Path) -> None:
 
 
 def read_events(spark: SparkSession, lake: Path) -> DataFrame:
-    """The events in the lake directory ``lake`` (layout of ecq/events.py) with the columns of
-    ecq.events.SCHEMA, in that order. Raises PipelineError as `check_lake` does."""
+    """The events in the lake directory ``lake`` (layout of ecq/events/lake.py) with the columns of
+    ecq.events.schema.SCHEMA, in that order. Raises PipelineError as `check_lake` does."""
     check_lake(lake)
     lake_uri = lake.resolve().as_uri()
     return spark.read.schema(EVENTS_DDL).option("basePath", lake_uri).parquet(lake_uri).select(*COLUMNS)

@@ -1,0 +1,121 @@
+"""The queue event schema: what an event is, how it is checked and encoded for the event buffer, and
+how buffered events become an Arrow table.
+
+Schema (one Parquet table, `SCHEMA`, columns in this order; a column that does not apply to an event
+type is null). Times are ms since the Unix epoch (UTC), sizes are bytes.
+
+============== ====== ==================================================================================
+column         type   meaning
+============== ====== ==================================================================================
+ts_ms          int64  when the event happened (ms); for ``acked`` the time of the PUBACK
+type           string ``appended`` | ``compacted`` | ``delivered`` | ``acked`` | ``expired`` | ``refused``
+clientid       string the queue's clientid; ``refused``: the target clientid if the topic names one
+key            string the message's key
+seqno          int64  ``appended``: the new seqno; ``compacted``: the NEW seqno that replaced the old one;
+                      ``delivered``/``acked``/``expired``: the message's seqno
+publish_ts_ms  int64  the message's publish (append) time in ms, for every type but ``refused``
+payload_bytes  int64  the message's payload size in bytes (``appended``, ``delivered``, ``acked``, ...)
+replaced_seqno int64  ``compacted`` only: the seqno that was deleted
+attempt        int32  ``delivered`` only: 1 for the first send, 2+ for redeliveries
+reason         string ``refused`` only: ``not_a_write``, ``empty_key``, ``bad_key``, ``payload_too_large``,
+                      ``acl_denied``, ...
+topic          string ``refused`` only: the PUBLISH topic
+============== ====== ==================================================================================
+
+Delivery latency from append to ack is ``acked.ts_ms - acked.publish_ts_ms`` (ms).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+
+EVENT_TYPES = frozenset({"appended", "compacted", "delivered", "acked", "expired", "refused"})
+SCHEMA = pa.schema([
+    pa.field("ts_ms", pa.int64(), nullable=False),
+    pa.field("type", pa.string(), nullable=False),
+    pa.field("clientid", pa.string()),
+    pa.field("key", pa.string()),
+    pa.field("seqno", pa.int64()),
+    pa.field("publish_ts_ms", pa.int64()),
+    pa.field("payload_bytes", pa.int64()),
+    pa.field("replaced_seqno", pa.int64()),
+    pa.field("attempt", pa.int32()),
+    pa.field("reason", pa.string()),
+    pa.field("topic", pa.string()),
+])
+COLUMNS = tuple(SCHEMA.names)
+_OPTIONAL = COLUMNS[2:]  # the fields `record` takes besides ts_ms and type
+_INT64 = (-(2**63), 2**63 - 1)
+_INT32 = (-(2**31), 2**31 - 1)
+_FIELD_RULES = {field.name: {pa.int64(): _INT64, pa.int32(): _INT32}.get(field.type)
+                for field in SCHEMA if field.name in _OPTIONAL}  # None for a string column
+_UNKNOWN = object()  # _FIELD_RULES.get() of a field not in SCHEMA
+_encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # json.dumps builds one per call
+_type_of = type  # encode_event's parameter ``type`` shadows the builtin
+_TABLE_CHUNK = 500  # events per JSON parse and per Arrow conversion when exporting
+
+
+class InvalidEvent(ValueError):
+    """An event that does not fit `SCHEMA` (unknown type or field, wrong value type, out of range)."""
+
+
+def encode_event(ts_ms: int, type: str, fields: dict[str, Any]) -> bytes:
+    """One event as a ReplayQ item: a JSON array of the `COLUMNS` values, UTF-8.
+
+    Raises InvalidEvent for an unknown type or field, a value of the wrong type (int for the int64/int32
+    columns, str for the string columns, or None) or out of its column's range, and for strings that are
+    not valid Unicode (lone surrogates). Checking here keeps bad events out of the lake export, where one
+    of them would make a whole batch fail forever.
+    """
+    if type not in EVENT_TYPES:
+        raise InvalidEvent(f"unknown event type {type!r}")
+    _check_value("ts_ms", ts_ms, _INT64)
+    for name, value in fields.items():
+        rule = _FIELD_RULES.get(name, _UNKNOWN)
+        if rule is _UNKNOWN:
+            raise InvalidEvent(f"unknown event field {name!r} for {type!r}")
+        if value is None or (_type_of(value) is str if rule is None else
+                             _type_of(value) is int and rule[0] <= value <= rule[1]):
+            continue  # the common case checked inline (it runs for every event); _check_value says what is wrong
+        _check_value(name, value, rule)
+    row = [ts_ms, type, *map(fields.get, _OPTIONAL)]
+    try:
+        return _encode_json(row).encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidEvent(f"{type!r} event has a string that is not valid Unicode: {exc}") from None
+
+
+def _check_value(name: str, value: Any, rule: tuple[int, int] | None) -> None:
+    """``rule`` is None for a string column, else the int column's (lowest, highest) value."""
+    if rule is None:
+        if not isinstance(value, str):
+            raise InvalidEvent(f"{name} must be a str, not {type(value).__name__}")
+    elif not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidEvent(f"{name} must be an int, not {type(value).__name__}")
+    elif not rule[0] <= value <= rule[1]:
+        raise InvalidEvent(f"{name}={value} is out of range for its column")
+
+
+def events_table(items: Sequence[bytes]) -> pa.Table:
+    """Decode ReplayQ items made by `encode_event` into a pyarrow Table with `SCHEMA`, in item order.
+
+    Works in chunks of `_TABLE_CHUNK` items: each JSON parse and array conversion is one C call that holds
+    the GIL throughout, and the broker's event loop waits for the GIL meanwhile: small chunks keep each
+    of its stalls short.
+    """
+    if not items:
+        return SCHEMA.empty_table()
+    return pa.Table.from_batches([_record_batch(items[start:start + _TABLE_CHUNK])
+                                  for start in range(0, len(items), _TABLE_CHUNK)], schema=SCHEMA)
+
+
+def _record_batch(items: Sequence[bytes]) -> pa.RecordBatch:
+    rows = json.loads(b"[" + b",".join(items) + b"]")  # one parse per chunk, not per item
+    if len(rows) != len(items):  # an item that is not one JSON value: parse them one by one
+        rows = [json.loads(item) for item in items]
+    arrays = [pa.array(col, type=field.type) for col, field in zip(zip(*rows, strict=True), SCHEMA, strict=True)]
+    return pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
