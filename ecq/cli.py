@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from ecq.broker.acl import AclError, load_acl
 from ecq.config import EcqSettings, split_host_port
-from ecq.pipeline_cli import pipeline
+from ecq.pipeline.cli import pipeline
 from ecq.broker.plugin import PLUGIN_PATH, EcqPlugin
 from ecq.ops.status import broker_status, queue_info
 from ecq.queue.store import Store, StoreError, repair as repair_store

@@ -1,4 +1,4 @@
-"""``ecq pipeline``: the PySpark jobs of issue 6, section 2 (added to the ``ecq`` command by ecq/cli.py).
+"""``ecq pipeline``: the PySpark jobs (added to the ``ecq`` command by ecq/cli.py).
 
 - ``ecq pipeline report --lake DIR [--master URL] [--out DIR]``: tables and an HTML page about the queues.
 - ``ecq pipeline load --input PATH --format parquet|csv|json --broker HOST:PORT [--master URL]``: publish
