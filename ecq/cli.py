@@ -31,7 +31,7 @@ from pydantic import ValidationError
 
 from ecq.broker.acl import AclError, load_acl
 from ecq.config import EcqSettings, split_host_port
-from ecq.pipeline_cli import pipeline
+from ecq.pipeline.cli import pipeline
 from ecq.broker.plugin import PLUGIN_PATH, EcqPlugin
 from ecq.ops.client import (EXIT_NOT_FOUND, Unreachable, call_admin, check_answer, emit, render_queue,
                             render_status)

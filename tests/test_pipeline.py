@@ -20,7 +20,7 @@ from ecq.pipeline import PipelineError
 from ecq.pipeline.load import Target, load, read_rows
 from ecq.pipeline.report import read_table, run_report
 from ecq.pipeline.spark import check_java, spark_session
-from ecq.pipeline_cli import pipeline
+from ecq.pipeline.cli import pipeline
 
 REPO = Path(__file__).resolve().parent.parent
 T = 1_767_225_600_000  # 2026-01-01T00:00:00Z

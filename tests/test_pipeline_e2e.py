@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from ecq.events.schema import COLUMNS
 from ecq.pipeline.report import read_table
 from ecq.pipeline.spark import spark_session
-from ecq.pipeline_cli import pipeline
+from ecq.pipeline.cli import pipeline
 from tests.harness import wait_until
 
 ACK_DELAY_S = 0.3

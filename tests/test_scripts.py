@@ -1,10 +1,16 @@
-"""scripts/pub and scripts/sub against a real broker, as a new user would run them."""
+"""scripts/pub and scripts/sub against a real broker, as a new user would run them; scripts/setup repairing a
+broken venv."""
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -31,3 +37,70 @@ def test_pub_reports_an_unreachable_broker():
     from tests.harness import free_port
     result = run("pub", "--port", str(free_port()))
     assert result.returncode == 3 and "cannot connect" in result.stderr
+
+
+# A project scripts/setup can install offline: an in-tree build backend that only describes the package,
+# installed with pip's --dry-run (PIP_DRY_RUN), so the test checks the venv handling, not PyPI.
+PROBE_PYPROJECT = """\
+[build-system]
+requires = []
+build-backend = "probe_backend"
+backend-path = ["."]
+
+[project]
+name = "probe"
+version = "0"
+"""
+PROBE_BACKEND = """\
+from pathlib import Path
+
+
+def prepare_metadata_for_build_editable(metadata_directory, config_settings=None):
+    info = Path(metadata_directory, "probe-0.dist-info")
+    info.mkdir()
+    extras = "".join(f"Provides-Extra: {name}\\n" for name in ("test", "pipeline", "bench"))
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\\nName: probe\\nVersion: 0\\n{extras}")
+    return info.name
+
+
+def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
+    raise NotImplementedError("dry runs only")
+"""
+
+
+def java_major() -> int:
+    """Major version of `java` on PATH, 0 when there is none."""
+    if not shutil.which("java"):
+        return 0
+    found = re.search(r'version "(?:1\.)?(\d+)', subprocess.run(["java", "-version"], capture_output=True,
+                                                              text=True).stderr)
+    return int(found.group(1)) if found else 0
+
+
+def break_by_removing_pip(venv: Path) -> None:
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+
+
+def break_by_a_failing_python(venv: Path) -> None:
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\nexit 1\n")
+    (venv / "bin" / "python").chmod(0o755)
+
+
+@pytest.mark.skipif(not all(map(shutil.which, ("mosquitto_pub", "ss", "curl"))) or java_major() < 17,
+                    reason="scripts/setup would install Debian packages here")
+@pytest.mark.parametrize("breakage", [break_by_removing_pip, break_by_a_failing_python])
+def test_setup_rebuilds_a_broken_venv_then_does_nothing(tmp_path, breakage):
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(SCRIPTS / "setup", tmp_path / "scripts" / "setup")
+    (tmp_path / "pyproject.toml").write_text(PROBE_PYPROJECT)
+    (tmp_path / "probe_backend.py").write_text(PROBE_BACKEND)
+    breakage(tmp_path / ".venv")
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DRY_RUN": "1"}
+    first = subprocess.run([tmp_path / "scripts" / "setup"], env=env, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    assert "setup: rebuilding .venv: it is broken" in first.stderr
+    assert "Would install probe-0" in first.stdout
+    assert (tmp_path / ".venv" / "bin" / "pip").exists()
+    second = subprocess.run([tmp_path / "scripts" / "setup"], env=env, capture_output=True, text=True, timeout=60)
+    assert (second.returncode, second.stdout, second.stderr) == (0, "", "")

@@ -50,7 +50,7 @@ class EcqMetrics:
 _GAUGE_HELP = {
     "ecq_queues": "queues that ever had a write (clientids in the seqno table)",
     "ecq_stored_messages": "entries stored across all queues",
-    "ecq_stored_bytes": "approximate on-disk bytes of stored payloads (LevelDB approximate_size)",
+    "ecq_stored_bytes": "payload bytes stored across all queues (exact: the index total at start-up, kept by each write and GC)",
     "ecq_inflight": "PUBLISHes sent to consumers and not yet acknowledged",
     "ecq_consumers_online": "consumers connected and subscribed to their queue",
     "ecq_events_dropped": "queue events dropped by the event buffer's overload protection",

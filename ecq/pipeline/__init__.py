@@ -1,4 +1,4 @@
-"""PySpark jobs over ECQ queues (issue 6, section 2), run by ``ecq pipeline ...`` (ecq/pipeline_cli.py).
+"""PySpark jobs over ECQ queues, run by ``ecq pipeline ...`` (ecq/pipeline/cli.py).
 
 - `ecq.pipeline.report`: per-consumer, per-minute and fleet tables computed from the event lake that
   ecq/events.py exports, written as Parquet; `ecq.pipeline.render` turns them into one self-contained

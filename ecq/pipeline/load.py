@@ -34,6 +34,7 @@ from pyspark.sql.types import BinaryType
 
 from ecq.pipeline import PipelineError
 from ecq.pipeline.spark import SPARK_ERRORS, spark_error_message
+from ecq.queue.topics import write_topic
 
 FORMATS = ("parquet", "csv", "json")
 REQUIRED_COLUMNS = ("clientid", "key", "payload")
@@ -151,7 +152,7 @@ def publish_partition(target: Target, index: int, rows: Iterable) -> Iterator[tu
     try:
         publisher.connect()
         for row in rows:
-            if not publisher.publish(f"$ECQ/w/{row.clientid}/{row.key}", bytes(row.payload)):
+            if not publisher.publish(write_topic(row.clientid, row.key), bytes(row.payload)):
                 break
         publisher.finish()
     except OSError as exc:

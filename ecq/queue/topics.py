@@ -35,6 +35,15 @@ def is_ecq_topic(topic: str) -> bool:
     return topic.startswith(PREFIX)
 
 
+def write_topic(clientid: str, key: str) -> str:
+    """Topic a producer publishes a write on: ``$ECQ/w/<clientid>/<key>``; the inverse of :func:`parse_write`.
+
+    It checks nothing: the broker's :func:`parse_write` refuses a malformed one (a ``clientid`` that is empty or
+    holds ``/``, ``+``, ``#`` or NUL; an empty ``key`` or one holding ``+``, ``#`` or NUL).
+    """
+    return f"{WRITE_PREFIX}{clientid}/{key}"
+
+
 def parse_write(topic: str, payload_size: int, max_payload_bytes: int) -> Write:
     """Parse ``$ECQ/w/<clientid>/<key>`` (payload size in bytes) into a :class:`Write`.
 

@@ -27,6 +27,7 @@ from benchlib.loadgen import ConsumeTask, FlowTask, LoadPool, Messages, PublishT
 from benchlib.report import Row, ScenarioResult, source_digest
 from benchlib.sampler import ResourceSampler, listen_drops, rss_split_bytes
 from ecq.queue.store import Append, Store
+from ecq.queue.topics import queue_filter, write_topic
 
 SETUP_ALLOWANCE_S = 180.0     # connecting thousands of clients before a phase's barrier, and the way back
 MIN_RATE_PER_S = 300.0        # a phase gets count / MIN_RATE_PER_S seconds (at least 60) before TIMEOUT
@@ -39,8 +40,8 @@ PRELOAD_BATCH = 10_000        # Appends per LevelDB write batch when the scale p
 MB = 1_000_000
 
 REPO = Path(__file__).resolve().parents[2]
-ECQ_WRITE = "$ECQ/w/{cid}/{key}"
-ECQ_QUEUE = "$ECQ/{cid}/#"
+ECQ_WRITE = write_topic("{cid}", "{key}")  # str.format templates for the load processes
+ECQ_QUEUE = queue_filter("{cid}")
 
 
 def phase_deadline_s(messages: int) -> float:
@@ -660,7 +661,8 @@ def single_producer(bench: Bench, out: ScenarioResult) -> None:
     out.details["runs_per_s"] = runs
     with bench.ecq("single") as ecq, bench.baseline("single") as plain:
         for run in range(args.single_repeats):
-            ecq_topics = [f"$ECQ/w/{bench.tag}bench{i % args.single_clientids}/r{run}k{i // args.single_clientids}"
+            ecq_topics = [write_topic(f"{bench.tag}bench{i % args.single_clientids}",
+                                      f"r{run}k{i // args.single_clientids}")
                           for i in range(args.single_writes)]
             plain_topics = [f"bench/plain/{i % args.single_clientids}/k{i // args.single_clientids}"
                             for i in range(args.single_writes)]

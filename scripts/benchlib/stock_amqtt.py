@@ -1,13 +1,12 @@
 """Run stock amqtt 0.12.1 (no ECQ plugin) from a YAML config until SIGTERM: the benchmark's baseline broker.
 
 Usage: python stock_amqtt.py CONFIG.yaml. Logging matches `ecq broker` (INFO, amqtt itself at WARNING),
-so both brokers pay the same logging cost; like `ecq broker` it runs on uvloop when ECQ_EXPERIMENT_UVLOOP
-is set, so that both brokers always run on the same event loop.
+so both brokers pay the same logging cost; like `ecq broker` it runs on asyncio's default event loop
+(``asyncio.run``), so that both brokers run on the same event loop.
 """
 
 import asyncio
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -32,11 +31,7 @@ def main() -> int:
     logging.getLogger("amqtt").setLevel(logging.WARNING)
     logging.getLogger("transitions").setLevel(logging.WARNING)
     config = yaml.safe_load(Path(sys.argv[1]).read_text())
-    if os.environ.get("ECQ_EXPERIMENT_UVLOOP"):
-        import uvloop
-        uvloop.run(serve(config))
-    else:
-        asyncio.run(serve(config))
+    asyncio.run(serve(config))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""``ecq pipeline``: the PySpark jobs of issue 6, section 2 (added to the ``ecq`` command by ecq/cli.py).
+"""``ecq pipeline``: the PySpark jobs (added to the ``ecq`` command by ecq/cli.py).
 
 - ``ecq pipeline report --lake DIR [--master URL] [--out DIR]``: tables and an HTML page about the queues.
 - ``ecq pipeline load --input PATH --format parquet|csv|json --broker HOST:PORT [--master URL]``: publish
@@ -7,11 +7,15 @@
 Both run on ``local[*]`` by default; pass ``--master spark://HOST:PORT`` for a standalone cluster.
 Exit codes: 0 ok; 1 the job failed or found bad data (no Java, no events, unreadable or malformed input,
 rows that could not be published), with one line saying why; 2 usage error (missing option, a path that
-does not exist, bad HOST:PORT).
+does not exist, bad HOST:PORT) or the ``pipeline`` extra (PySpark, matplotlib) is not installed.
+
+The jobs are imported inside the commands, so that ``ecq`` works without the extra.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -23,6 +27,18 @@ from ecq.pipeline import PipelineError
 @click.group()
 def pipeline() -> None:
     """PySpark jobs over ECQ queues: report on the event lake, load datasets into queues."""
+
+
+@contextmanager
+def pipeline_extra() -> Iterator[None]:
+    """Wrap the imports of the jobs: when one fails (PySpark, py4j or matplotlib missing or broken), print
+    which extra to install and the import error, and exit 2 (click.exceptions.Exit) instead of a traceback."""
+    try:
+        yield
+    except ImportError as exc:
+        click.echo("Error: ecq pipeline needs the optional 'pipeline' dependencies (PySpark, matplotlib): "
+                   f"pip install 'ecq[pipeline]' (import failed: {exc})", err=True)
+        raise click.exceptions.Exit(2) from exc
 
 
 MASTER = click.option("--master", default="local[*]", show_default=True,
@@ -43,7 +59,8 @@ def report(lake: Path, master: str, out: Path, verbose: bool) -> None:
 
     Writes the tables as Parquet under OUT, renders OUT/report.html and prints a summary.
     """
-    from ecq.pipeline.report import run_report
+    with pipeline_extra():
+        from ecq.pipeline.report import run_report
 
     try:
         text = run_report(lake, out, master, verbose)
@@ -75,9 +92,10 @@ def load(input_path: Path, fmt: str, broker: tuple[str, int], master: str, parti
 
     One client's rows keep their input order. Re-running is safe: queues keep the newest value per key.
     """
-    from ecq.pipeline.load import Target
-    from ecq.pipeline.load import load as load_rows
-    from ecq.pipeline.spark import spark_session
+    with pipeline_extra():
+        from ecq.pipeline.load import Target
+        from ecq.pipeline.load import load as load_rows
+        from ecq.pipeline.spark import spark_session
 
     host, port = broker
     try:

@@ -1,0 +1,93 @@
+"""Unit tests of the topic grammar in ecq/queue/topics.py (SPEC.md section 1, "Topics")."""
+
+from __future__ import annotations
+
+import pytest
+
+from ecq.queue.topics import (
+    BadWrite,
+    Write,
+    delivery_topic,
+    is_ecq_topic,
+    parse_target,
+    parse_write,
+    queue_filter,
+    write_topic,
+)
+
+LIMIT = 1024
+
+
+def test_parse_write_splits_clientid_from_key():
+    assert parse_write("$ECQ/w/car7/cfg/net/apn", 10, LIMIT) == Write("car7", "cfg/net/apn")
+
+
+def test_payload_at_the_limit_is_accepted():
+    assert parse_write("$ECQ/w/car7/k", LIMIT, LIMIT) == Write("car7", "k")
+
+
+@pytest.mark.parametrize("topic, payload_size, reason", [
+    ("$ECQ/car7/k", 1, "not_a_write"),
+    ("$ECQ/w", 1, "not_a_write"),
+    ("plain/topic", 1, "not_a_write"),
+    ("$ECQ/w//k", 1, "empty_clientid"),
+    ("$ECQ/w/", 1, "empty_clientid"),
+    ("$ECQ/w/car7", 1, "empty_key"),
+    ("$ECQ/w/car7/", 1, "empty_key"),
+    ("$ECQ/w/car+/k", 1, "bad_clientid"),
+    ("$ECQ/w/car#/k", 1, "bad_clientid"),
+    ("$ECQ/w/car\x00/k", 1, "bad_clientid"),
+    ("$ECQ/w/car7/k+", 1, "bad_key"),
+    ("$ECQ/w/car7/a/#", 1, "bad_key"),
+    ("$ECQ/w/car7/k\x00", 1, "bad_key"),
+    ("$ECQ/w/car7/k", LIMIT + 1, "payload_too_large"),
+])
+def test_parse_write_refusals_name_their_reason(topic, payload_size, reason):
+    with pytest.raises(BadWrite) as caught:
+        parse_write(topic, payload_size, LIMIT)
+    assert caught.value.reason == reason
+    assert repr(topic) in str(caught.value)
+
+
+def test_bad_write_is_a_value_error():
+    assert issubclass(BadWrite, ValueError)
+
+
+@pytest.mark.parametrize("topic, clientid", [
+    ("$ECQ/w/car7/k", "car7"),
+    ("$ECQ/w/car7", "car7"),
+    ("$ECQ/w//k", None),
+    ("$ECQ/w/", None),
+    ("$ECQ/car7/k", None),
+    ("other/w/car7/k", None),
+])
+def test_parse_target_reads_the_clientid_when_there_is_one(topic, clientid):
+    assert parse_target(topic) == clientid
+
+
+def test_queue_filter_and_delivery_topic():
+    assert queue_filter("car7") == "$ECQ/car7/#"
+    assert delivery_topic("car7", "cfg/net/apn") == "$ECQ/car7/cfg/net/apn"
+
+
+def test_ecq_namespace():
+    assert is_ecq_topic("$ECQ/w/car7/k") and is_ecq_topic("$ECQ/car7/#")
+    assert not is_ecq_topic("$SYS/broker") and not is_ecq_topic("ecq/car7")
+
+
+@pytest.mark.parametrize("clientid, key", [
+    ("car7", "k"),
+    ("car7", "cfg/net/apn"),
+    ("car7", "/leading/and/trailing/"),
+    ("car7", "a//b"),
+    ("ünïcode", "clé/ß"),
+])
+def test_write_topic_round_trips_through_parse_write(clientid, key):
+    topic = write_topic(clientid, key)
+    assert topic == f"$ECQ/w/{clientid}/{key}"
+    assert parse_write(topic, 0, LIMIT) == Write(clientid, key)
+    assert parse_target(topic) == clientid
+
+
+def test_write_topic_with_a_slash_in_the_clientid_parses_as_another_queue():
+    assert parse_write(write_topic("a/b", "k"), 0, LIMIT) == Write("a", "b/k")
