@@ -1,4 +1,4 @@
-"""Event recorder and lake exporter (issue 6, section 1) on real files: a disk ReplayQ, a Parquet lake read
+"""Event recorder and lake exporter on real files: a disk ReplayQ, a Parquet lake read
 back with pyarrow, lake outages made by moving the directory away, and crashes of real processes."""
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Garbage collection (SPEC.md section 1; issue 5: GC must not starve delivery; issue 6: one ``expired``
-event per deleted row): the store's steps, the pacing, and a whole pass through a live broker."""
+"""Garbage collection (by age; it must not starve delivery; one ``expired`` event per deleted row): the store's steps, the pacing, and a whole pass through a live broker."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The PySpark jobs of issue 6 on local Spark (local[2], one session for the whole run): `report` on a known
+"""The PySpark jobs on local Spark (local[2], one session for the whole run): `report` on a known
 event set written by the real recorder and exporter, `load` into a real broker, their errors, and the same
 report on a standalone cluster started by scripts/spark-cluster."""
 

@@ -1,4 +1,4 @@
-"""End to end (issue 6): a real `ecq broker` records queue events while paho clients write and read, its
+"""End to end: a real `ecq broker` records queue events while paho clients write and read, its
 exporter fills the Parquet lake, and `ecq pipeline report` on local Spark finds what the workload did;
 the lake disappearing mid-run loses and duplicates no event."""
 

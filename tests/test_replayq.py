@@ -1,4 +1,4 @@
-"""ReplayQ (issue 3, SPEC.md section 2): modes, acks, segments, COMMIT, corruption, crashes, overload, config."""
+"""ReplayQ: modes, acks, segments, COMMIT, corruption, crashes, overload, config."""
 
 from __future__ import annotations
 

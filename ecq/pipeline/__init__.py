@@ -1,7 +1,7 @@
 """PySpark jobs over ECQ queues, run by ``ecq pipeline ...`` (ecq/pipeline/cli.py).
 
 - `ecq.pipeline.report`: per-consumer, per-minute and fleet tables computed from the event lake that
-  ecq/events.py exports, written as Parquet; `ecq.pipeline.render` turns them into one self-contained
+  ecq.events.lake exports, written as Parquet; `ecq.pipeline.render` turns them into one self-contained
   HTML page with charts.
 - `ecq.pipeline.load`: publishes rows (clientid, key, payload) from Parquet, CSV or JSON Lines as QoS 1
   ECQ writes, from the Spark executors.

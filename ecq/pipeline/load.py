@@ -1,11 +1,11 @@
 """``ecq pipeline load``: publish a dataset of rows (clientid, key, payload) as ECQ writes from the Spark
-executors (issue 6, section 2).
+executors.
 
 Input: Parquet, CSV (with a header line) or JSON Lines, a file or a directory of files, with the columns
 ``clientid``, ``key`` and ``payload`` (others are ignored). ``payload`` may be a string (sent as UTF-8) or
 binary; any other type is sent as its string form; null is an empty payload. A row is malformed when
 clientid is null, empty or contains ``/``, ``+``, ``#`` or NUL, or key is null, empty or contains ``+``,
-``#`` or NUL (the broker would refuse the write: SPEC.md section 1); then nothing is published.
+``#`` or NUL (the broker would refuse the write); then nothing is published.
 
 Publishing: rows are hash-partitioned by clientid; each partition is one MQTT connection that sends its
 rows in input order as QoS 1 PUBLISHes to ``$ECQ/w/<clientid>/<key>``, at most ``window`` unacknowledged

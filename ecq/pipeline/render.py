@@ -1,4 +1,4 @@
-"""The report as one self-contained HTML page (issue 6, section 2): inline SVG charts drawn by matplotlib
+"""The report as one self-contained HTML page: inline SVG charts drawn by matplotlib
 (glyphs as paths, so no font, script, stylesheet or image is fetched), and the main tables.
 
 Charts: delivery latency distribution (acks per latency bucket, log scale, with p50/p95/p99 marked),

@@ -1,4 +1,4 @@
-"""``ecq pipeline report``: what the queues did, computed with Spark from the event lake (issue 6, section 2).
+"""``ecq pipeline report``: what the queues did, computed with Spark from the event lake.
 
 Definitions (times in ms since the epoch, latencies in ms, per clientid = per consumer queue):
 
@@ -72,7 +72,7 @@ class Report:
 
 
 def compute_report(events: DataFrame) -> Report:
-    """All report tables from ``events`` (the columns of ecq.events.SCHEMA, e.g. from read_events)."""
+    """All report tables from ``events`` (the columns of ecq.events.schema.SCHEMA, e.g. from read_events)."""
     events = events.cache()
     lifetimes = _lifetimes(events)
     acks = _first_acks(events)

@@ -1,4 +1,4 @@
-"""The Spark side shared by the pipeline jobs: Java check, session, event lake reader, error type (issue 6)."""
+"""The Spark side shared by the pipeline jobs: Java check, session, event lake reader, error type."""
 
 from __future__ import annotations
 

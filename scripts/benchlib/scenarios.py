@@ -1,4 +1,4 @@
-"""The scenarios of issue 5, each measured against its plain QoS 1 pub/sub baseline in the same run.
+"""The benchmark scenarios, each measured against its plain QoS 1 pub/sub baseline in the same run.
 
 Every scenario starts its own brokers (a fresh ECQ data dir each time) unless --host/--port name one,
 drives them through the :class:`~benchlib.loadgen.LoadPool`, and fills a :class:`~benchlib.report.ScenarioResult`
