@@ -93,9 +93,14 @@ class Client:
         self._c.ack(message.mid, message.qos)
 
     def close(self, clean: bool = True) -> None:
-        """DISCONNECT (or drop the socket when ``clean`` is False) and stop the network thread."""
+        """DISCONNECT (or drop the socket when ``clean`` is False) and stop the network thread.
+
+        A clean close waits (at most 5 s) until paho has written its DISCONNECT, so every packet queued before
+        it (PUBACKs) went out: stopping paho's thread at once could leave them unsent.
+        """
         if clean:
             self._c.disconnect()
+            self.disconnected.wait(5)
         else:
             sock = self._c.socket()
             if sock is not None:  # None once paho saw the broker go away
