@@ -1,4 +1,4 @@
-"""ACL rule engine (ecq/acl.py): EMQX acl.conf syntax, first-match semantics, MQTT 3.1.1 section 4.7 matching."""
+"""ACL rule engine (ecq/broker/acl/): EMQX acl.conf syntax, first-match semantics, MQTT 3.1.1 section 4.7 matching."""
 
 from __future__ import annotations
 

@@ -1,0 +1,69 @@
+"""Every place where ECQ owns amqtt 0.12.1's behaviour, and every use of its internals: this package is the
+only code that touches amqtt internals (private attributes, replaced methods); the rest of ECQ uses amqtt's
+public plugin API and the functions exported here.
+
+:func:`install` wraps amqtt's methods once per process, one line per correction. Each wrapper finds the
+ECQ plugin in the broker's or handler's own PluginManager (:mod:`.target`), so several brokers in one
+process work independently and a broker without the ECQ plugin behaves exactly as stock amqtt. The plugin
+is seen only through the :class:`EcqHooksTarget` protocol, so nothing here imports it. Each correction's
+docstring names the amqtt behaviour it replaces. One module per concern:
+
+- :mod:`.ecq_paths`: ECQ's own paths (PUBLISH and SUBSCRIBE under ``$ECQ/``), batched socket writes
+  (:func:`send_soon`), the QoS 1 delivery and acknowledgement flows, connection accessors, listen backlog;
+- :mod:`.acks`: an acknowledged message stays acknowledged; a persistent-session takeover closes only the
+  old connection;
+- :mod:`.bad_clients`: sockets closed on every path, CONNECT timeout, packet size and protocol checks
+  before a body is read, ``$``-topics no longer end a client's loop, a bounded log of accept failures;
+- :mod:`.ecq_guards`: nothing reaches ``$ECQ/<clientid>/...`` but ECQ's delivery (Wills, broadcasts,
+  retained messages);
+- :mod:`.conformance`: MQTT 3.1.1 for ordinary topics (persistent sessions, retained messages, QoS of a
+  fan-out, resend on reconnect, keepalive, with per-session bounds);
+- :mod:`.start_up`: start-up failures are reported, not hidden.
+
+Several corrections wrap the same amqtt method (``init_from_connect``, ``handle_puback``,
+``_handle_message_delivery``, ``_broadcast_message``): the order of :func:`install` is the order of wrapping.
+"""
+
+from __future__ import annotations
+
+from ecq.broker.amqtt_hooks import acks, bad_clients, conformance, ecq_guards, ecq_paths, start_up, target
+from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
+from ecq.broker.amqtt_hooks.conformance import set_session_expiry
+from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge, client_id, close_connection, connection_is_open,
+                                              live_connection, publish_qos1, send_soon, set_listen_backlog)
+from ecq.broker.amqtt_hooks.target import EcqHooksTarget
+
+__all__ = ["EcqHooksTarget", "ProtocolViolation", "acknowledge", "client_id", "close_connection",
+           "connection_is_open", "install", "live_connection", "publish_qos1", "send_soon", "set_listen_backlog",
+           "set_session_expiry"]
+
+
+def install(plugin_class: type[EcqHooksTarget]) -> None:
+    """Wrap the amqtt methods once per process; ``plugin_class`` is the class to dispatch to (a later call
+    with any class does nothing)."""
+    if not target.register(plugin_class):
+        return
+    ecq_paths.take_ecq_publishes()
+    ecq_paths.grant_ecq_subscriptions()
+    ecq_paths.accept_ecq_wildcards()
+    acks.resolve_pubacks_at_once()
+    acks.read_to_the_end_after_a_reset()
+    acks.keep_the_new_connection_on_persistent_takeover()
+    bad_clients.close_abandoned_connections()
+    bad_clients.time_limit_connect()
+    bad_clients.check_fixed_headers()
+    bad_clients.check_publish_headers()
+    bad_clients.check_subscribe_payloads()
+    bad_clients.keep_serving_after_reserved_topics()
+    bad_clients.limit_accept_error_log()
+    ecq_guards.refuse_forbidden_wills()
+    ecq_guards.keep_ecq_out_of_broadcasts()
+    ecq_guards.keep_ecq_out_of_retained_store()
+    conformance.keep_persistent_sessions()
+    conformance.retained_only_for_new_subscriptions()
+    conformance.offline_messages_not_retained()
+    conformance.conformant_fan_out()
+    conformance.resend_unacked_on_reconnect()
+    conformance.enforce_keepalive()
+    start_up.raise_pre_start_failure()
+    start_up.quiet_start_failure_traceback()

@@ -1,0 +1,108 @@
+"""An acknowledged message stays acknowledged; a persistent-session takeover keeps the new connection.
+
+A PUBACK counts the moment it is decoded, also when the client resets the connection right after it
+(:func:`resolve_pubacks_at_once`, :func:`read_to_the_end_after_a_reset`); a takeover closes only the old
+connection (:func:`keep_the_new_connection_on_persistent_takeover`). Each corrects amqtt 0.12.1 (or asyncio).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from collections.abc import Coroutine
+from typing import Any
+
+from amqtt.broker import Broker
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+from amqtt.mqtt.puback import PubackPacket
+from amqtt.session import Session
+
+from ecq.broker.amqtt_hooks.ecq_paths import client_id
+
+log = logging.getLogger(__name__)
+
+
+def resolve_pubacks_at_once() -> None:
+    """Install :func:`handle_puback_at_once` as amqtt's ``BrokerProtocolHandler.handle_puback``."""
+    BrokerProtocolHandler.handle_puback = handle_puback_at_once
+
+
+def handle_puback_at_once(handler: BrokerProtocolHandler, puback: PubackPacket) -> Coroutine[Any, Any, None]:
+    """Resolve the waiter of an incoming PUBACK while the reader loop decodes it, not in a task of its own.
+
+    amqtt 0.12.1's reader loop runs ``handle_puback`` in a new task and cancels every such task still
+    pending when the stream ends, so a PUBACK that arrived together with DISCONNECT or the end of the
+    connection (``mosquitto_sub -C 1``) was dropped and ECQ redelivered an acknowledged message. Here the
+    waiter is resolved before the reader reads the next packet; what amqtt schedules is a finished no-op.
+    """
+    packet_id = puback.packet_id
+    waiter = handler._puback_waiters.get(packet_id)
+    if waiter is None or waiter.done():
+        log.warning("PUBACK for unknown packet id %s from %s", packet_id, client_id(handler))
+    else:
+        waiter.set_result(puback)
+    return no_op()
+
+
+def read_to_the_end_after_a_reset() -> None:
+    """When a TCP connection fails, its StreamReader ends the stream after the bytes already received, as a
+    normal close does.
+
+    asyncio's ``StreamReader.set_exception`` makes every later read raise at once, even while the bytes
+    received before the failure are still buffered. A client that closes with unread data in its socket
+    makes its kernel send RST instead of FIN (``mosquitto_sub -C 1`` with more messages in flight): the
+    PUBACK it sent just before was in the buffer, amqtt 0.12.1's reader loop never decoded it, and ECQ
+    redelivered an acknowledged message. The error itself is only logged (debug).
+    """
+    original = Broker.stream_connected
+
+    async def stream_connected(broker: Broker, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                               listener_name: str) -> None:
+        def end_of_stream(exc: BaseException) -> None:
+            log.debug("connection error %r: the stream ends after the bytes already received", exc)
+            reader.feed_eof()
+
+        reader.set_exception = end_of_stream
+        return await original(broker, reader, writer, listener_name)
+
+    Broker.stream_connected = stream_connected
+
+
+async def no_op() -> None:
+    """A coroutine that does nothing: what a synchronous ``handle_puback`` returns for amqtt to schedule."""
+    return None
+
+
+def keep_the_new_connection_on_persistent_takeover() -> None:
+    """Keep the newest connection of a persistent session up when it takes over an older one.
+
+    On a takeover amqtt 0.12.1 hands the one Session object of a clean-session-off client to the new
+    connection and stops the old connection's handler; the old message loop then ends in
+    ``Broker._handle_disconnect``, which marks that shared session disconnected, fires
+    CLIENT_DISCONNECTED and publishes the session's Will (by then the new CONNECT's). The session monitor
+    later deletes the "disconnected" session and closes the new connection too (the new
+    client saw EOF 0.7 s after its takeover). MQTT 3.1.1 section 3.1.4 closes only the existing connection. So the
+    handler being replaced is noted before amqtt's takeover starts, and its end only stops that handler.
+    """
+    original_session = Broker._handle_client_session
+    original_disconnect = Broker._handle_disconnect
+    taken_over: weakref.WeakSet[BrokerProtocolHandler] = weakref.WeakSet()
+
+    async def handle_client_session(broker: Broker, reader: Any, writer: Any, session: Session,
+                                    handler: BrokerProtocolHandler, *args: Any) -> None:
+        _, previous = broker._sessions.get(session.client_id, (None, None))
+        if previous is not None and previous is not handler and previous.session is session:
+            taken_over.add(previous)
+        return await original_session(broker, reader, writer, session, handler, *args)
+
+    async def handle_disconnect(broker: Broker, session: Session, handler: BrokerProtocolHandler,
+                                disconnect_waiter: asyncio.Future) -> None:
+        if handler in taken_over:
+            await broker._stop_handler(handler)
+            return
+        await original_disconnect(broker, session, handler, disconnect_waiter)
+
+    Broker._handle_client_session = handle_client_session
+    Broker._handle_disconnect = handle_disconnect
+

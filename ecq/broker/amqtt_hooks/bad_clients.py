@@ -1,0 +1,282 @@
+"""Bad clients: what amqtt 0.12.1 (or asyncio) does with a client that misbehaves, corrected.
+
+Sockets are closed on every path, a CONNECT must come within ``connect_timeout``, packet size and
+protocol checks run before a body is read, ``$``-topics no longer end a client's loop, and accept failures
+are logged at a bounded rate. Each function below corrects one behaviour and is installed by one line in
+``install``. The connection checks act only on brokers that run the ECQ plugin: :func:`close_abandoned_connections`
+registers their connections in ``_connections``, by amqtt reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from amqtt.adapters import StreamWriterAdapter
+from amqtt.broker import Broker
+from amqtt.codecs_amqtt import decode_packet_id, read_or_raise
+from amqtt.errors import AMQTTError, MQTTError, NoDataError
+from amqtt.mqtt.packet import PUBLISH, MQTTFixedHeader
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+from amqtt.mqtt.publish import PublishVariableHeader
+from amqtt.mqtt.subscribe import SubscribePayload
+
+from ecq.broker.amqtt_hooks.target import find_target
+from ecq.queue.topics import is_ecq_topic
+
+log = logging.getLogger(__name__)
+
+ACCEPT_ERROR_LOG_INTERVAL_S = 10.0
+_ACCEPT_ERROR = "socket.accept() out of system resource"  # asyncio's message (selector_events._accept_connection)
+_PACKET_NAMES = ("RESERVED", "CONNECT", "CONNACK", "PUBLISH", "PUBACK", "PUBREC", "PUBREL", "PUBCOMP", "SUBSCRIBE",
+                 "SUBACK", "UNSUBSCRIBE", "UNSUBACK", "PINGREQ", "PINGRESP", "DISCONNECT", "RESERVED")
+
+
+class ProtocolViolation(Exception):
+    """A packet that MQTT 3.1.1 answers by closing the network connection, raised while it is decoded.
+
+    It is deliberately not an amqtt ``MQTTError``: amqtt's reader loop skips those and reads on from the
+    middle of the packet; any other exception ends the loop, which then closes the connection.
+    """
+
+
+@dataclass
+class _Connection:
+    """What the packet checks know about one connection: peer ``host:port``, limits, clientid once known."""
+
+    peer: str
+    max_packet_bytes: int
+    connect_timeout_s: float
+    client_id: str | None = None
+
+    def __str__(self) -> str:
+        if self.client_id is None:
+            return f"{self.peer} (before CONNECT)"
+        return f"client {self.client_id!r} ({self.peer})"
+
+
+_connections: dict[Any, _Connection] = {}  # by amqtt ReaderAdapter, while amqtt serves the connection
+
+
+def _violation(reader: Any, reason: str) -> ProtocolViolation:
+    """Log why the connection read by ``reader`` is closed; return the exception that makes amqtt close it."""
+    log.warning("ECQ closing the connection of %s: %s", _connections[reader], reason)
+    return ProtocolViolation(reason)
+
+
+def _abort(writer: Any) -> None:
+    """Close a TCP connection's socket now, unless amqtt already closes it (unsent bytes are dropped)."""
+    if isinstance(writer, StreamWriterAdapter):
+        transport = writer._writer.transport
+        if not transport.is_closing():
+            writer.is_closed = True
+            transport.abort()
+
+
+def close_abandoned_connections() -> None:
+    """Correct amqtt 0.12.1 ``Broker._client_connected``, which leaves the socket open when it stops serving a
+    connection on any path but a handler stop: a CONNECT that does not decode, an EOF before or during CONNECT
+    (``_initialize_client_session`` raises without closing the writer), an exception it does not expect.
+    Every such connection kept its file descriptor: 2,500 connect-and-close cycles under ``ulimit -n 1024``
+    left the broker unable to accept anyone. Now the socket is closed once amqtt returns.
+    Also registers the connection in ``_connections`` for the packet checks below.
+    """
+    original = Broker._client_connected
+
+    async def client_connected(broker: Broker, listener_name: str, reader: Any, writer: Any) -> None:
+        plugin = find_target(broker.plugins_manager)
+        if plugin is None:
+            return await original(broker, listener_name, reader, writer)
+        peer = writer.get_peer_info()
+        _connections[reader] = _Connection(f"{peer[0]}:{peer[1]}" if peer else "unknown peer",
+                                           plugin.settings.effective_max_packet_bytes(),
+                                           plugin.settings.connect_timeout)
+        try:
+            await original(broker, listener_name, reader, writer)
+        finally:
+            del _connections[reader]
+            _abort(writer)
+
+    Broker._client_connected = client_connected
+
+
+def time_limit_connect() -> None:
+    """Correct amqtt 0.12.1 ``BrokerProtocolHandler.init_from_connect``, which waits for the first packet
+    forever: a socket that never sends a whole CONNECT held its file descriptor. Now it
+    is closed after ``connect_timeout`` (EMQX does the same after its ``idle_timeout``). An unexpected
+    exception while reading the CONNECT becomes an ``AMQTTError``, so amqtt logs it and releases the
+    listener's slot instead of ending the connection's task with it.
+    """
+    original = BrokerProtocolHandler.init_from_connect.__func__
+
+    async def init_from_connect(cls: type[BrokerProtocolHandler], reader: Any, writer: Any, *args: Any,
+                                **kwargs: Any) -> tuple[BrokerProtocolHandler, Any]:
+        connection = _connections.get(reader)
+        if connection is None:
+            return await original(cls, reader, writer, *args, **kwargs)
+        try:
+            handler, session = await asyncio.wait_for(original(cls, reader, writer, *args, **kwargs),
+                                                      connection.connect_timeout_s)
+        except TimeoutError:
+            raise AMQTTError(f"no CONNECT from {connection.peer} within {connection.connect_timeout_s:g} s: "
+                             "connection closed") from None
+        except (AMQTTError, MQTTError, NoDataError):
+            raise
+        except Exception as exc:
+            raise AMQTTError(f"CONNECT from {connection.peer} refused: {exc}") from exc
+        connection.client_id = session.client_id
+        return handler, session
+
+    BrokerProtocolHandler.init_from_connect = classmethod(init_from_connect)
+
+
+def check_fixed_headers() -> None:
+    """Correct amqtt 0.12.1 ``MQTTFixedHeader.from_stream``, after which amqtt reads any packet body in full,
+    whatever its announced length: one 200 MB PUBLISH took the broker from 135 to 726 MB RSS.
+    Now a packet announcing a remaining length above ``max_packet_bytes`` closes the connection before its
+    body is read (MQTT 3.1.1 has no other answer), and so does a PUBLISH with QoS 3 (section 3.3.1.2).
+    """
+    original = MQTTFixedHeader.from_stream.__func__
+
+    async def from_stream(cls: type[MQTTFixedHeader], reader: Any) -> MQTTFixedHeader | None:
+        header = await original(cls, reader)
+        connection = _connections.get(reader)
+        if header is None or connection is None:
+            return header
+        if header.remaining_length > connection.max_packet_bytes:
+            raise _violation(reader, f"{_PACKET_NAMES[header.packet_type]} packet announces "
+                                     f"{header.remaining_length} bytes, above max_packet_bytes "
+                                     f"{connection.max_packet_bytes}")
+        if header.packet_type == PUBLISH and header.flags & 0x06 == 0x06:
+            raise _violation(reader, "PUBLISH with QoS 3 [MQTT-3.3.1-4]")
+        return header
+
+    MQTTFixedHeader.from_stream = classmethod(from_stream)
+
+
+async def _read_utf8(reader: Any, what: str) -> str:
+    """One MQTT UTF-8 string (2-byte length, then the bytes); raises ProtocolViolation for invalid UTF-8.
+
+    amqtt's ``decode_string`` turns invalid UTF-8 into the text ``"b'...'"`` and carries on with it.
+    """
+    raw = await read_or_raise(reader, struct.unpack("!H", await read_or_raise(reader, 2))[0])
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _violation(reader, f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start}) [MQTT-1.5.3-1]")
+
+
+def check_publish_headers() -> None:
+    """Correct amqtt 0.12.1 ``PublishVariableHeader.from_stream``: a topic of invalid UTF-8 is taken as the
+    text ``"b'...'"`` (section 1.5.3), packet id 0 is taken at QoS 1 and 2 (section 2.3.1), and a wildcard
+    topic raises an ``MQTTError`` that leaves the payload to be read as the next packet. An empty topic
+    (section 4.7.3) passed decoding and then ended the client's message loop with the connection left open.
+    Each now closes the connection with its reason logged, for ``$ECQ/`` writes too
+    (nothing is stored); wildcards in ``$ECQ/`` topics stay ECQ's to refuse (see ``ecq_paths.accept_ecq_wildcards``).
+    """
+    original = PublishVariableHeader.from_stream.__func__
+
+    async def from_stream(cls: type[PublishVariableHeader], reader: Any, fixed_header: MQTTFixedHeader) -> Any:
+        if reader not in _connections:
+            return await original(cls, reader, fixed_header)
+        topic = await _read_utf8(reader, "PUBLISH topic")
+        packet_id = await decode_packet_id(reader) if fixed_header.flags & 0x06 else None
+        if not topic:
+            raise _violation(reader, "PUBLISH to an empty topic [MQTT-4.7.3-1]")
+        if ("+" in topic or "#" in topic) and not is_ecq_topic(topic):
+            raise _violation(reader, f"PUBLISH to {topic!r}, a topic with a wildcard [MQTT-3.3.2-2]")
+        if packet_id == 0:
+            raise _violation(reader, f"PUBLISH to {topic!r} with packet id 0 [MQTT-2.3.1-1]")
+        return cls(topic, packet_id)
+
+    PublishVariableHeader.from_stream = classmethod(from_stream)
+
+
+def check_subscribe_payloads() -> None:
+    """Correct amqtt 0.12.1 ``SubscribePayload.from_stream``, which accepts a SUBSCRIBE without any topic
+    filter (MQTT 3.1.1 section 3.8.3), takes invalid UTF-8 as the text ``"b'...'"`` and then miscounts the
+    bytes left (section 1.5.3), and takes an empty filter (4.7.3) or a requested QoS above 2 (3.8.3-4).
+    Each now closes the connection with its reason logged. Returns amqtt's payload for a valid packet.
+    """
+    original = SubscribePayload.from_stream.__func__
+
+    async def from_stream(cls: type[SubscribePayload], reader: Any, fixed_header: MQTTFixedHeader,
+                          variable_header: Any) -> SubscribePayload:
+        if reader not in _connections:
+            return await original(cls, reader, fixed_header, variable_header)
+        left = fixed_header.remaining_length - variable_header.bytes_length
+        filters: list[tuple[str, int]] = []
+        while left > 0:
+            topic_filter = await _read_utf8(reader, "SUBSCRIBE topic filter")
+            qos = (await read_or_raise(reader, 1))[0]
+            left -= 2 + len(topic_filter.encode()) + 1
+            if not topic_filter:
+                raise _violation(reader, "SUBSCRIBE with an empty topic filter [MQTT-4.7.3-1]")
+            if qos > 2:
+                raise _violation(reader, f"SUBSCRIBE to {topic_filter!r} with QoS byte {qos} [MQTT-3.8.3-4]")
+            filters.append((topic_filter, qos))
+        if left < 0:
+            raise _violation(reader, "SUBSCRIBE whose topic filters overrun its remaining length")
+        if not filters:
+            raise _violation(reader, "SUBSCRIBE without a topic filter [MQTT-3.8.3-3]")
+        return cls(filters)
+
+    SubscribePayload.from_stream = classmethod(from_stream)
+
+
+def keep_serving_after_reserved_topics() -> None:
+    """Correct amqtt 0.12.1 ``Broker._handle_message_delivery``, which ends the client's message loop after
+    a PUBLISH to a topic starting with ``$`` (other than ECQ's) while the connection stays open and answers
+    PINGREQ: the client's later SUBSCRIBEs were never answered. MQTT 3.1.1 section 4.7.2
+    only keeps such topics for the server, so the message is dropped with a log line and the loop goes on.
+    """
+    original = Broker._handle_message_delivery
+
+    async def handle_message_delivery(broker: Broker, session: Any, handler: Any, wait_deliver: Any) -> bool:
+        message = wait_deliver.result()
+        if message is not None and message.topic.startswith("$") and find_target(broker.plugins_manager):
+            log.warning("ECQ dropped a PUBLISH of %r to %r: topics starting with $ are the broker's "
+                        "(MQTT 3.1.1 section 4.7.2)", session.client_id, message.topic)
+            return True
+        return await original(broker, session, handler, wait_deliver)
+
+    Broker._handle_message_delivery = handle_message_delivery
+
+
+class _AcceptErrorLogLimit(logging.Filter):
+    """Lets one asyncio "socket.accept() out of system resource" record through per ``interval_s``,
+    without its traceback and with the count of those held back; other records pass unchanged."""
+
+    def __init__(self, interval_s: float) -> None:
+        super().__init__()
+        self._interval_s = interval_s
+        self._next_at = float("-inf")
+        self._held_back = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not isinstance(record.msg, str) or not record.msg.startswith(_ACCEPT_ERROR):
+            return True
+        now = time.monotonic()
+        if now < self._next_at:
+            self._held_back += 1
+            return False
+        error = record.exc_info[1] if record.exc_info else None
+        record.msg = (f"{_ACCEPT_ERROR}: {error}; new connections wait until descriptors are free "
+                      f"({self._held_back} more such errors since the last report; "
+                      f"reported at most every {self._interval_s:g} s)")
+        record.args, record.exc_info, record.exc_text = (), None, None
+        self._next_at, self._held_back = now + self._interval_s, 0
+        return True
+
+
+def limit_accept_error_log() -> None:
+    """Correct the log flood of accept failures: when the process runs out of file descriptors, CPython 3.11's
+    ``BaseSelectorEventLoop._accept_connection`` logs "socket.accept() out of system resource" with a traceback
+    up to ``backlog`` (100, amqtt's) times per attempt and retries every second, which wrote hundreds of MB.
+    Now one line per ``ACCEPT_ERROR_LOG_INTERVAL_S`` is logged."""
+    logging.getLogger("asyncio").addFilter(_AcceptErrorLogLimit(ACCEPT_ERROR_LOG_INTERVAL_S))
+

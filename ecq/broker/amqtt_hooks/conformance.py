@@ -1,0 +1,287 @@
+"""MQTT 3.1.1 for ordinary topics: where amqtt 0.12.1 departs from the specification, corrected.
+
+Persistent sessions are kept, retained messages go only to new subscriptions, a fan-out sends one copy
+per client at the right QoS, unacknowledged messages are resent on reconnect and a silent client is closed
+after 1.5 x its keepalive, with per-session bounds (``session_max_queued``, ``session_max_inflight``).
+Each function below corrects one amqtt behaviour on a broker that runs the ECQ plugin and is installed
+by one line in ``install``; a broker without the plugin keeps stock amqtt. ``$ECQ/`` topics are ECQ's own
+and never reach these paths except where said.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import math
+from collections.abc import Coroutine
+from typing import Any
+
+from amqtt.broker import Broker, BrokerContext
+from amqtt.contexts import Action
+from amqtt.events import BrokerEvents
+from amqtt.mqtt.constants import QOS_0, QOS_1
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+from amqtt.mqtt.puback import PubackPacket
+from amqtt.session import OUTGOING
+
+from ecq.broker.amqtt_hooks.acks import no_op
+from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE, client_id, close_connection
+from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
+from ecq.queue.topics import is_ecq_topic
+
+log = logging.getLogger(__name__)
+
+_PUBLISH_QOS: contextvars.ContextVar[int | None] = contextvars.ContextVar("ecq_publish_qos", default=None)
+_closing: set[asyncio.Task] = set()  # keepalive closes in progress (a reference keeps each task alive)
+
+
+def keep_persistent_sessions() -> None:
+    """amqtt 0.12.1's AnonymousAuthPlugin marks every session ``is_anonymous``, and ``Broker._session_monitor``
+    deletes such a session about 1 s after it disconnects, while ``_run_broadcast`` queues no message for it:
+    a CleanSession=0 client lost its subscriptions and offline messages and got CONNACK session-present 0.
+    MQTT 3.1.1 section 3.1.2.4 keeps the session whatever the authentication, so a persistent session is
+    not marked anonymous (amqtt uses the mark only for those two decisions and its contrib persistence).
+    How long it is kept is ``session_expiry`` (:func:`set_session_expiry`)."""
+    original = Broker._authenticate
+
+    async def authenticate(broker: Broker, session: Any, listener: Any) -> bool:
+        authenticated = await original(broker, session, listener)
+        if find_target(broker.plugins_manager) is not None and session.clean_session is False:
+            session.is_anonymous = False
+        return authenticated
+
+    Broker._authenticate = authenticate
+
+
+def set_session_expiry(context: BrokerContext, seconds: float) -> None:
+    """Forget a disconnected persistent session after ``seconds`` (amqtt's ``session_expiry_interval``,
+    checked by its session monitor every second; EMQX calls it session expiry, default 2 h there)."""
+    config = context._broker_instance.config
+    if config.session_expiry_interval is not None and config.session_expiry_interval != math.ceil(seconds):
+        log.warning(
+            "amqtt's session_expiry_interval %s is replaced by ECQ's session_expiry %s s",
+            config.session_expiry_interval, math.ceil(seconds))
+    config.session_expiry_interval = math.ceil(seconds)
+
+
+def retained_only_for_new_subscriptions() -> None:
+    """amqtt 0.12.1's ``Broker._handle_client_session`` sends a connecting client every retained message that
+    matches *any* client's subscription filter, at QoS 0; and ``_publish_retained_messages_for_subscription``
+    sends a QoS 0 retained message at the subscription's QoS. MQTT 3.1.1 section 3.3.1.3: a retained message
+    goes to a new subscription that matches it, RETAIN=1, at min(granted QoS, message QoS); a reconnect is
+    no new subscription. So the SUBSCRIBE handling is taken over and the connect-time loop sends nothing."""
+    original_handle = Broker._handle_subscription
+    original_send = Broker._publish_retained_messages_for_subscription
+
+    async def handle_subscription(broker: Broker, session: Any, handler: BrokerProtocolHandler,
+                                  waiter: asyncio.Future) -> None:
+        if find_target(broker.plugins_manager) is None:
+            return await original_handle(broker, session, handler, waiter)
+        return await _handle_subscribe(broker, session, handler, waiter.result())
+
+    async def send_on_connect(broker: Broker, subscription: tuple[str, int], session: Any) -> None:
+        if find_target(broker.plugins_manager) is None:
+            await original_send(broker, subscription, session)
+
+    Broker._handle_subscription = handle_subscription
+    Broker._publish_retained_messages_for_subscription = send_on_connect
+
+
+async def _handle_subscribe(broker: Broker, session: Any, handler: BrokerProtocolHandler, subscribe: Any) -> None:
+    """amqtt's SUBSCRIBE handling (grant each filter, SUBACK, CLIENT_SUBSCRIBED) with conformant retained sends."""
+    granted = [await broker.add_subscription(subscription, session) for subscription in subscribe.topics]
+    await handler.mqtt_acknowledge_subscription(subscribe.packet_id, granted)
+    for (topic_filter, requested_qos), qos in zip(subscribe.topics, granted, strict=True):
+        if qos == SUBACK_FAILURE:
+            continue
+        await broker.plugins_manager.fire_event(BrokerEvents.CLIENT_SUBSCRIBED, client_id=session.client_id,
+                                                topic=topic_filter, qos=requested_qos)
+        sends = [handler.mqtt_publish(message.topic, message.data, qos if message.qos is None else min(qos, message.qos),
+                                      retain=True)
+                 for topic, message in list(broker.retained_messages.items()) if broker._matches(topic, topic_filter)]
+        await asyncio.gather(*sends, return_exceptions=True)
+
+
+def offline_messages_not_retained() -> None:
+    """amqtt 0.12.1's ``Broker._publish_session_retained_messages`` sends the messages queued for a
+    disconnected session with RETAIN=1. They were not published retained, and MQTT 3.1.1 section 3.3.1.3
+    sets RETAIN only on a retained message sent for a new subscription: they go out with RETAIN=0."""
+    original = Broker._publish_session_retained_messages
+
+    async def publish_queued(broker: Broker, session: Any) -> None:
+        if find_target(broker.plugins_manager) is None:
+            return await original(broker, session)
+        handler = broker._get_handler(session)
+        sends = []
+        while handler is not None and not session.retained_messages.empty():
+            message = session.retained_messages.get_nowait()
+            sends.append(handler.mqtt_publish(message.topic, message.data, message.qos, retain=False))
+        await asyncio.gather(*sends, return_exceptions=True)
+
+    Broker._publish_session_retained_messages = publish_queued
+
+
+def conformant_fan_out() -> None:
+    """amqtt 0.12.1's ``Broker._run_broadcast`` sends a message once per matching filter of a client (twice
+    to a client subscribed to ``a/#`` and ``a/+``), at the subscription's QoS whatever the PUBLISH's QoS, and
+    keeps nothing for an anonymous session. MQTT 3.1.1 sections 3.3.5 and 3.8.4: one delivery per client at
+    min(PUBLISH QoS, highest granted QoS of its matching subscriptions); a disconnected CleanSession=0 session
+    gets its QoS 1 and 2 messages queued (section 3.1.2.4), within ``session_max_queued``.
+
+    amqtt does not put the PUBLISH's QoS in its broadcast, so ``_handle_message_delivery`` records it for
+    ``_broadcast_message`` (same task) in a context variable. A broadcast with a QoS (the Will, a plugin's)
+    is capped at that QoS; without one at QoS 2, i.e. by the subscription only.
+    """
+    original_delivery = Broker._handle_message_delivery
+    original_broadcast = Broker._broadcast_message
+    original_run = Broker._run_broadcast
+
+    async def handle_message_delivery(broker: Broker, session: Any, handler: Any, waiter: asyncio.Future) -> bool:
+        message = waiter.result()
+        token = _PUBLISH_QOS.set(message.qos if message is not None else None)
+        try:
+            return await original_delivery(broker, session, handler, waiter)
+        finally:
+            _PUBLISH_QOS.reset(token)
+
+    async def broadcast_message(broker: Broker, session: Any, topic: str | None, data: Any,
+                                force_qos: int | None = None) -> None:
+        if force_qos is None and find_target(broker.plugins_manager) is not None:
+            force_qos = _PUBLISH_QOS.get()
+        await original_broadcast(broker, session, topic, data, force_qos)
+
+    async def run_broadcast(broker: Broker, running_tasks: Any) -> None:
+        plugin = find_target(broker.plugins_manager)
+        if plugin is None:
+            return await original_run(broker, running_tasks)
+        await _fan_out(broker, plugin, await broker._broadcast_queue.get(), running_tasks)
+
+    Broker._handle_message_delivery = handle_message_delivery
+    Broker._broadcast_message = broadcast_message
+    Broker._run_broadcast = run_broadcast
+
+
+def _subscribers(broker: Broker, topic: str) -> dict[str, tuple[Any, int]]:
+    """client id -> (session, highest granted QoS among its filters matching ``topic``)."""
+    found: dict[str, tuple[Any, int]] = {}
+    for topic_filter, subscriptions in broker.subscriptions.items():
+        if broker._matches(topic, topic_filter):
+            for session, qos in subscriptions:
+                if session.client_id not in found or qos > found[session.client_id][1]:
+                    found[session.client_id] = (session, qos)
+    return found
+
+
+async def _fan_out(broker: Broker, plugin: EcqHooksTarget, broadcast: dict[str, Any], running_tasks: Any) -> None:
+    topic, publish_qos = broadcast["topic"], broadcast.get("qos", 2)
+    if publish_qos is None:
+        publish_qos = 2
+    for session, granted in _subscribers(broker, topic).values():
+        qos = min(publish_qos, granted)
+        if not await broker._topic_filtering(session, topic=topic, action=Action.RECEIVE):
+            continue
+        if session.transitions.state != "connected":
+            if not session.clean_session and qos > QOS_0:
+                _make_room(session.retained_messages, plugin, session.client_id)
+                await broker._retain_broadcast_message(broadcast, qos, session)
+            continue
+        if (handler := broker._get_handler(session)) is not None:
+            running_tasks.append(asyncio.ensure_future(handler.mqtt_publish(topic, broadcast["data"], qos, False)))
+
+
+def _make_room(queue: asyncio.Queue, plugin: EcqHooksTarget, clientid: str) -> None:
+    """Drop the oldest messages of a disconnected session's queue until one more fits ``session_max_queued``."""
+    while queue.qsize() >= plugin.settings.session_max_queued:
+        dropped = queue.get_nowait()
+        plugin.session_message_dropped(clientid, dropped.topic, "queue_full")
+
+
+def resend_unacked_on_reconnect() -> None:
+    """amqtt 0.12.1 takes an outgoing QoS 1/2 message out of ``session.inflight_out`` when its flow ends
+    without the acknowledgement (the connection closed, or 5 s passed), so ``_retry_deliveries`` never
+    resends it (amqtt issue #401). MQTT 3.1.1 section 4.4: on reconnect with CleanSession=0 the server
+    resends unacknowledged PUBLISHes (DUP=1, same packet id) and PUBRELs. So such a message is put back
+    for a persistent session, at most ``session_max_inflight`` per session (the oldest is dropped).
+    ``$ECQ/`` deliveries are excluded: ECQ redelivers its queues itself (``ecq_paths.publish_qos1``).
+    A PUBACK that comes after amqtt's 5 s gave up now settles the kept message."""
+    original_flow = BrokerProtocolHandler._handle_message_flow
+    original_retry = BrokerProtocolHandler._retry_deliveries
+    original_puback = BrokerProtocolHandler.handle_puback
+
+    async def handle_message_flow(handler: BrokerProtocolHandler, message: Any) -> None:
+        try:
+            await original_flow(handler, message)
+        except (asyncio.CancelledError, Exception):
+            _keep_for_resend(handler, message)
+            raise
+
+    async def retry_deliveries(handler: BrokerProtocolHandler) -> None:
+        if find_target(handler.plugins_manager) is None:
+            return await original_retry(handler)
+        session = handler.session
+        messages = [*session.inflight_in.values(),
+                    *(m for m in session.inflight_out.values() if not is_ecq_topic(m.topic))]
+        await asyncio.gather(*(asyncio.wait_for(handler._handle_message_flow(m), _RESEND_TIMEOUT_S) for m in messages),
+                             return_exceptions=True)
+
+    def handle_puback(handler: BrokerProtocolHandler, puback: PubackPacket) -> Coroutine[Any, Any, None]:
+        # not a coroutine function: like acks.handle_puback_at_once, it acts while the reader loop decodes the PUBACK
+        packet_id = puback.variable_header.packet_id if puback.variable_header else None
+        late = handler.session.inflight_out.get(packet_id) if handler.session else None
+        if (packet_id in handler._puback_waiters or late is None or late.qos != QOS_1 or is_ecq_topic(late.topic)
+                or find_target(handler.plugins_manager) is None):
+            return original_puback(handler, puback)
+        late.puback_packet = puback
+        del handler.session.inflight_out[packet_id]
+        return no_op()
+
+    BrokerProtocolHandler._handle_message_flow = handle_message_flow
+    BrokerProtocolHandler._retry_deliveries = retry_deliveries
+    BrokerProtocolHandler.handle_puback = handle_puback
+
+
+_RESEND_TIMEOUT_S = 10  # amqtt's own bound on one resend at connect (its _retry_deliveries)
+
+
+def _keep_for_resend(handler: BrokerProtocolHandler, message: Any) -> None:
+    session = handler.session
+    plugin = find_target(handler.plugins_manager)
+    if (plugin is None or session is None or session.clean_session is not False or message.direction != OUTGOING
+            or message.qos not in (QOS_1, 2) or is_ecq_topic(message.topic)
+            or (message.puback_packet if message.qos == QOS_1 else message.pubcomp_packet) is not None):
+        return
+    session.inflight_out.setdefault(message.packet_id, message)
+    waited = handler._puback_waiters.keys() | handler._pubrec_waiters.keys() | handler._pubcomp_waiters.keys()
+    kept = [pid for pid, m in session.inflight_out.items() if pid not in waited and not is_ecq_topic(m.topic)]
+    for packet_id in kept[:max(0, len(kept) - plugin.settings.session_max_inflight)]:
+        plugin.session_message_dropped(session.client_id, session.inflight_out.pop(packet_id).topic, "inflight_full")
+
+
+def enforce_keepalive() -> None:
+    """amqtt 0.12.1 reads with a timeout of the keepalive but its ``BrokerProtocolHandler.handle_read_timeout``
+    does nothing: a silent client stays connected forever and its Will is never published. MQTT 3.1.1
+    section 3.1.2.10: after 1.5 x keepalive without a packet the server closes the connection (and, as
+    for any close without DISCONNECT, publishes the Will, section 3.1.2.5). The reader's timeout is
+    ``session.keep_alive`` (amqtt adds its ``timeout-disconnect-delay`` to it), so that becomes 1.5 x the
+    CONNECT's keepalive, and the timeout closes the connection."""
+    original_init = BrokerProtocolHandler.init_from_connect
+    original_timeout = BrokerProtocolHandler.handle_read_timeout
+
+    async def init_from_connect(cls: type, reader: Any, writer: Any, plugins_manager: Any,
+                                loop: Any = None) -> tuple[BrokerProtocolHandler, Any]:
+        handler, session = await original_init(reader, writer, plugins_manager, loop)
+        if find_target(plugins_manager) is not None:
+            session.keep_alive = session.keep_alive * 1.5
+        return handler, session
+
+    def handle_read_timeout(handler: BrokerProtocolHandler) -> None:
+        if find_target(handler.plugins_manager) is None:
+            return original_timeout(handler)
+        log.info("closing %s: no packet within 1.5 x its keepalive", client_id(handler))
+        task = asyncio.get_running_loop().create_task(close_connection(handler))
+        _closing.add(task)
+        task.add_done_callback(_closing.discard)
+
+    BrokerProtocolHandler.init_from_connect = classmethod(init_from_connect)
+    BrokerProtocolHandler.handle_read_timeout = handle_read_timeout

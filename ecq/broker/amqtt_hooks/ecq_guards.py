@@ -1,0 +1,91 @@
+"""Nothing reaches ``$ECQ/<clientid>/...`` but ECQ's delivery: Wills, broadcasts and retained messages.
+
+amqtt 0.12.1 would deliver any of the three to a queue subscription as if ECQ had sent it (a forged queue
+delivery). Each function below closes one of these paths on a broker that runs the ECQ plugin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from amqtt.broker import Broker
+from amqtt.errors import MQTTError
+from amqtt.events import MQTTEvents
+from amqtt.mqtt.connack import NOT_AUTHORIZED, ConnackPacket
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+
+from ecq.broker.amqtt_hooks.target import find_target
+from ecq.queue.topics import is_ecq_topic
+
+log = logging.getLogger(__name__)
+
+
+def refuse_forbidden_wills() -> None:
+    """Refuse a CONNECT whose Will the ECQ plugin forbids with CONNACK 0x05 (MQTT 3.1.1 section 3.2.2.3).
+
+    amqtt 0.12.1 accepts any Will topic and, on an abnormal disconnect, broadcasts the Will (and with the
+    Will Retain flag stores it) without asking the topic filters: a Will on ``$ECQ/<victim>/<key>`` reached
+    the victim as a forged queue delivery. The check runs right after amqtt read the CONNECT, before it
+    touches any existing session of that clientid, the way amqtt refuses a bad protocol level: CONNACK,
+    close, and MQTTError, which amqtt logs and which ends the connection.
+    """
+    original = BrokerProtocolHandler.init_from_connect.__func__
+
+    async def init_from_connect(cls: type[BrokerProtocolHandler], reader: Any, writer: Any, plugins_manager: Any,
+                                loop: asyncio.AbstractEventLoop | None = None) -> tuple[BrokerProtocolHandler, Any]:
+        handler, session = await original(cls, reader, writer, plugins_manager, loop)
+        plugin = find_target(plugins_manager)
+        reason = plugin.will_refusal(session) if plugin is not None and session.will_flag else None
+        if reason is not None:
+            connack = ConnackPacket.build(0, NOT_AUTHORIZED)
+            await plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack)
+            await connack.to_stream(writer)
+            await writer.close()
+            raise MQTTError(f"CONNECT refused with 0x05: {reason}")
+        return handler, session
+
+    BrokerProtocolHandler.init_from_connect = classmethod(init_from_connect)
+
+
+def keep_ecq_out_of_broadcasts() -> None:
+    """Drop, with a warning, any amqtt broadcast to an ``$ECQ/`` topic.
+
+    amqtt 0.12.1's ``Broker._broadcast_message`` sends a topic to every matching subscription: a Will,
+    ``BrokerContext.broadcast_message`` of any plugin, or ``internal_message_broadcast`` would reach the
+    subscription ``$ECQ/<clientid>/#`` as if ECQ delivered it (or wait in an offline session's queue).
+    ECQ's delivery does not go through it (see ``ecq_paths.publish_qos1``).
+    """
+    original = Broker._broadcast_message
+
+    async def broadcast_message(broker: Broker, session: Any, topic: str | None, data: Any,
+                                force_qos: int | None = None) -> None:
+        if topic is not None and is_ecq_topic(topic) and find_target(broker.plugins_manager) is not None:
+            log.warning("ECQ dropped an amqtt broadcast to %r from %s: only ECQ delivers under $ECQ/",
+                        topic, session.client_id if session else "the broker")
+            return
+        await original(broker, session, topic, data, force_qos)
+
+    Broker._broadcast_message = broadcast_message
+
+
+def keep_ecq_out_of_retained_store() -> None:
+    """Never store (nor clear) an ``$ECQ/`` topic in amqtt's retained messages; log a warning instead.
+
+    amqtt 0.12.1's ``Broker.retain_message`` keeps the last retained message of a topic (from a Will with
+    Will Retain, a PUBLISH with RETAIN, or a plugin) and replays it on every SUBSCRIBE that matches, so a
+    retained ``$ECQ/<clientid>/<key>`` would come back on each re-subscribe to the queue. ECQ writes with
+    RETAIN are stored as ordinary writes by ECQ and never reach this method.
+    """
+    original = Broker.retain_message
+
+    async def retain_message(broker: Broker, source_session: Any, topic_name: str, data: Any,
+                             qos: int | None = None) -> None:
+        if is_ecq_topic(topic_name) and find_target(broker.plugins_manager) is not None:
+            log.warning("ECQ did not retain a message on %r from %s: amqtt never retains under $ECQ/",
+                        topic_name, source_session.client_id if source_session else "the broker")
+            return
+        await original(broker, source_session, topic_name, data, qos)
+
+    Broker.retain_message = retain_message
