@@ -11,8 +11,9 @@ import pyarrow.dataset as ds
 import pytest
 
 from ecq.events import COLUMNS
-from ecq.broker.plugin import GcPacer
-from ecq.queue.store import Append, Expire, Store
+from ecq.queue.gc import GcPacer
+from ecq.queue.store import Append, Expire
+from ecq.queue.leveldb import LevelDbStore as Store
 from tests.harness import BrokerProcess, wait_until
 
 HOUR_MS = 3_600_000

@@ -26,7 +26,8 @@ from benchlib.brokers import EcqBroker, ExternalBroker, StockBroker, elapsed_s
 from benchlib.loadgen import ConsumeTask, FlowTask, LoadPool, Messages, PublishTask, identified_payload, split
 from benchlib.report import Row, ScenarioResult, source_digest
 from benchlib.sampler import ResourceSampler, listen_drops, rss_split_bytes
-from ecq.queue.store import Append, Store
+from ecq.queue.store import Append
+from ecq.queue.leveldb import LevelDbStore as Store
 
 SETUP_ALLOWANCE_S = 180.0     # connecting thousands of clients before a phase's barrier, and the way back
 MIN_RATE_PER_S = 300.0        # a phase gets count / MIN_RATE_PER_S seconds (at least 60) before TIMEOUT
