@@ -36,7 +36,9 @@ from ecq.broker.plugin import PLUGIN_PATH, EcqPlugin
 from ecq.ops.client import (EXIT_NOT_FOUND, Unreachable, call_admin, check_answer, emit, render_queue,
                             render_status)
 from ecq.ops.status import broker_status, queue_info
-from ecq.queue.store import Store, StoreError, repair as repair_store
+from ecq.queue.store import StoreError
+from ecq.queue.leveldb import LevelDbStore
+from ecq.queue.leveldb_files import repair as repair_store
 
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections of Python's cyclic GC (CPython: 700)
 GIL_SWITCH_INTERVAL_S = 0.0005  # how long a thread may hold the GIL while another waits (CPython: 0.005)
@@ -242,7 +244,7 @@ def repair(data_dir: Path) -> None:
     """
     try:
         repair_store(data_dir)
-        store = Store(data_dir)
+        store = LevelDbStore(data_dir)
         try:
             rows, _seconds = store.verify()
             entries, _bytes = store.stored_totals()
@@ -271,7 +273,7 @@ def read_data_dir(data_dir: Path, admin: str, reader):
     if not (data_dir / "CURRENT").exists():
         raise Unreachable(f"no broker answers at {admin} and {data_dir} holds no ECQ data")
     try:
-        store = Store(data_dir)
+        store = LevelDbStore(data_dir)
     except StoreError as exc:
         raise Unreachable(f"no broker answers at {admin} and {exc}") from exc
     try:

@@ -177,7 +177,7 @@ def test_publish_to_empty_or_wildcard_topic_closes_the_connection(broker, connec
         assert raw.read_until_closed() == []
     finally:
         raw.close()
-    assert f"ECQ closing the connection of client 'badtopic' (127.0.0.1:" in broker.log()
+    assert "ECQ closing the connection of client 'badtopic' (127.0.0.1:" in broker.log()
     assert reason in broker.log()
     pubsub_works(connect, broker.port, "after/badtopic")
 

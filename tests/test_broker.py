@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ecq.queue.store import Store
+from ecq.queue.leveldb import LevelDbStore as Store
 from tests.harness import RawClient, drain, topics_payloads, wait_until, write
 
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from ecq.queue.store import Append, Store
+from ecq.queue.store import Append
+from ecq.queue.leveldb import LevelDbStore as Store
 from tests.harness import ECQ, BrokerProcess, Client, wait_until, write
 
 START_BOUND_S = 30  # `ecq broker` must have exited (or be running) within this

@@ -10,8 +10,9 @@ import pyarrow.dataset as ds
 import pytest
 
 from ecq.events.schema import COLUMNS
-from ecq.broker.plugin import GcPacer
-from ecq.queue.store import Append, Expire, Store
+from ecq.queue.gc import GcPacer
+from ecq.queue.leveldb import LevelDbStore as Store
+from ecq.queue.store import Append, Expire
 from tests.harness import BrokerProcess, wait_until
 
 HOUR_MS = 3_600_000

@@ -13,7 +13,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from tests.harness import Client, RawClient, wait_until
+from tests.harness import RawClient, wait_until
 
 PUBLISH, PUBACK, PUBREC, PUBREL, PUBCOMP, SUBACK, PINGRESP = 3, 4, 5, 6, 7, 9, 13
 SESSION_MONITOR_WAIT_S = 2.5  # amqtt's session monitor runs every 1 s; nothing a client sees tells it ran

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from tests.forger_plugin import PLUGIN_PATH as FORGER
-from tests.harness import BrokerProcess, RawClient, topics_payloads, write
+from tests.harness import RawClient, topics_payloads, write
 
 CONNACK_ACCEPTED = (0x20, b"\x00\x00")
 CONNACK_NOT_AUTHORIZED = (0x20, b"\x00\x05")

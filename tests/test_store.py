@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ecq.queue.store import AckState, Append, Appended, Expire, SaveAck, Store, StoreError
+from ecq.queue.store import AckState, Append, Appended, Expire, SaveAck, StoreError
+from ecq.queue.leveldb import LevelDbStore as Store
 
 
 @pytest.fixture

@@ -30,31 +30,46 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from aiohttp import hdrs, web
 
-from ecq.broker.acl import AclError
 from ecq.config import is_loopback
+from ecq.ops.metrics import EcqMetrics
 from ecq.ops.status import broker_status, queue_info
-
-if TYPE_CHECKING:
-    from ecq.broker.plugin import EcqPlugin
+from ecq.queue.engine import QueueEngine
 
 log = logging.getLogger(__name__)
 
-_PLUGIN = web.AppKey("plugin", object)
+
+class BrokerControls(Protocol):
+    """What the admin API asks of the broker beyond its queues (the ECQ plugin implements it)."""
+
+    def options(self, which: str) -> dict[str, Any]:
+        """Plugin options: ``origin`` as given, ``inuse`` as parsed; secrets redacted."""
+
+    def reload_acl(self) -> int:
+        """Read the ACL file again; returns its rule count. Raises ValueError (the parse error) for a bad file."""
+
+    def event_stats(self) -> dict[str, Any]:
+        """The queue event recorder's counters (empty when events are off)."""
+
+
+_ENGINE = web.AppKey("engine", QueueEngine)
+_CONTROLS = web.AppKey("controls", object)
+_METRICS = web.AppKey("metrics", EcqMetrics)
 _READ_ONLY_METHODS = frozenset({"GET", "HEAD"})
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
 
-def build_app(plugin: EcqPlugin, host: str, port: int, token: str | None) -> web.Application:
-    """The aiohttp application serving the routes above for ``plugin``, bound to ``host:port``."""
+def build_app(engine: QueueEngine, controls: BrokerControls, metrics: EcqMetrics, host: str, port: int,
+              token: str | None) -> web.Application:
+    """The aiohttp application serving the routes above for ``engine`` and ``controls``, bound to ``host:port``."""
     middlewares = [_same_site_writes(accepted_hosts(host, port))]
     if token:
         middlewares.append(_bearer_auth(token))
     app = web.Application(middlewares=middlewares)
-    app[_PLUGIN] = plugin
+    app[_ENGINE], app[_CONTROLS], app[_METRICS] = engine, controls, metrics
     app.add_routes([
         web.get("/api/v1/health", _health),
         web.get("/api/v1/status", _status),
@@ -67,10 +82,11 @@ def build_app(plugin: EcqPlugin, host: str, port: int, token: str | None) -> web
     return app
 
 
-async def serve(plugin: EcqPlugin, host: str, port: int, token: str | None) -> web.AppRunner:
+async def serve(engine: QueueEngine, controls: BrokerControls, metrics: EcqMetrics, host: str, port: int,
+                token: str | None) -> web.AppRunner:
     """Start the API on ``host:port``; returns the runner to ``cleanup()`` on shutdown. Raises OSError."""
     # a running request (a long GC) must not hold the broker's shutdown: cancel it after 2 s
-    runner = web.AppRunner(build_app(plugin, host, port, token), access_log=None, shutdown_timeout=2.0)
+    runner = web.AppRunner(build_app(engine, controls, metrics, host, port, token), access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner
@@ -132,45 +148,45 @@ def _bearer_auth(token: str):
 
 
 async def _health(request: web.Request) -> web.Response:
-    health = request.app[_PLUGIN].health()
+    health = request.app[_ENGINE].health()
     return web.json_response(health, status=200 if health["status"] == "ok" else 503)
 
 
 async def _status(request: web.Request) -> web.Response:
-    plugin = request.app[_PLUGIN]
-    status = await plugin.read(broker_status, plugin.store, dict(plugin.consumers), plugin.stored_totals())
-    status["events"] = plugin.event_stats()
+    engine = request.app[_ENGINE]
+    status = await engine.read(broker_status, engine.store, engine.snapshot())
+    status["events"] = request.app[_CONTROLS].event_stats()
     return web.json_response(status)
 
 
 async def _queue(request: web.Request) -> web.Response:
-    plugin = request.app[_PLUGIN]
+    engine = request.app[_ENGINE]
     clientid = request.match_info["clientid"]
-    info = await plugin.read(queue_info, plugin.store, clientid, plugin.consumers.get(clientid))
+    info = await engine.read(queue_info, engine.store, clientid, engine.consumer_snapshot(clientid))
     if info is None:
         return web.json_response({"error": f"no queue for clientid {clientid!r}"}, status=404)
     return web.json_response(info)
 
 
 async def _gc(request: web.Request) -> web.Response:
-    return web.json_response({"deleted": await request.app[_PLUGIN].run_gc()})
+    return web.json_response({"deleted": await request.app[_ENGINE].run_gc()})
 
 
 async def _config(request: web.Request) -> web.Response:
     which = request.query.get("which", "inuse")
     if which not in ("origin", "inuse"):
         return web.json_response({"error": "which must be 'origin' or 'inuse'"}, status=400)
-    return web.json_response(request.app[_PLUGIN].options(which))
+    return web.json_response(request.app[_CONTROLS].options(which))
 
 
 async def _acl_reload(request: web.Request) -> web.Response:
     try:
-        rules = request.app[_PLUGIN].reload_acl()
-    except AclError as exc:
+        rules = request.app[_CONTROLS].reload_acl()
+    except ValueError as exc:  # the ACL parse error
         return web.json_response({"reloaded": False, "error": str(exc)}, status=400)
     return web.json_response({"reloaded": True, "rules": rules})
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    body = request.app[_PLUGIN].metrics.exposition()
+    body = request.app[_METRICS].exposition()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})

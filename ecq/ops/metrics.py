@@ -1,13 +1,16 @@
 """Prometheus metrics of one ECQ broker, in a registry of their own so brokers in one process
 do not mix. Served as Prometheus text at the admin API's ``/metrics``.
 
-Counters grow from broker start; gauges are read at scrape time from the plugin through callbacks.
-Latencies are histograms in seconds.
+Counters grow from broker start, most of them through :class:`MetricsObserver` (a queue engine observer);
+gauges are read at scrape time, on the event loop, through callbacks. Latencies are histograms in seconds.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+
+from ecq.queue.store import Append, Appended, ExpiredRow, Message
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -59,3 +62,37 @@ _GAUGE_HELP = {
 
 def _gauge_help(gauges: dict[str, Callable[[], float]]) -> dict[str, tuple[str, Callable[[], float]]]:
     return {name: (_GAUGE_HELP[name], read) for name, read in gauges.items()}
+
+
+class MetricsObserver:
+    """A queue engine observer (ecq.queue.engine.QueueObserver) that counts into ``metrics``."""
+
+    def __init__(self, metrics: EcqMetrics) -> None:
+        self._m = metrics
+
+    def appended(self, op: Append, result: Appended) -> None:
+        """Count an accepted write and the values its compaction deleted."""
+        self._m.writes_accepted.inc()
+        if result.replaced:
+            self._m.compactions.inc(len(result.replaced))
+
+    def expired(self, clientid: str, rows: tuple[ExpiredRow, ...]) -> None:
+        """Count the rows GC deleted."""
+        self._m.gc_deleted.inc(len(rows))
+
+    def delivered(self, clientid: str, message: Message, attempt: int) -> None:
+        """Count a first send or a send again."""
+        (self._m.deliveries if attempt == 1 else self._m.redeliveries).inc()
+
+    def acked(self, clientid: str, message: Message, sent_monotonic: float) -> None:
+        """Count a PUBACK and observe its round trip."""
+        self._m.acks.inc()
+        self._m.delivery_latency.observe(time.monotonic() - sent_monotonic)
+
+    def store_error(self, op: str, exc: Exception) -> None:
+        """Count a failed store read or write."""
+        self._m.store_errors.labels(op).inc()
+
+    def gc_started(self) -> None:
+        """Count a GC pass."""
+        self._m.gc_runs.inc()

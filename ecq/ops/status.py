@@ -1,5 +1,5 @@
-"""What `ecq status` and `ecq inspect` report, computed from the store
-and, when the broker runs, from its live consumers. Shapes are plain JSON-ready dicts.
+"""What `ecq status` and `ecq inspect` report, computed from the store and, when the broker runs, from a
+snapshot of its engine taken on the event loop. Shapes are plain JSON-ready dicts.
 
 Timestamps are RFC 3339 strings in UTC (or null); counts are entries; bytes are payload bytes.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from ecq.queue.delivery import Consumer
-from ecq.queue.store import AckState, IndexEntry, Store
+from ecq.queue.snapshots import ConsumerSnapshot, EngineSnapshot
+from ecq.queue.store import AckState, IndexEntry, QueueStore
 
 CONSUMERS_LISTED = 100
 
@@ -29,13 +29,14 @@ def format_range(seqnos: list[int]) -> str:
     return f"[{seqnos[0]}]" if len(seqnos) == 1 else f"[{seqnos[0]},...,{seqnos[-1]}]"
 
 
-def queue_info(store: Store, clientid: str, consumer: Consumer | None = None) -> dict[str, Any] | None:
-    """State of one queue, or None when ``clientid`` never had a write nor a consumer state.
+def queue_info(store: QueueStore, clientid: str, consumer: ConsumerSnapshot | None = None) -> dict[str, Any] | None:
+    """State of one queue, or None when ``clientid`` never had a write nor a consumer state. ``consumer``:
+    the running broker's view of its consumer (None: the stored state).
 
     Keys: clientid, acked, last_ack_ts, last_seqno, range, stored, pending (stored and not acked),
     inflight, online.
     """
-    state = consumer.state if consumer else store.ack_state(clientid)
+    state = consumer.ack_state() if consumer else store.ack_state(clientid)
     last_seqno = store.last_seqno(clientid)
     if last_seqno == 0 and state == AckState():
         return None
@@ -48,21 +49,23 @@ def queue_info(store: Store, clientid: str, consumer: Consumer | None = None) ->
         "range": format_range(seqnos),
         "stored": len(seqnos),
         "pending": sum(1 for s in seqnos if s > state.acked and s not in state.above),
-        "inflight": len(consumer.inflight) if consumer else 0,
+        "inflight": consumer.inflight if consumer else 0,
         "online": bool(consumer and consumer.online),
     }
 
 
-def broker_status(store: Store, consumers: dict[str, Consumer] | None = None,
-                  stored: tuple[int, int] | None = None) -> dict[str, Any]:
+def broker_status(store: QueueStore, snapshot: EngineSnapshot | None = None) -> dict[str, Any]:
     """Fleet view: queue and entry counts, payload bytes, first/last index entries, consumer states.
 
-    ``consumers`` are the live ones when the broker runs (None when reading a data dir directly);
-    ``stored`` is the broker's running (entries, payload bytes) count (scanned from the store when None).
+    ``snapshot`` is the running broker's engine snapshot, whose consumers and (entries, payload bytes)
+    counts are used; None when reading a data dir directly (then the store is scanned).
     At most 100 consumer states are listed; ``consumers_total`` gives how many are stored.
     """
-    messages, size = stored if stored is not None else store.stored_totals()
-    consumers = consumers or {}
+    if snapshot is None:
+        (messages, size), consumers = store.stored_totals(), {}
+    else:
+        messages, size = snapshot.totals.stored_entries, snapshot.totals.stored_bytes
+        consumers = snapshot.consumers
     first, last = store.edge_index_entries()
     states = []
     total = 0
@@ -70,7 +73,7 @@ def broker_status(store: Store, consumers: dict[str, Consumer] | None = None,
         total += 1
         if len(states) < CONSUMERS_LISTED:
             live = consumers.get(clientid)
-            state = live.state if live else stored_state
+            state = live if live else stored_state
             states.append({"clientid": clientid, "acked": state.acked, "last_ack_ts": rfc3339(state.last_ack_ms),
                            "online": bool(live and live.online)})
     return {

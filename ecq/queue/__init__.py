@@ -1,1 +1,1 @@
-"""Everything about queues, free of amqtt: topic grammar, the LevelDB tables, writers, reads, delivery, GC."""
+"""Everything about queues, with no MQTT library below it: topic grammar, storage, writers, reads, delivery, GC, the engine."""

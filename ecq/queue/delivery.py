@@ -27,8 +27,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from ecq.queue.clock import now_ms, retention_cutoff_ms
 from ecq.queue.deadlines import SharedDeadline
-from ecq.queue.store import AckState, Message, SaveAck, Store, StoreReadError
+from ecq.queue.store import AckState, Message, QueueStore, SaveAck, StoreReadError
 from ecq.queue.topics import delivery_topic
 from ecq.queue.writer import PoolClosed, WriterPool
 
@@ -53,15 +54,10 @@ class DeliveryObserver(Protocol):
         """The PUBACK of ``message`` came; it was sent at ``sent_monotonic`` (time.monotonic seconds)."""
 
 
-def now_ms() -> int:
-    """Wall-clock time in milliseconds since the Unix epoch (the unit of every ECQ timestamp)."""
-    return time.time_ns() // 1_000_000
-
-
 class Consumer:
     """Delivery state of the queue of ``clientid``; at most one attached connection at a time."""
 
-    def __init__(self, clientid: str, state: AckState, *, store: Store, pool: WriterPool, publish: Publish,
+    def __init__(self, clientid: str, state: AckState, *, store: QueueStore, pool: WriterPool, publish: Publish,
                  observer: DeliveryObserver, read: Read, read_deadline: SharedDeadline, window: int,
                  retention_s: float) -> None:
         self.clientid = clientid
@@ -74,8 +70,7 @@ class Consumer:
         self._read_store = read
         self.attempts: dict[int, int] = {}  # sends so far of each unacked seqno, across connections
         self._read_deadline = read_deadline
-        self._window, self._retention_ms = window, int(retention_s * 1000)
-        self._cursor = state.acked          # highest seqno handed to the current connection
+        self._window, self._retention_s = window, retention_s
         self._read_cursor = state.acked     # highest seqno read from the store for this connection
         self._ready: deque[Message] = deque()  # read ahead, not yet handed out (at most one window)
         self._newest = state.acked          # highest seqno known to be stored (appends tell it)
@@ -108,7 +103,7 @@ class Consumer:
         self.inflight.clear()
         self._handed.clear()
         self._ready.clear()
-        self._cursor = self._read_cursor = self.state.acked
+        self._read_cursor = self.state.acked
         self.connection = None
         self._pump_task = None
 
@@ -166,21 +161,20 @@ class Consumer:
                 self._hand_out_ready()
 
     async def _read(self, limit: int) -> list[Message]:
-        min_ts = now_ms() - self._retention_ms
+        min_ts = retention_cutoff_ms(self._retention_s)
         return await self._read_deadline.watch(
             self._read_store(self._store.read_after, self.clientid, self._read_cursor, limit, min_ts))
 
     def _hand_out_ready(self) -> None:
         """Hand read-ahead messages to the connection while the window has room; skip any that expired
         since they were read (SPEC.md section 1: an expired entry is never delivered)."""
-        oldest_live_ms = now_ms() - self._retention_ms
+        oldest_live_ms = retention_cutoff_ms(self._retention_s)
         while self._ready and len(self.inflight) < self._window:
             message = self._ready.popleft()
             if message.ts_ms >= oldest_live_ms:
                 self._hand_out(message)
 
     def _hand_out(self, message: Message) -> None:
-        self._cursor = message.seqno
         self._handed.append(message.seqno)
         if message.seqno not in self.state.above:
             task = asyncio.create_task(self._deliver(message), name=f"ecq-send-{self.clientid}-{message.seqno}")

@@ -1,45 +1,20 @@
-"""The ECQ tables in one LevelDB database (SPEC.md section 1, "Tables").
+"""The storage seam of ECQ: the value types every layer shares and :class:`QueueStore`, the one interface
+through which the queue engine, delivery, GC and the operations reach stored queues.
 
-Key layout (one leading byte per table; ``S(x)`` = 2-byte big-endian length + UTF-8 bytes, so a prefix
-scan over ``S(clientid)`` returns exactly one client's rows and ``a`` never collides with ``a/b``;
-``U64`` = 8-byte big-endian unsigned, so seqnos and timestamps sort numerically):
-
-=======  ========================================  ==================================================
-table    key                                       value
-=======  ========================================  ==================================================
-seqno    ``s`` S(clientid)                         U64 last assigned seqno (seqnos start at 1)
-state    ``a`` S(clientid)                         U64 acked seqno, U64 last-ack ms, U64* acked above it
-index    ``i`` S(clientid) U64(seqno)              U64 publish ms, U32 payload bytes, key bytes
-payload  ``p`` S(clientid) S(key) U64(seqno) U64(ms)  payload bytes
-=======  ========================================  ==================================================
-
-All timestamps are milliseconds since the Unix epoch. :meth:`Store.commit` applies a list of operations
-as one LevelDB write batch, so a crash leaves all of it or none. The methods block (LevelDB I/O, with
-the GIL released by plyvel) and are meant to run in a thread pool, off the event loop.
+A store holds, per queue (a clientid): entries numbered by a seqno that starts at 1 and only grows, each
+with a compaction key, a payload and its publish time; the consumer's ack state; and the last seqno ever
+assigned. Writes come as ops (:data:`Op`) committed in batches, each batch atomically. All timestamps are
+milliseconds since the Unix epoch; sizes are payload bytes. The methods block (disk I/O) and are run off
+the event loop, in reader or writer threads. :class:`ecq.queue.leveldb.LevelDbStore` is the implementation.
 """
 
 from __future__ import annotations
 
-import logging
-import shutil
-import struct
-import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol, TypeVar
 
-import plyvel
-
-log = logging.getLogger(__name__)
-
-_U64 = struct.Struct(">Q")
-_INDEX_VALUE = struct.Struct(">QI")  # publish ms, payload size in bytes; the key follows
-_SEQNO, _STATE, _INDEX, _PAYLOAD = b"s", b"a", b"i", b"p"
-_MAX_U64 = b"\xff" * 8
-_INDEX_END = bytes([_INDEX[0] + 1])  # first key after the index table
+T = TypeVar("T")
 
 
 class StoreError(RuntimeError):
@@ -49,27 +24,6 @@ class StoreError(RuntimeError):
 class StoreReadError(StoreError):
     """A stored block cannot be read (LevelDB reports corruption or an I/O error): retrying will not help."""
 
-
-_REOPEN_SPARE_BYTES = 8 << 20  # free space beyond twice the log before a failed store is reopened (2 memtables)
-
-
-def _s(text: str) -> bytes:
-    raw = text.encode()
-    return len(raw).to_bytes(2, "big") + raw
-
-
-def _read_s(buf: bytes, offset: int) -> tuple[str, int]:
-    size = int.from_bytes(buf[offset:offset + 2], "big")
-    end = offset + 2 + size
-    return buf[offset + 2:end].decode(), end
-
-
-def _index_key(clientid: str, seqno: int) -> bytes:
-    return _INDEX + _s(clientid) + _U64.pack(seqno)
-
-
-def _payload_key(clientid: str, key: str, seqno: int, ts_ms: int) -> bytes:
-    return _PAYLOAD + _s(clientid) + _s(key) + _U64.pack(seqno) + _U64.pack(ts_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,423 +86,13 @@ class SaveAck:
 
 @dataclass(frozen=True, slots=True)
 class Expire:
-    """Write op: delete the rows of ``clientid`` found by :meth:`Store.expired_step` (GC)."""
+    """Write op: delete the rows of ``clientid`` found by :meth:`QueueStore.expired_step` (GC)."""
 
     clientid: str
     rows: tuple[ExpiredRow, ...]
 
 
 Op = Append | SaveAck | Expire
-_L0_INLINE_LIMIT = 4  # level-0 files; LevelDB slows writes at 8 and stops them at 12
-
-
-class Store:
-    """The ECQ LevelDB database at ``path`` (created if missing), opened with ``paranoid_checks``.
-
-    Raises StoreError when the database cannot be opened. ``sync=True`` fsyncs every commit. A broker
-    that may call :meth:`reopen_if_space` runs its reads through :meth:`run`, so that no read uses the
-    database while it is closed and opened again; :meth:`commit` takes care of itself.
-    """
-
-    def __init__(self, path: Path, sync: bool = False) -> None:
-        path.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self._sync = sync
-        self._seqnos: dict[str, int] = {}
-        self._seqno_lock = threading.Lock()
-        self._gate = _Gate()
-        self.write_error: str | None = None  # the I/O error that suspended commits; None again after a reopen
-        for log_file, cut in _cut_logs(path):
-            log.warning("LevelDB log %s ends inside a record (%d bytes): its last write was cut off (power loss, "
-                        "full disk or a truncated file); what followed it, if anything, is lost", log_file, cut)
-        self._db = self._open()
-
-    def _open(self) -> plyvel.DB:
-        """Open with ``paranoid_checks``: LevelDB then fails the open on a damaged log or table metadata
-        instead of skipping what it cannot read. Raises StoreError naming the directory and LevelDB's reason."""
-        try:
-            return plyvel.DB(str(self.path), create_if_missing=True, paranoid_checks=True)
-        except plyvel.IOError as exc:
-            reason = _reason(exc)
-            if "lock" in reason.lower():
-                raise StoreError(f"cannot open LevelDB at {self.path}: {reason} (is another broker using it?)") from exc
-            raise StoreError(f"cannot open LevelDB at {self.path}: {reason}") from exc
-        except plyvel.CorruptionError as exc:
-            raise StoreError(f"LevelDB at {self.path} is corrupt: {_reason(exc)}; "
-                             f"`ecq repair --data-dir {self.path}` keeps what can be read") from exc
-
-    def verify(self) -> tuple[int, float]:
-        """Read every stored row with checksums on (not filling the block cache): LevelDB opens table files
-        lazily, so a damaged ``.ldb`` is otherwise found only when delivery reads it. O(stored bytes):
-        about 0.15 s for 100k entries (200k rows, 7 MB) on the 2-core dev VM.
-
-        Returns (rows, seconds). Raises StoreError naming the file (when LevelDB names it), the reason, and
-        the last key read intact.
-        """
-        started, rows, last = time.monotonic(), 0, b""
-        try:
-            with self._gate:
-                # values share the blocks of their keys: reading every key reads (and checks) every block
-                for key in self._db.iterator(verify_checksums=True, fill_cache=False, include_value=False):
-                    rows, last = rows + 1, key
-        except (plyvel.CorruptionError, plyvel.IOError) as exc:
-            where = f"after {rows} intact rows, the last with key {last[:40]!r}" if rows else "before any intact row"
-            raise StoreError(f"LevelDB at {self.path} is corrupt: {_reason(exc)} (start-up check, {where}); "
-                             f"`ecq repair --data-dir {self.path}` keeps what can be read") from exc
-        return rows, time.monotonic() - started
-
-    def close(self) -> None:
-        """Close the database; pending writes were already committed by :meth:`commit`."""
-        with self._gate.exclusive():
-            self._db.close()
-
-    def run(self, func: Callable, *args):
-        """``func(*args)`` while no :meth:`reopen_if_space` can close the database under it (for reads that iterate)."""
-        with self._gate:
-            return func(*args)
-
-    def reopen_if_space(self) -> bool:
-        """After a failed commit: once the disk has room (twice the log plus 8 MiB free), close and reopen
-        LevelDB, which starts a new log and clears the error LevelDB keeps after a failed background write (a
-        memtable flush that hit ENOSPC fails every later write until the database is reopened); then
-        commits are accepted again. Blocks until no read or commit is running. Returns True when the
-        database was reopened. Raises StoreError if it cannot be reopened (then every operation fails
-        until a later call succeeds).
-        """
-        if not _space_for(self.path):
-            return False
-        with self._gate.exclusive():
-            self._db.close()
-            self._seqnos.clear()  # seqnos handed out by failed batches were never stored
-            self._db = self._open()
-            self.write_error = None
-        return True
-
-    def commits_without_waiting(self) -> bool:
-        """True when a commit should not block on disk: no fsync (``sync`` off) and LevelDB's level 0 below
-        its write-slowdown mark (4 of the 8 files at which LevelDB starts delaying every write by 1 ms), and
-        no reopen under way."""
-        if self._sync or self._gate.reopening:  # a commit would wait for the reopen: not on the event loop
-            return False
-        with self._gate:
-            return int(self._db.get_property(b"leveldb.num-files-at-level0")) < _L0_INLINE_LIMIT
-
-    # --- writes -------------------------------------------------------------------------------------
-
-    def commit(self, ops: Sequence[Op]) -> list[Appended | tuple[ExpiredRow, ...] | None]:
-        """Apply ``ops`` in order as one atomic write batch (group commit).
-
-        Returns one result per op: :class:`Appended` for an Append, the rows it deleted for an Expire
-        (those still stored: an append of the same key may have replaced one since GC read it), None for
-        a SaveAck. Raises plyvel errors on failure; then nothing was written.
-
-        After an I/O error (disk full) every commit raises StoreError until :meth:`reopen_if_space`
-        succeeds: a failed log write can leave a partial record at the log's end, which LevelDB's recovery
-        reads as an unfinished last write; a record written after it would make it a damaged middle, and
-        the next open (with paranoid checks) would fail.
-        """
-        if self.write_error:
-            raise StoreError(f"writes suspended until LevelDB is reopened: {self.write_error}")
-        batch_latest: dict[tuple[str, str], tuple[int, int, int]] = {}
-        expired: set[tuple[str, int]] = set()  # (clientid, seqno) deleted by an Expire earlier in this batch
-        results: list[Appended | tuple[ExpiredRow, ...] | None] = []
-        try:
-            with self._gate:
-                self._commit(ops, batch_latest, expired, results)
-        except (plyvel.IOError, RuntimeError) as exc:  # RuntimeError: the database is closed (a reopen failed)
-            self.write_error = _reason(exc)
-            raise
-        return results
-
-    def _commit(self, ops, batch_latest, expired, results) -> None:
-        # one iterator, re-seeked per append, is several times cheaper than a new one per compaction scan
-        with self._db.write_batch(transaction=True, sync=self._sync) as batch, \
-                self._db.iterator(include_value=False) as payload_keys:
-            for op in ops:
-                if isinstance(op, Append):
-                    results.append(self._append(batch, payload_keys, op, batch_latest, expired))
-                elif isinstance(op, SaveAck):
-                    batch.put(_STATE + _s(op.clientid), _encode_state(op.state))
-                    results.append(None)
-                else:
-                    results.append(self._expire(batch, op, batch_latest, expired))
-
-    def _append(self, batch, payload_keys, op: Append, batch_latest: dict[tuple[str, str], tuple[int, int, int]],
-                expired: set[tuple[str, int]]) -> Appended:
-        queue, key = _s(op.clientid), op.key.encode()
-        index_prefix, payload_prefix = _INDEX + queue, _PAYLOAD + queue + _s(op.key)
-        seqno = self._next_seqno(op.clientid)
-        batch.put(_SEQNO + queue, _U64.pack(seqno))
-        batch.put(index_prefix + _U64.pack(seqno), _INDEX_VALUE.pack(op.ts_ms, len(op.payload)) + key)
-        batch.put(payload_prefix + _U64.pack(seqno) + _U64.pack(op.ts_ms), op.payload)
-        slot = (op.clientid, op.key)
-        if slot in batch_latest:  # older rows in the database were already deleted by that earlier op
-            older = [batch_latest[slot]]
-        else:
-            older = [version for version in self._live_versions(payload_keys, index_prefix, payload_prefix)
-                     if (op.clientid, version[0]) not in expired]
-        for old_seqno, old_ts, _size in older:
-            batch.delete(index_prefix + _U64.pack(old_seqno))
-            batch.delete(payload_prefix + _U64.pack(old_seqno) + _U64.pack(old_ts))
-        batch_latest[slot] = (seqno, op.ts_ms, len(op.payload))
-        return Appended(seqno, tuple(old[0] for old in older), sum(old[2] for old in older))
-
-    def _expire(self, batch, op: Expire, batch_latest: dict[tuple[str, str], tuple[int, int, int]],
-                expired: set[tuple[str, int]]) -> tuple[ExpiredRow, ...]:
-        """Delete the rows of ``op`` that are still stored; returns them. A row is gone when an append of
-        its key replaced it (in this batch, or committed after GC read the row) or an Expire deleted it."""
-        clientid = op.clientid
-        queue = _s(clientid)
-        index_prefix, payload_prefix = _INDEX + queue, _PAYLOAD + queue
-        pack, get = _U64.pack, self._db.get
-        deleted = []
-        for row in op.rows:
-            seqno_bytes = pack(row.seqno)
-            index_key = index_prefix + seqno_bytes
-            if (clientid, row.key) in batch_latest or (clientid, row.seqno) in expired or get(index_key) is None:
-                continue
-            batch.delete(index_key)
-            batch.delete(payload_prefix + _s(row.key) + seqno_bytes + pack(row.ts_ms))
-            expired.add((clientid, row.seqno))
-            deleted.append(row)
-        return tuple(deleted)
-
-    def _live_versions(self, payload_keys, index_prefix: bytes, payload_prefix: bytes
-                       ) -> Iterator[tuple[int, int, int]]:
-        """(seqno, publish ms, payload bytes) of the stored values of one key (normally at most one)."""
-        payload_keys.seek(payload_prefix)
-        for row in payload_keys:
-            if not row.startswith(payload_prefix):
-                break
-            seqno, ts_ms = _U64.unpack_from(row, len(payload_prefix)), _U64.unpack_from(row, len(payload_prefix) + 8)
-            index_value = self._db.get(index_prefix + _U64.pack(seqno[0]))
-            yield seqno[0], ts_ms[0], _INDEX_VALUE.unpack_from(index_value)[1] if index_value else 0
-
-    def _next_seqno(self, clientid: str) -> int:
-        with self._seqno_lock:
-            last = self._seqnos.get(clientid)
-            if last is None:
-                raw = self._db.get(_SEQNO + _s(clientid))
-                last = _U64.unpack(raw)[0] if raw else 0
-            self._seqnos[clientid] = last + 1
-            return last + 1
-
-    # --- reads --------------------------------------------------------------------------------------
-
-    def read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0) -> list[Message]:
-        """Up to ``limit`` messages of ``clientid`` with seqno > ``after``, in seqno order.
-
-        Entries published before ``min_ts_ms`` (expired, not yet collected) are skipped. Blocks read from
-        disk are checksummed; raises StoreReadError when LevelDB finds one damaged or unreadable.
-        """
-        try:
-            return self._read_after(clientid, after, limit, min_ts_ms)
-        except (plyvel.CorruptionError, plyvel.IOError) as exc:
-            raise StoreReadError(f"LevelDB at {self.path}: {_reason(exc)}") from exc
-
-    def _read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int) -> list[Message]:
-        prefix = _INDEX + _s(clientid)
-        messages: list[Message] = []
-        with self._db.snapshot() as snap:
-            rows = snap.iterator(start=prefix + _U64.pack(after + 1), stop=prefix + _MAX_U64, include_stop=True,
-                                 verify_checksums=True)
-            for index_key, value in rows:
-                seqno = _U64.unpack_from(index_key, len(prefix))[0]
-                ts_ms, key = _U64.unpack_from(value)[0], value[_INDEX_VALUE.size:].decode()
-                if ts_ms < min_ts_ms:
-                    continue
-                payload = snap.get(_payload_key(clientid, key, seqno, ts_ms), verify_checksums=True)
-                if payload is not None:
-                    messages.append(Message(seqno, key, payload, ts_ms))
-                    if len(messages) >= limit:
-                        break
-        return messages
-
-    def ack_state(self, clientid: str) -> AckState:
-        """The stored progress of ``clientid``'s consumer (acked 0 when it never acked)."""
-        raw = self._db.get(_STATE + _s(clientid))
-        return _decode_state(raw) if raw else AckState()
-
-    def last_seqno(self, clientid: str) -> int:
-        """Last seqno assigned in the queue of ``clientid`` (0 when it never had a write)."""
-        raw = self._db.get(_SEQNO + _s(clientid))
-        return _U64.unpack(raw)[0] if raw else 0
-
-    def clientids(self) -> Iterator[str]:
-        """Every clientid that ever had a write, in key order (reads the seqno table)."""
-        for row in self._db.iterator(prefix=_SEQNO, include_value=False):
-            yield _read_s(row, 1)[0]
-
-    def expired_step(self, cutoff_ms: int, limit: int, start: bytes | None = None
-                     ) -> tuple[dict[str, list[ExpiredRow]], bytes | None]:
-        """One GC step: up to ``limit`` entries published before ``cutoff_ms``, scanning the index table
-        from ``start`` (None = its beginning) across queues. Returns them by clientid, oldest first, and
-        the ``start`` of the next step (None once the whole table was scanned).
-
-        Publish times grow with seqno within a queue, so the scan jumps to the next queue at the first
-        entry that is still fresh: a step costs about (expired entries + queues), not stored entries.
-        """
-        found: dict[str, list[ExpiredRow]] = {}
-        taken = 0
-        queue, rows_of_queue = b"", []  # rows of one queue are adjacent: decode each clientid once
-        unpack_value, unpack_seqno, key_at = _INDEX_VALUE.unpack_from, _U64.unpack_from, _INDEX_VALUE.size
-        with self._db.iterator(start=start or _INDEX, stop=_INDEX_END) as rows:
-            for index_key, value in rows:
-                seqno_at = len(index_key) - 8
-                ts_ms, size = unpack_value(value)
-                if ts_ms >= cutoff_ms:
-                    rows.seek(index_key[:seqno_at] + _MAX_U64 + b"\x00")  # past this queue's last seqno
-                    continue
-                if index_key[:seqno_at] != queue:
-                    queue = index_key[:seqno_at]
-                    rows_of_queue = found.setdefault(_read_s(queue, 1)[0], [])
-                rows_of_queue.append(ExpiredRow(unpack_seqno(index_key, seqno_at)[0], value[key_at:].decode(), ts_ms, size))
-                taken += 1
-                if taken >= limit:
-                    return found, index_key + b"\x00"
-        return found, None
-
-    def seqnos(self, clientid: str) -> Iterator[int]:
-        """Seqnos of the stored entries of ``clientid``, ascending."""
-        prefix = _INDEX + _s(clientid)
-        for row in self._db.iterator(prefix=prefix, include_value=False):
-            yield _U64.unpack_from(row, len(prefix))[0]
-
-    def queue_range(self, clientid: str) -> tuple[int, int, int] | None:
-        """(first seqno, last seqno, entry count) of the stored queue of ``clientid``, or None when empty."""
-        seqnos = list(self.seqnos(clientid))
-        return (seqnos[0], seqnos[-1], len(seqnos)) if seqnos else None
-
-    def stored_totals(self) -> tuple[int, int]:
-        """(entries, payload bytes) stored across all queues: a scan of the index table."""
-        entries = size = 0
-        for value in self._db.iterator(prefix=_INDEX, include_key=False):
-            entries += 1
-            size += _INDEX_VALUE.unpack_from(value)[1]
-        return entries, size
-
-    def count_queues(self) -> int:
-        """Queues that ever had a write (rows of the seqno table)."""
-        return sum(1 for _ in self._db.iterator(prefix=_SEQNO, include_value=False))
-
-    def edge_index_entries(self) -> tuple[IndexEntry | None, IndexEntry | None]:
-        """The first and the last row of the index table, by (clientid, seqno) key order."""
-        first = next(self._db.iterator(prefix=_INDEX), None)
-        last = next(self._db.iterator(prefix=_INDEX, reverse=True), None)
-        return _index_entry(first), _index_entry(last)
-
-    def ack_states(self) -> Iterator[tuple[str, AckState]]:
-        """Every stored consumer state as (clientid, state), in clientid key order."""
-        for row, value in self._db.iterator(prefix=_STATE):
-            yield _read_s(row, 1)[0], _decode_state(value)
-
-
-def repair(path: Path) -> None:
-    """Rebuild the LevelDB database at ``path`` from what can still be read (``plyvel.repair_db``).
-
-    Entries in damaged table blocks and the records of a damaged or cut log are dropped (LevelDB moves
-    unreadable files to ``path/lost``), so queue rows and acked positions may be lost or move back.
-    Raises StoreError when the database is in use or cannot be repaired.
-    """
-    if not (path / "CURRENT").exists():
-        raise StoreError(f"{path} holds no LevelDB database")
-    try:
-        plyvel.DB(str(path), paranoid_checks=False).close()
-    except plyvel.IOError as exc:
-        if "lock" in _reason(exc).lower():
-            raise StoreError(f"LevelDB at {path} is in use (is a broker running?): {_reason(exc)}") from exc
-    except plyvel.Error:
-        pass  # damaged: that is what the repair is for
-    try:
-        plyvel.repair_db(str(path), paranoid_checks=False)
-    except plyvel.Error as exc:
-        raise StoreError(f"cannot repair LevelDB at {path}: {_reason(exc)}") from exc
-
-
-_LOG_BLOCK, _LOG_HEADER = 32768, 7  # LevelDB log format: 32 KiB blocks of records with a 7-byte header
-_FULL, _FIRST, _LAST = 1, 2, 4
-
-
-def _cut_logs(path: Path) -> list[tuple[Path, int]]:
-    """(log file, bytes of the cut record) for each LevelDB log in ``path`` that ends inside a record.
-
-    LevelDB's recovery, even with ``paranoid_checks``, takes such a tail for a write that was under way
-    at a crash and drops it without a word; a log cut at a record boundary cannot be told from a whole one.
-    """
-    cut = []
-    for log_file in sorted(path.glob("*.log")):
-        data = log_file.read_bytes()
-        pos, record_start = 0, None  # record_start: offset of a FIRST fragment whose LAST has not come
-        while pos < len(data):
-            left_in_block = _LOG_BLOCK - pos % _LOG_BLOCK
-            if left_in_block < _LOG_HEADER:  # block trailer
-                pos += left_in_block
-                continue
-            end = pos + _LOG_HEADER + int.from_bytes(data[pos + 4:pos + 6], "little")
-            if end > len(data):
-                record_start = pos if record_start is None else record_start
-                break
-            kind = data[pos + 6]
-            record_start = pos if kind == _FIRST else None if kind in (_FULL, _LAST) else record_start
-            pos = end
-        if record_start is not None:
-            cut.append((log_file, len(data) - record_start))
-    return cut
-
-
-def _reason(exc: Exception) -> str:
-    """LevelDB's status text of a plyvel error (plyvel gives it as bytes)."""
-    arg = exc.args[0] if exc.args else exc
-    return arg.decode(errors="replace") if isinstance(arg, bytes) else str(arg)
-
-
-def _space_for(path: Path) -> bool:
-    """True when the filesystem of ``path`` has room to reopen LevelDB and go on writing: recovery turns
-    the log into a table file (at most the log's size), then the next memtable flush needs its own."""
-    log_bytes = sum(f.stat().st_size for f in path.glob("*.log"))
-    return shutil.disk_usage(path).free >= 2 * log_bytes + _REOPEN_SPARE_BYTES
-
-
-class _Gate:
-    """Many users of the database at once (``with gate:``), or one reopen alone (``with gate.exclusive():``).
-    A waiting reopen keeps new users out, so it cannot starve. Not reentrant: a user must not enter again."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._users = 0
-        self._exclusive = False
-
-    @property
-    def reopening(self) -> bool:
-        """True while a reopen waits for or holds the database."""
-        return self._exclusive
-
-    def __enter__(self) -> None:
-        with self._cond:
-            while self._exclusive:
-                self._cond.wait()
-            self._users += 1
-
-    def __exit__(self, *_exc: object) -> None:
-        with self._cond:
-            self._users -= 1
-            if not self._users and self._exclusive:
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            while self._exclusive:
-                self._cond.wait()
-            self._exclusive = True
-            while self._users:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._exclusive = False
-                self._cond.notify_all()
 
 
 @dataclass(frozen=True, slots=True)
@@ -561,20 +105,73 @@ class IndexEntry:
     ts_ms: int
 
 
-def _index_entry(row: tuple[bytes, bytes] | None) -> IndexEntry | None:
-    if row is None:
-        return None
-    index_key, value = row
-    clientid, offset = _read_s(index_key, 1)
-    ts_ms, _size = _INDEX_VALUE.unpack_from(value)
-    return IndexEntry(clientid, _U64.unpack_from(index_key, offset)[0], value[_INDEX_VALUE.size:].decode(), ts_ms)
+CommitResult = Appended | tuple[ExpiredRow, ...] | None
 
 
-def _encode_state(state: AckState) -> bytes:
-    above = sorted(s for s in state.above if s > state.acked)
-    return b"".join(_U64.pack(v) for v in (state.acked, state.last_ack_ms, *above))
+class QueueStore(Protocol):
+    """What the queue engine needs from storage. Every method may block; none may be called on the event loop
+    except :meth:`commit` when :meth:`commits_without_waiting` said so."""
 
+    write_error: str | None
+    """The I/O error that suspended commits, None while commits are accepted (see :meth:`reopen_if_space`)."""
 
-def _decode_state(raw: bytes) -> AckState:
-    values = [v for (v,) in _U64.iter_unpack(raw)]
-    return AckState(values[0], values[1], set(values[2:]))
+    def commit(self, ops: Sequence[Op]) -> list[CommitResult]:
+        """Apply ``ops`` in order as one atomic batch (group commit); returns one result per op.
+
+        An :class:`Append` gets the next seqno of its queue and deletes the older values of its key
+        (compaction): its result is :class:`Appended`. An :class:`Expire` deletes those of its rows that are
+        still stored and returns them (an append of the same key may have replaced one since GC read it).
+        A :class:`SaveAck` returns None. On failure nothing was written; after an I/O error every commit
+        raises :class:`StoreError` until :meth:`reopen_if_space` succeeds.
+        """
+
+    def commits_without_waiting(self) -> bool:
+        """True when :meth:`commit` will not block on the disk, so the writer may run it on the event loop."""
+
+    def read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0) -> list[Message]:
+        """Up to ``limit`` entries of ``clientid`` with seqno > ``after``, in seqno order, skipping those
+        published before ``min_ts_ms`` (expired, not yet collected). Raises :class:`StoreReadError` for
+        damaged data."""
+
+    def ack_state(self, clientid: str) -> AckState:
+        """The saved progress of ``clientid``'s consumer (``AckState()`` when it never acked)."""
+
+    def ack_states(self) -> Iterator[tuple[str, AckState]]:
+        """Every saved consumer state as (clientid, state), in clientid order."""
+
+    def expired_step(self, cutoff_ms: int, limit: int, start: bytes | None = None
+                     ) -> tuple[dict[str, list[ExpiredRow]], bytes | None]:
+        """One GC step: up to ``limit`` entries published before ``cutoff_ms``, scanning from ``start`` (None:
+        the beginning) across queues. Returns them by clientid, oldest first, and the opaque ``start`` of the
+        next step (None once every queue was scanned)."""
+
+    def stored_totals(self) -> tuple[int, int]:
+        """(entries, payload bytes) stored across all queues; a full scan."""
+
+    def count_queues(self) -> int:
+        """How many queues ever had a write."""
+
+    def last_seqno(self, clientid: str) -> int:
+        """Last seqno assigned in the queue of ``clientid`` (0 when it never had a write)."""
+
+    def seqnos(self, clientid: str) -> Iterator[int]:
+        """Seqnos of the stored entries of ``clientid``, ascending."""
+
+    def queue_range(self, clientid: str) -> tuple[int, int, int] | None:
+        """(first seqno, last seqno, entry count) of the stored queue of ``clientid``, or None when empty."""
+
+    def edge_index_entries(self) -> tuple[IndexEntry | None, IndexEntry | None]:
+        """The first and the last stored entry, by (clientid, seqno) order."""
+
+    def run(self, func: Callable[..., T], *args: Any) -> T:
+        """``func(*args)`` while the store cannot be reopened under it: every read goes through here."""
+
+    def reopen_if_space(self) -> bool:
+        """After a failed commit: once the disk has room, reopen and accept commits again; returns True when
+        it did. Blocks until no read or commit runs. Raises :class:`StoreError` when the reopen fails."""
+
+    def verify(self) -> tuple[int, float]:
+        """Read everything stored with checksums on; returns (rows, seconds). Raises :class:`StoreError`."""
+
+    def close(self) -> None:
+        """Close the store; committed writes are kept."""

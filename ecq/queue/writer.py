@@ -4,7 +4,7 @@ Every write op for one clientid (appends, ack-state saves, GC deletions) goes th
 picked by CRC32(clientid) modulo the pool size, so a queue's order is the order its writes arrived.
 An agent takes all ops pending on its queue (up to ``max_batch``) and commits them as one LevelDB
 write batch. A batch runs on the event loop itself when it cannot wait on the disk
-(:meth:`ecq.queue.store.Store.commits_without_waiting`: no fsync, level 0 far from LevelDB's write stalls),
+(:meth:`ecq.queue.store.QueueStore.commits_without_waiting`: no fsync, level 0 far from LevelDB's write stalls),
 otherwise in a thread pool. A commit is mostly Python (keys, compaction lookups) holding the GIL anyway,
 while a thread hop costs the event loop ~65 us and a small inline commit ~4 us (issue 5 measurement), and
 light traffic makes batches of one op.
@@ -18,7 +18,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ecq.queue.store import Op, Store
+from ecq.queue.store import Op, QueueStore
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class WriterPool:
     """``size`` agents over ``store``; ``on_commit(ops, results)`` runs on the event loop after each batch,
     ``on_error(exc)`` after each batch that failed."""
 
-    def __init__(self, store: Store, size: int, on_commit: OnCommit, max_batch: int = 1024,
+    def __init__(self, store: QueueStore, size: int, on_commit: OnCommit, max_batch: int = 1024,
                  on_error: Callable[[Exception], None] = lambda _exc: None) -> None:
         self._store = store
         self._on_commit = on_commit

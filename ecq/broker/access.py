@@ -1,0 +1,77 @@
+"""Who may do what: the ACL file (also the broker's topic filter for every other topic), the one-reader
+rule of ``$ECQ/<clientid>/#`` subscriptions, and the refusal of Will topics at CONNECT."""
+
+from __future__ import annotations
+
+import logging
+
+from amqtt.session import Session
+
+from ecq.broker.acl import Acl, ClientInfo, Decision, load_acl
+from ecq.config import EcqSettings
+from ecq.queue.topics import is_ecq_topic, queue_filter
+
+log = logging.getLogger(__name__)
+
+
+class AccessControl:
+    """The ACL of ``settings.acl_file`` (none: everything allowed) with ``acl_nomatch`` for unmatched requests.
+    Raises ecq.broker.acl.AclError for a bad ACL file."""
+
+    def __init__(self, settings: EcqSettings) -> None:
+        self._settings = settings
+        self.acl: Acl | None = load_acl(settings.acl_file) if settings.acl_file else None
+
+    def reload(self) -> int:
+        """Read the ACL file again; returns its rule count. Raises AclError and keeps the old rules."""
+        if not self._settings.acl_file:
+            return 0
+        self.acl = load_acl(self._settings.acl_file)
+        log.info("ECQ ACL reloaded from %s: %d rules", self._settings.acl_file, len(self.acl.rules))
+        return len(self.acl.rules)
+
+    def allows(self, session: Session, action: str, topic: str) -> bool:
+        """True when the ACL lets ``session`` (clientid, username, address) ``action`` (publish, subscribe) ``topic``."""
+        if self.acl is None:
+            return True
+        client = ClientInfo(session.client_id or "", session.username, session.remote_address)
+        rule = self.acl.first_match(client, action, topic)
+        if rule is None:
+            return self._settings.acl_nomatch == "allow"
+        if rule.permission is Decision.DENY:
+            log.info("ECQ ACL: %s of %s to %r denied by %s", action, client.clientid, topic, rule.location)
+        return rule.permission is Decision.ALLOW
+
+    @staticmethod
+    def grant_subscription(clientid: str, topic_filter: str, qos: int) -> int | None:
+        """QoS to grant for a SUBSCRIBE to an ``$ECQ/`` filter, or None to refuse it (SUBACK 0x80).
+
+        Only ``<clientid>`` may subscribe to ``$ECQ/<clientid>/#``; QoS 0 is refused, QoS 2 is granted as
+        QoS 1 (SPEC.md section 1, "Access control"; MQTT 3.1.1 section 3.9.3).
+        """
+        if topic_filter != queue_filter(clientid):
+            log.warning("ECQ refused SUBSCRIBE of %s to %r: a client may only read its own queue %r",
+                        clientid, topic_filter, queue_filter(clientid))
+            return None
+        if qos == 0:
+            log.warning("ECQ refused QoS 0 SUBSCRIBE of %s to %r: ECQ queues are read at QoS 1", clientid, topic_filter)
+            return None
+        return 1
+
+    def will_refusal(self, session: Session) -> str | None:
+        """Why a CONNECT carrying a Will must be refused (CONNACK 0x05), or None to accept it.
+
+        Nothing may reach ``$ECQ/<clientid>/...`` except ECQ's delivery, so a Will topic under ``$ECQ/`` is
+        always refused; any other Will topic must be allowed for publish by the ACL, checked with the
+        CONNECT's clientid, username and address (EMQX checks the Will when it is published; ECQ refuses at
+        CONNECT, so the client learns of it). The refusal is logged with the reason.
+        """
+        topic = session.will_topic or ""
+        if is_ecq_topic(topic):
+            reason = f"Will topic {topic!r} is under $ECQ/, where only ECQ delivers"
+        elif not self.allows(session, "publish", topic):
+            reason = f"Will topic {topic!r} is denied for publish by the ACL"
+        else:
+            return None
+        log.warning("ECQ refused CONNECT of %r from %s: %s", session.client_id, session.remote_address, reason)
+        return reason

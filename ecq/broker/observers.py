@@ -1,0 +1,92 @@
+"""The broker's queue engine observers besides metrics: the queue event stream (recorded to a ReplayQ
+buffer, exported to the Parquet lake), started and stopped with the broker.
+
+Events are optional (``events: false``) and must never stop writes: when the recorder cannot start,
+the broker runs without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ecq.config import EcqSettings
+from ecq.queue.clock import now_ms
+from ecq.queue.store import Append, Appended, ExpiredRow, Message
+
+log = logging.getLogger(__name__)
+
+GC_EVENTS_PENDING = 2048  # GC waits while more events than this wait for the recorder's thread
+
+
+class QueueEvents:
+    """Records one queue event per append, compaction, expiry, send and PUBACK, and refused writes
+    (a queue engine observer). ``recorder`` is an ``ecq.events.EventRecorder``."""
+
+    def __init__(self, settings: EcqSettings) -> None:
+        from ecq.events import EventRecorder, LakeExporter  # pyarrow is imported only when events are on
+
+        self._max_bytes = settings.events_max_bytes
+        self.recorder = EventRecorder(settings.data_dir / "events", max_buffer_bytes=settings.events_max_bytes)
+        self._exporter = LakeExporter(self.recorder, settings.effective_lake_dir(), interval_s=settings.export_interval)
+
+    async def start(self) -> bool:
+        """Start recording and exporting; on failure log it and return False (run without events)."""
+        try:
+            await self.recorder.start()
+            await self._exporter.start()
+        except Exception as exc:
+            log.error("ECQ queue events disabled: cannot start the event buffer or lake export: %s", exc)
+            return False
+        return True
+
+    async def close(self) -> None:
+        """Export what is buffered and close the recorder."""
+        await self._exporter.close()
+        await self.recorder.close()
+
+    def stats(self) -> dict[str, Any]:
+        """The recorder's counters."""
+        return self.recorder.stats()
+
+    def lagging(self) -> bool:
+        """True while GC must wait for the recorder: its thread has not taken in the events GC made (the
+        in-memory deque drops its oldest beyond its bound) or the buffer is over half its bound."""
+        stats = self.recorder.stats()
+        return stats["pending_items"] > GC_EVENTS_PENDING or stats["buffered_bytes"] > self._max_bytes // 2
+
+    def refused(self, clientid: str | None, reason: str, topic: str) -> None:
+        """A PUBLISH under ``$ECQ/`` was refused."""
+        self.recorder.record("refused", ts_ms=now_ms(), clientid=clientid, reason=reason, topic=topic)
+
+    def appended(self, op: Append, result: Appended) -> None:
+        """An ``appended`` event, and one ``compacted`` event per value the append replaced."""
+        record, ts_ms = self.recorder.record, now_ms()
+        record("appended", ts_ms=ts_ms, clientid=op.clientid, key=op.key, seqno=result.seqno, publish_ts_ms=op.ts_ms,
+               payload_bytes=len(op.payload))
+        for old in result.replaced:
+            record("compacted", ts_ms=now_ms(), clientid=op.clientid, key=op.key, seqno=result.seqno,
+                   publish_ts_ms=op.ts_ms, replaced_seqno=old)
+
+    def expired(self, clientid: str, rows: tuple[ExpiredRow, ...]) -> None:
+        """One ``expired`` event per row; GC makes them by the million, so with the least per-row work."""
+        record, ts_ms = self.recorder.record, now_ms()
+        for seqno, key, publish_ts_ms, size in rows:
+            record("expired", ts_ms=ts_ms, clientid=clientid, key=key, seqno=seqno, publish_ts_ms=publish_ts_ms,
+                   payload_bytes=size)
+
+    def delivered(self, clientid: str, message: Message, attempt: int) -> None:
+        """A ``delivered`` event."""
+        self.recorder.record("delivered", ts_ms=now_ms(), clientid=clientid, key=message.key, seqno=message.seqno,
+                             publish_ts_ms=message.ts_ms, payload_bytes=len(message.payload), attempt=attempt)
+
+    def acked(self, clientid: str, message: Message, sent_monotonic: float) -> None:
+        """An ``acked`` event."""
+        self.recorder.record("acked", ts_ms=now_ms(), clientid=clientid, key=message.key, seqno=message.seqno,
+                             publish_ts_ms=message.ts_ms, payload_bytes=len(message.payload))
+
+    def store_error(self, op: str, exc: Exception) -> None:
+        """Not an event."""
+
+    def gc_started(self) -> None:
+        """Not an event."""

@@ -1,0 +1,75 @@
+"""Which MQTT connection gets a queue: session takeover (MQTT 3.1.1 section 3.1.4), persistent sessions
+resuming their queue, and the attach/detach calls to the queue engine that follow from amqtt's
+connect, subscribe, unsubscribe and disconnect events."""
+
+from __future__ import annotations
+
+import logging
+
+from amqtt.broker import BrokerContext
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+
+from ecq.broker import amqtt_hooks as hooks
+from ecq.queue.engine import QueueEngine
+from ecq.queue.topics import queue_filter
+
+log = logging.getLogger(__name__)
+
+
+class QueueSessions:
+    """Tracks the live connection of each clientid of ``context`` and attaches it to ``engine`` while it
+    holds its ``$ECQ/<clientid>/#`` subscription."""
+
+    def __init__(self, context: BrokerContext, engine: QueueEngine) -> None:
+        self._context, self._engine = context, engine
+        self._connections: dict[str, BrokerProtocolHandler] = {}
+
+    async def connected(self, client_id: str) -> None:
+        """Enforce takeover (MQTT 3.1.1 section 3.1.4) and resume a persistent session's queue.
+
+        A persistent session keeps its ``$ECQ/<clientid>/#`` subscription across disconnects (until
+        ``session_expiry``; see ``amqtt_hooks._keep_persistent_sessions``), so its reconnect resumes delivery
+        (SPEC.md section 1, Delivery; MQTT 3.1.1 section 3.1.2.4). A clean session has none.
+        """
+        live = hooks.live_connection(self._context, client_id)
+        previous = self._connections.get(client_id)
+        if previous is not None and previous is not live and hooks.connection_is_open(previous):
+            log.info("ECQ takeover: closing the older connection of %s", client_id)
+            await hooks.close_connection(previous)
+        if live is not None:
+            self._connections[client_id] = live
+        if self._holds_queue_subscription(client_id):
+            await self._attach(client_id, live)
+        elif self._engine.connection_of(client_id) is not live:
+            self._engine.detach(client_id)
+
+    async def subscribed(self, client_id: str, topic: str) -> None:
+        """Start delivering once the SUBACK for ``$ECQ/<clientid>/#`` went out."""
+        if topic == queue_filter(client_id):
+            await self._attach(client_id, hooks.live_connection(self._context, client_id))
+
+    async def unsubscribed(self, client_id: str, topic: str) -> None:
+        """Stop delivering when the consumer unsubscribes from its queue."""
+        if topic == queue_filter(client_id):
+            self._engine.detach(client_id)
+
+    async def disconnected(self, client_id: str) -> None:
+        """Detach a consumer whose connection closed; a newer connection (takeover) keeps or gets it."""
+        if self._connections.get(client_id) is not None and not hooks.connection_is_open(self._connections[client_id]):
+            del self._connections[client_id]
+        if client_id not in self._engine.consumers or hooks.connection_is_open(self._engine.connection_of(client_id)):
+            return
+        self._engine.detach(client_id)
+        live = hooks.live_connection(self._context, client_id)
+        if hooks.connection_is_open(live) and self._holds_queue_subscription(client_id):
+            await self._attach(client_id, live)
+
+    def _holds_queue_subscription(self, clientid: str) -> bool:
+        holders = self._context.subscriptions.get(queue_filter(clientid), [])
+        return any(session.client_id == clientid for session, _qos in holders)
+
+    async def _attach(self, clientid: str, connection: BrokerProtocolHandler | None) -> None:
+        # checked after the engine loaded the ack state: an UNSUBSCRIBE, disconnect or takeover may have happened
+        await self._engine.attach(clientid, connection, lambda: (
+            hooks.connection_is_open(connection) and connection is hooks.live_connection(self._context, clientid)
+            and self._holds_queue_subscription(clientid)))

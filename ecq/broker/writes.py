@@ -1,0 +1,72 @@
+"""Writes under ``$ECQ/``: a PUBLISH checked (topic grammar, payload size, ACL), stored through the queue
+engine, then acknowledged (SPEC.md section 1, "Writes")."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from amqtt.errors import AMQTTError
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+from amqtt.mqtt.publish import PublishPacket
+
+from ecq.broker import amqtt_hooks as hooks
+from ecq.broker.access import AccessControl
+from ecq.broker.observers import QueueEvents
+from ecq.config import EcqSettings
+from ecq.ops.metrics import EcqMetrics
+from ecq.queue.engine import QueueEngine
+from ecq.queue.topics import BadWrite, parse_target, parse_write
+from ecq.queue.writer import PoolClosed
+
+log = logging.getLogger(__name__)
+
+
+class EcqWrites:
+    """Takes the ``$ECQ/`` PUBLISHes of a broker; ``events()`` is the event stream, None while it is off."""
+
+    def __init__(self, settings: EcqSettings, engine: QueueEngine, access: AccessControl, metrics: EcqMetrics,
+                 events: Callable[[], QueueEvents | None]) -> None:
+        self._max_payload_bytes = settings.max_payload_bytes
+        self._engine, self._access, self._metrics, self._events = engine, access, metrics, events
+
+    async def publish(self, handler: BrokerProtocolHandler, packet: PublishPacket) -> None:
+        """Take a PUBLISH under ``$ECQ/``: store a valid write, then acknowledge it; refuse the rest.
+
+        A refused PUBLISH is logged with its reason and still acknowledged at its QoS, so the publisher
+        stays connected (MQTT 3.1.1 has no negative PUBACK). A write that cannot be stored within
+        ``write_timeout`` is not acknowledged; the publisher's connection is closed so it sends it again.
+        """
+        topic, payload, qos, packet_id = packet.topic_name, bytes(packet.data), packet.qos, packet.packet_id
+        received = time.monotonic()
+        try:
+            write = parse_write(topic, len(payload), self._max_payload_bytes)
+            if not self._access.allows(handler.session, "publish", topic):
+                raise BadWrite("acl_denied", f"refused write to {topic!r}: denied by the ACL")
+            future = self._engine.write(write.clientid, write.key, payload)
+        except BadWrite as exc:
+            self._refuse(handler, topic, exc)
+            await hooks.acknowledge(handler, qos, packet_id)
+            return
+        except PoolClosed:
+            log.warning("ECQ write to %r not taken: broker is shutting down", topic)
+            return
+        try:
+            await future
+            self._metrics.append_latency.observe(time.monotonic() - received)
+        except Exception as exc:
+            log.error("ECQ write to %r failed (%s); closing publisher %s so it resends",
+                      topic, exc or type(exc).__name__, hooks.client_id(handler))
+            await hooks.close_connection(handler)
+            return
+        try:
+            await hooks.acknowledge(handler, qos, packet_id)
+        except (OSError, AMQTTError, TimeoutError) as exc:  # stored; the publisher resends if it reconnects
+            log.info("ECQ could not acknowledge a stored write to %r: %s", topic, exc or type(exc).__name__)
+
+    def _refuse(self, handler: BrokerProtocolHandler, topic: str, exc: BadWrite) -> None:
+        self._metrics.writes_refused.labels(exc.reason).inc()
+        log.warning("ECQ %s (publisher %s, reason %s)", exc, hooks.client_id(handler), exc.reason)
+        if events := self._events():
+            events.refused(parse_target(topic), exc.reason, topic)

@@ -1,0 +1,112 @@
+"""ecq.queue.delivery.Consumer on a real LevelDB store and writer pool: order, the inflight window, acks
+saved, redelivery of only the unacked after a reattach, compaction of a read-ahead message."""
+
+from __future__ import annotations
+
+import pytest
+
+from ecq.queue.deadlines import SharedDeadline
+from ecq.queue.delivery import Consumer
+from ecq.queue.leveldb import LevelDbStore
+from ecq.queue.readers import BatchedReader
+from ecq.queue.store import Append, AckState, Message
+from ecq.queue.clock import now_ms
+from ecq.queue.writer import WriterPool
+from tests.fake_connection import FakeConnection, publish, settle
+
+
+class Seen:
+    """A delivery observer that notes every send (seqno, attempt) and every PUBACK (seqno)."""
+
+    def __init__(self) -> None:
+        self.sends: list[tuple[int, int]] = []
+        self.acks: list[int] = []
+
+    def delivered(self, clientid: str, message: Message, attempt: int) -> None:
+        self.sends.append((message.seqno, attempt))
+
+    def acked(self, clientid: str, message: Message, sent_monotonic: float) -> None:
+        self.acks.append(message.seqno)
+
+
+@pytest.fixture
+async def parts(tmp_path):
+    store = LevelDbStore(tmp_path / "db")
+    consumers: list[Consumer] = []
+    pool = WriterPool(store, 2, lambda ops, results: [c.appended(r.seqno, r.replaced) for c in consumers
+                                                     for op, r in zip(ops, results) if isinstance(op, Append)
+                                                     and op.clientid == c.clientid])
+    pool.start()
+    reader = BatchedReader(threads=2)
+    yield store, pool, reader, consumers
+    for consumer in consumers:
+        consumer.detach()
+    await pool.close()
+    reader.shutdown()
+    store.close()
+
+
+def make_consumer(parts, window: int = 2, state: AckState | None = None) -> tuple[Consumer, Seen]:
+    store, pool, reader, consumers = parts
+    seen = Seen()
+    consumer = Consumer("q", state or AckState(), store=store, pool=pool, publish=publish, observer=seen,
+                        read=lambda func, *args: reader.read(store.run, func, *args),
+                        read_deadline=SharedDeadline(5.0, "test read"), window=window, retention_s=3600)
+    consumers.append(consumer)
+    return consumer, seen
+
+
+async def write(parts, *keys: str) -> None:
+    _store, pool, _reader, _consumers = parts
+    for key in keys:
+        await pool.submit("q", Append("q", key, key.encode(), now_ms()))
+
+
+async def test_delivers_in_seqno_order_with_at_most_window_in_flight(parts):
+    await write(parts, "a", "b", "c", "d", "e")
+    consumer, seen = make_consumer(parts, window=2)
+    connection = FakeConnection()
+    consumer.attach(connection)
+    await settle(lambda: len(connection.sent) == 2)
+    assert connection.sent == [("$ECQ/q/a", b"a"), ("$ECQ/q/b", b"b")] and len(consumer.inflight) == 2
+    while len(seen.acks) < 5:
+        connection.ack()
+        await settle(lambda: connection.unacked or len(seen.acks) == 5)
+        assert connection.unacked <= 2
+    assert [payload for _topic, payload in connection.sent] == [b"a", b"b", b"c", b"d", b"e"]
+    assert seen.sends == [(n, 1) for n in range(1, 6)] and seen.acks == [1, 2, 3, 4, 5]
+
+
+async def test_acks_are_saved_and_a_reattach_redelivers_only_the_unacked(parts):
+    store = parts[0]
+    await write(parts, "a", "b", "c")
+    consumer, seen = make_consumer(parts, window=3)
+    first = FakeConnection()
+    consumer.attach(first)
+    await settle(lambda: len(first.sent) == 3)
+    first.ack(1)
+    await settle(lambda: store.ack_state("q").acked == 1)
+    first.drop()
+    await settle(lambda: not consumer.online)
+    second = FakeConnection()
+    consumer.attach(second)
+    await settle(lambda: len(second.sent) == 2)
+    assert second.sent == [("$ECQ/q/b", b"b"), ("$ECQ/q/c", b"c")]
+    assert seen.sends[-2:] == [(2, 2), (3, 2)]  # second attempts
+    second.ack()
+    await settle(lambda: store.ack_state("q").acked == 3)
+
+
+async def test_appends_while_attached_are_delivered_and_compaction_drops_a_superseded_value(parts):
+    consumer, _seen = make_consumer(parts, window=1)
+    connection = FakeConnection()
+    consumer.attach(connection)
+    await write(parts, "k", "other")
+    await settle(lambda: len(connection.sent) == 1)
+    await write(parts, "other")  # replaces the first "other" before it was sent
+    connection.ack()
+    await settle(lambda: len(connection.sent) == 2)
+    connection.ack()
+    await settle(lambda: consumer.state.acked == 3)
+    assert [topic for topic, _payload in connection.sent] == ["$ECQ/q/k", "$ECQ/q/other"]
+    assert parts[0].queue_range("q") == (1, 3, 2)

@@ -1,0 +1,135 @@
+"""ecq.queue.engine.QueueEngine without any MQTT broker: a temp LevelDB, a fake connection, and the
+engine's public calls (write, attach, detach, run_gc, snapshot, health)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ecq.config import EcqSettings
+from ecq.queue.clock import now_ms
+from ecq.queue.engine import QueueEngine
+from ecq.queue.leveldb import LevelDbStore
+from ecq.queue.snapshots import ConsumerSnapshot, Totals
+from ecq.queue.store import Append, Appended
+from ecq.queue.writer import PoolClosed
+from tests.fake_connection import FakeConnection, publish, settle
+
+HOUR_MS = 3_600_000
+
+
+class Noted:
+    """A QueueObserver that notes what it is told."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def appended(self, op, result):
+        self.events.append(("appended", op.clientid, op.key, result.seqno, result.replaced))
+
+    def expired(self, clientid, rows):
+        self.events.append(("expired", clientid, tuple(row.seqno for row in rows)))
+
+    def delivered(self, clientid, message, attempt):
+        self.events.append(("delivered", clientid, message.seqno, attempt))
+
+    def acked(self, clientid, message, sent_monotonic):
+        self.events.append(("acked", clientid, message.seqno))
+
+    def store_error(self, op, exc):
+        self.events.append(("store_error", op))
+
+    def gc_started(self):
+        self.events.append(("gc_started",))
+
+
+def settings(tmp_path) -> EcqSettings:
+    return EcqSettings(data_dir=tmp_path / "db", admin_bind=None, events=False, writer_pool_size=2,
+                       reader_batch_size=3, data_retention=HOUR_MS / 1000)
+
+
+@pytest.fixture
+async def engine(tmp_path):
+    queue_engine = QueueEngine(settings(tmp_path), publish)
+    noted = Noted()
+    queue_engine.observers.append(noted)
+    await queue_engine.start()
+    yield queue_engine, noted
+    await queue_engine.close()
+
+
+async def test_write_deliver_ack_and_snapshot(engine):
+    engine, noted = engine
+    assert await engine.write("c1", "k", b"one") == Appended(1)
+    assert await engine.write("c1", "k", b"two") == Appended(2, (1,), 3)
+    connection = FakeConnection()
+    await engine.attach("c1", connection)
+    await settle(lambda: connection.sent)
+    assert connection.sent == [("$ECQ/c1/k", b"two")]
+    snapshot = engine.snapshot()
+    assert snapshot.totals == Totals(queues=1, stored_entries=1, stored_bytes=3, inflight=1, online=1)
+    assert snapshot.consumers["c1"] == ConsumerSnapshot("c1", 0, 0, frozenset(), 1, True)
+    connection.ack()
+    await settle(lambda: engine.snapshot().consumers["c1"].acked == 2)
+    consumer = engine.snapshot().consumers["c1"]
+    assert consumer.inflight == 0 and consumer.last_ack_ms > 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        consumer.acked = 0
+    assert noted.events == [("appended", "c1", "k", 1, ()), ("appended", "c1", "k", 2, (1,)),
+                            ("delivered", "c1", 2, 1), ("acked", "c1", 2)]
+    assert engine.health() == {"status": "ok"}
+
+
+async def test_a_reattach_redelivers_only_what_was_not_acked(engine):
+    engine, _noted = engine
+    for key in ("a", "b", "c"):
+        await engine.write("c2", key, key.encode())
+    first = FakeConnection()
+    await engine.attach("c2", first)
+    await settle(lambda: len(first.sent) == 3)
+    first.ack(2)
+    await settle(lambda: engine.snapshot().consumers["c2"].acked == 2)
+    engine.detach("c2")
+    assert not engine.snapshot().consumers["c2"].online and engine.connection_of("c2") is None
+    second = FakeConnection()
+    await engine.attach("c2", second)
+    await settle(lambda: second.sent)
+    assert second.sent == [("$ECQ/c2/c", b"c")]
+    await engine.write("c2", "d", b"d")
+    await settle(lambda: len(second.sent) == 2)
+    assert second.sent[1] == ("$ECQ/c2/d", b"d")
+
+
+async def test_attach_is_skipped_when_the_connection_is_no_longer_current(engine):
+    engine, _noted = engine
+    await engine.write("c3", "k", b"v")
+    await engine.attach("c3", FakeConnection(), still_current=lambda: False)
+    assert engine.connection_of("c3") is None
+
+
+async def test_gc_deletes_entries_older_than_retention_and_tells_observers(tmp_path):
+    store = LevelDbStore(tmp_path / "db")
+    old = now_ms() - 2 * HOUR_MS
+    store.commit([Append("old", f"k{i}", b"xx", old + i) for i in range(5)] + [Append("new", "k", b"fresh", now_ms())])
+    store.close()
+    engine = QueueEngine(settings(tmp_path), publish)
+    noted = Noted()
+    engine.observers.append(noted)
+    await engine.start()
+    try:
+        assert engine.totals().stored_entries == 6
+        assert await engine.run_gc() == 5
+        assert ("gc_started",) in noted.events and ("expired", "old", (1, 2, 3, 4, 5)) in noted.events
+        assert engine.totals() == Totals(queues=2, stored_entries=1, stored_bytes=5, inflight=0, online=0)
+        assert await engine.read(engine.store.queue_range, "old") is None
+    finally:
+        await engine.close()
+
+
+async def test_a_closed_engine_refuses_writes(tmp_path):
+    engine = QueueEngine(settings(tmp_path), publish)
+    await engine.start()
+    await engine.close()
+    with pytest.raises(PoolClosed):
+        engine.write("c", "k", b"v")
