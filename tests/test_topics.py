@@ -1,4 +1,4 @@
-"""Unit tests of the topic grammar in ecq/queue/topics.py (SPEC.md section 1, "Topics")."""
+"""Unit tests of the topic grammar in ecq/queue/topics.py."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ class AccessControl:
         """QoS to grant for a SUBSCRIBE to an ``$ECQ/`` filter, or None to refuse it (SUBACK 0x80).
 
         Only ``<clientid>`` may subscribe to ``$ECQ/<clientid>/#``; QoS 0 is refused, QoS 2 is granted as
-        QoS 1 (SPEC.md section 1, "Access control"; MQTT 3.1.1 section 3.9.3).
+        QoS 1 (MQTT 3.1.1 section 3.9.3).
         """
         if topic_filter != queue_filter(clientid):
             log.warning("ECQ refused SUBSCRIBE of %s to %r: a client may only read its own queue %r",

@@ -28,8 +28,8 @@ class QueueSessions:
         """Enforce takeover (MQTT 3.1.1 section 3.1.4) and resume a persistent session's queue.
 
         A persistent session keeps its ``$ECQ/<clientid>/#`` subscription across disconnects (until
-        ``session_expiry``; see ``amqtt_hooks._keep_persistent_sessions``), so its reconnect resumes delivery
-        (SPEC.md section 1, Delivery; MQTT 3.1.1 section 3.1.2.4). A clean session has none.
+        ``session_expiry``; see ``amqtt_hooks.conformance.keep_persistent_sessions``), so its reconnect resumes delivery
+        (MQTT 3.1.1 section 3.1.2.4). A clean session has none.
         """
         live = hooks.live_connection(self._context, client_id)
         previous = self._connections.get(client_id)

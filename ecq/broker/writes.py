@@ -1,5 +1,5 @@
 """Writes under ``$ECQ/``: a PUBLISH checked (topic grammar, payload size, ACL), stored through the queue
-engine, then acknowledged (SPEC.md section 1, "Writes")."""
+engine, then acknowledged."""
 
 from __future__ import annotations
 

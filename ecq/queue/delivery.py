@@ -1,4 +1,4 @@
-"""Delivery of one queue to its one online consumer (SPEC.md section 1, "Delivery").
+"""Delivery of one queue to its one online consumer.
 
 A :class:`Consumer` is attached to the live MQTT connection of ``<clientid>`` while that connection
 holds the ``$ECQ/<clientid>/#`` subscription. It keeps at most ``window`` (``reader_batch_size``)
@@ -10,11 +10,11 @@ after ``acked``: what was sent but not acked is delivered again (MQTT 3.1.1 sect
 
 Nothing new is sent to a consumer while one of its PUBACKs is not yet stored: an ack is committed to
 LevelDB before the next delivery to that consumer leaves, so after a crash only acks received after the
-last message the consumer was sent can be lost, and only those messages are delivered again (issue 10,
-point 5). A failed save (disk full) is retried every ``SAVE_RETRY_S`` and holds delivery meanwhile.
+last message the consumer was sent can be lost, and only those messages are delivered again. A failed
+save (disk full) is retried every ``SAVE_RETRY_S`` and holds delivery meanwhile.
 
 The consumer reads up to one window ahead of what is in flight, so one store read (a thread hop)
-serves about one window of PUBACKs instead of each PUBACK causing a read (issue 5 reads profile). A
+serves about one window of PUBACKs instead of each PUBACK causing a read (the reads benchmark's profile). A
 read-ahead message that compaction superseded meanwhile is dropped, one that expired is skipped.
 """
 
@@ -167,7 +167,7 @@ class Consumer:
 
     def _hand_out_ready(self) -> None:
         """Hand read-ahead messages to the connection while the window has room; skip any that expired
-        since they were read (SPEC.md section 1: an expired entry is never delivered)."""
+        since they were read (an expired entry is never delivered)."""
         oldest_live_ms = retention_cutoff_ms(self._retention_s)
         while self._ready and len(self.inflight) < self._window:
             message = self._ready.popleft()

@@ -1,4 +1,4 @@
-"""The queue engine: exclusive compacted queues without any MQTT library (SPEC.md section 1).
+"""The queue engine: exclusive compacted queues without any MQTT library.
 
 :class:`QueueEngine` owns the store, the writer pool, the batched reader and one
 :class:`ecq.queue.delivery.Consumer` per queue, and runs the heartbeat, GC and store-recovery loops. A

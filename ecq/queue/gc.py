@@ -1,4 +1,4 @@
-"""Garbage collection: delete every entry published before the retention cutoff (SPEC.md section 1, GC),
+"""Garbage collection: delete every entry published before the retention cutoff,
 in paced steps so that delivery keeps its latency while GC runs.
 
 A pass walks the index table in steps: each step is read in a reader thread

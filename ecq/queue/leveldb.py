@@ -1,4 +1,4 @@
-"""The ECQ tables in one LevelDB database (SPEC.md section 1, "Tables").
+"""The ECQ tables in one LevelDB database.
 
 Key layout (one leading byte per table; ``S(x)`` = 2-byte big-endian length + UTF-8 bytes, so a prefix
 scan over ``S(clientid)`` returns exactly one client's rows and ``a`` never collides with ``a/b``;
