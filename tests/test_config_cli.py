@@ -72,6 +72,14 @@ def test_broker_refuses_config_without_the_plugin(tmp_path):
     assert result.returncode == 2 and "does not list ecq.broker.plugin.EcqPlugin" in result.stderr
 
 
+def test_broker_names_the_new_path_of_a_config_with_the_old_plugin_path(tmp_path):
+    config = ecq_config(data_dir=str(tmp_path / "d"))
+    config["plugins"]["ecq.plugin.EcqPlugin"] = config["plugins"].pop("ecq.broker.plugin.EcqPlugin")
+    result = run_broker(tmp_path, config)
+    assert result.returncode == 2
+    assert "ecq.plugin.EcqPlugin is now ecq.broker.plugin.EcqPlugin" in result.stderr
+
+
 def test_broker_refuses_unparsable_yaml(tmp_path):
     result = run_broker(tmp_path, "plugins: [unclosed")
     assert result.returncode == 2 and "cannot read broker config" in result.stderr
