@@ -49,6 +49,7 @@ log = logging.getLogger("ecq")
 
 
 @click.group()
+@click.version_option(package_name="ecq", message="%(prog)s %(version)s")
 def main() -> None:
     """ECQ: exclusive compacted queues for MQTT (amqtt broker plugin on LevelDB)."""
 
@@ -325,6 +326,7 @@ def gc(admin: str, token: str | None, as_json: bool) -> None:
 @click.argument("which", type=click.Choice(["origin", "inuse"]), default="inuse")
 @admin_options
 def show_config(which: str, admin: str, token: str | None, as_json: bool) -> None:
-    """The ECQ plugin options of the running broker: as given (origin) or as parsed (inuse)."""
+    """The ECQ plugin options of the running broker: as given (origin) or in effect (inuse, the default), as YAML
+    (JSON with --json)."""
     data = check_answer(*call_admin(admin, f"/api/v1/config?which={which}", token))
-    emit(data, as_json, lambda d: "\n".join(f"{k}: {v}" for k, v in d.items()))
+    emit(data, as_json, lambda d: yaml.safe_dump(d, sort_keys=False).rstrip("\n"))

@@ -137,6 +137,14 @@ class EcqSettings(BaseModel):
     def _write_packet_bytes(self) -> int:
         return min(MAX_REMAINING_LENGTH, self.max_payload_bytes + PUBLISH_HEADER_ROOM)
 
+    def describe(self, listeners: list[str]) -> str:
+        """One line for the start-up log: the MQTT ``listeners`` (``host:port``), the admin API, where data and
+        the event lake live, and how many writer agents run."""
+        admin = f"http://{self.admin_bind}/" if self.admin_bind else "off"
+        lake = self.effective_lake_dir() if self.events else "off (events: false)"
+        return (f"MQTT on {', '.join(listeners) or 'no TCP listener'} (listen backlog {self.listen_backlog}); "
+                f"admin API {admin}; data_dir {self.data_dir}; lake {lake}; {self.effective_pool_size()} writer agents")
+
     def effective_lake_dir(self) -> Path:
         """Where exported events go: ``lake_dir``, or ``<data_dir>/lake``."""
         return self.lake_dir or self.data_dir / "lake"

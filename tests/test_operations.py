@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
 import subprocess
 import threading
 import time
 import urllib.request
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import ECQ, free_port, wait_until, write
@@ -108,6 +111,30 @@ def test_show_config_origin_and_inuse(make_broker):
     assert origin["data_retention"] == "2h" and "gc_interval" not in origin
     assert inuse["data_retention"] == 7200.0 and inuse["gc_interval"] == 3600.0 and inuse["reader_batch_size"] == 7
     assert "reader_batch_size: 7" in ecq("show-config", admin=broker.admin_port).stdout
+
+
+def test_show_config_inuse_shows_the_values_in_effect_as_yaml(make_broker):
+    broker = make_broker(writer_pool_size=0, events=False)
+    inuse = json.loads(ecq("show-config", "--json", admin=broker.admin_port).stdout)
+    assert inuse["writer_pool_size"] == (os.cpu_count() or 1)  # 0 means one agent per CPU
+    assert inuse["lake_dir"] == str(broker.data_dir / "lake")
+    text = ecq("show-config", admin=broker.admin_port).stdout
+    assert yaml.safe_load(text) == inuse
+    assert "None" not in text and "False" not in text and "events: false" in text and "acl_file: null" in text
+
+
+def test_start_up_log_says_where_everything_is(make_broker):
+    broker = make_broker(writer_pool_size=3)
+    [line] = [line for line in broker.log().splitlines() if "ECQ ready:" in line]
+    assert f"MQTT on 127.0.0.1:{broker.port} (listen backlog 1024)" in line
+    assert f"admin API http://127.0.0.1:{broker.admin_port}/" in line
+    assert f"data_dir {broker.data_dir};" in line and f"lake {broker.data_dir / 'lake'};" in line
+    assert line.endswith("3 writer agents")
+
+
+def test_version():
+    result = subprocess.run([ECQ, "--version"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and result.stdout.strip() == f"ecq {importlib.metadata.version('ecq')}"
 
 
 def test_admin_token_is_required_when_set(make_broker):

@@ -105,9 +105,10 @@ class EcqPlugin(BaseTopicPlugin):
             log.info("ECQ admin API on http://%s/ (metrics at /metrics)", self.settings.admin_bind)
 
     async def on_broker_post_start(self) -> None:
-        """Widen the MQTT listeners' accept queue to ``listen_backlog`` once amqtt opened them."""
-        changed = hooks.set_listen_backlog(self.context, self.settings.listen_backlog)
-        log.info("ECQ: listen backlog %d on %d MQTT listener socket(s)", self.settings.listen_backlog, changed)
+        """Widen the MQTT listeners' accept queue to ``listen_backlog`` once amqtt opened them, then log in one
+        line where everything is: MQTT listeners, admin API, data and lake directories, writer agents."""
+        hooks.set_listen_backlog(self.context, self.settings.listen_backlog)
+        log.info("ECQ ready: %s", self.settings.describe(hooks.listener_addresses(self.context)))
 
     async def on_broker_pre_shutdown(self) -> None:
         """Stop delivering and end a running GC pass; unacked messages stay stored for the next run."""
@@ -125,13 +126,15 @@ class EcqPlugin(BaseTopicPlugin):
     # --- operations (admin API, SIGHUP): ecq.ops.admin.BrokerControls -------------------------------
 
     def options(self, which: str) -> dict[str, Any]:
-        """Plugin options: ``origin`` as given in the config, ``inuse`` as parsed (durations in seconds).
+        """Plugin options: ``origin`` as given in the config; ``inuse`` as in effect (durations in seconds,
+        ``writer_pool_size`` the number of writer agents, ``lake_dir`` resolved).
 
         Secrets (``admin_token``) are replaced by ``**********`` in both.
         """
         if which == "origin":
             return {k: REDACTED if k in SECRET_OPTIONS else v for k, v in self._origin.items()}
-        return self.settings.model_dump(mode="json")
+        return {**self.settings.model_dump(mode="json"), "writer_pool_size": self.settings.effective_pool_size(),
+                "lake_dir": str(self.settings.effective_lake_dir())}
 
     def reload_acl(self) -> int:
         """Read the ACL file again; returns its rule count. Raises AclError and keeps the old rules."""

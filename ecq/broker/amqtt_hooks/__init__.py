@@ -30,11 +30,12 @@ from ecq.broker.amqtt_hooks import acks, bad_clients, conformance, ecq_guards, e
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.conformance import set_session_expiry
 from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge, client_id, close_connection, connection_is_open,
-                                              live_connection, publish_qos1, send_soon, set_listen_backlog)
+                                              listener_addresses, live_connection, publish_qos1, send_soon,
+                                              set_listen_backlog)
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 
 __all__ = ["EcqHooksTarget", "ProtocolViolation", "acknowledge", "client_id", "close_connection",
-           "connection_is_open", "install", "live_connection", "publish_qos1", "send_soon", "set_listen_backlog",
+           "connection_is_open", "install", "listener_addresses", "live_connection", "publish_qos1", "send_soon", "set_listen_backlog",
            "set_session_expiry"]
 
 

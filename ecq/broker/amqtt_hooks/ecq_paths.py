@@ -187,3 +187,14 @@ def set_listen_backlog(context: BrokerContext, backlog: int) -> int:
                     same_socket.listen(backlog)
                 changed += 1
     return changed
+
+
+def listener_addresses(context: BrokerContext) -> list[str]:
+    """``host:port`` of every TCP socket the broker's MQTT listeners listen on (IPv6 hosts in brackets)."""
+    addresses = []
+    for server in context._broker_instance._servers.values():
+        for listening in getattr(server.instance, "sockets", None) or ():
+            if listening.type == socket.SOCK_STREAM:
+                host, port = listening.getsockname()[:2]
+                addresses.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    return addresses
