@@ -4,30 +4,31 @@ start, and prints a traceback for an ordinary failure such as a port in use."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
-from amqtt.events import BrokerEvents
-from amqtt.plugins.manager import PluginManager
+from amqtt.broker import Broker
 
 from ecq.broker.amqtt_hooks.target import find_target
 
 
 def raise_pre_start_failure() -> None:
-    """Make ``Broker.start`` raise the failure of the ECQ plugin's ``on_broker_pre_start``.
+    """Make ``Broker.start`` raise the failure of the ECQ plugin's ``on_broker_pre_start`` before it opens any
+    listener.
 
     amqtt 0.12.1's ``PluginManager.fire_event(PRE_START, wait=True)`` runs each plugin's handler in a task
     and only waits for it: an exception stays in the task, and ``Broker.start`` goes on to open the
     listeners, so a broker whose store, writers and admin API never started logged "running". The plugin
-    keeps its failure in ``start_error``; this wrapper raises it before any listener is opened.
+    keeps its failure in ``start_error``; ``Broker._start_listeners``, the next step of ``Broker.start``,
+    raises it instead of opening the listeners (amqtt then marks the start failed and raises BrokerError from
+    it).
     """
-    original_fire_event = PluginManager.fire_event
+    original_start_listeners = Broker._start_listeners
 
-    async def fire_event(manager: PluginManager, event_name: Any, *, wait: bool = False, **kwargs: Any) -> None:
-        await original_fire_event(manager, event_name, wait=wait, **kwargs)
-        if event_name == BrokerEvents.PRE_START and (plugin := find_target(manager)) and plugin.start_error:
+    async def start_listeners(broker: Broker) -> None:
+        if (plugin := find_target(broker.plugins_manager)) and plugin.start_error:
             raise plugin.start_error
+        await original_start_listeners(broker)
 
-    PluginManager.fire_event = fire_event
+    Broker._start_listeners = start_listeners
 
 
 class _NoStartFailureTraceback(logging.Filter):
