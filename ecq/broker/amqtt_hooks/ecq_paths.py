@@ -179,22 +179,24 @@ def set_listen_backlog(context: BrokerContext, backlog: int) -> int:
     sockets were changed. amqtt opens them through ``asyncio.start_server`` with its default of 100, so
     2,000 clients connecting at once lost thousands of SYNs and retried for up to 14 s.
     Linux applies a second ``listen`` to a listening socket and caps it at ``net.core.somaxconn``."""
-    changed = 0
-    for server in context._broker_instance._servers.values():
-        for listening in getattr(server.instance, "sockets", None) or ():
-            if listening.type == socket.SOCK_STREAM:
-                with socket.socket(fileno=os.dup(listening.fileno())) as same_socket:
-                    same_socket.listen(backlog)
-                changed += 1
-    return changed
+    sockets = _listening_sockets(context)
+    for listening in sockets:
+        with socket.socket(fileno=os.dup(listening.fileno())) as same_socket:
+            same_socket.listen(backlog)
+    return len(sockets)
 
 
 def listener_addresses(context: BrokerContext) -> list[str]:
     """``host:port`` of every TCP socket the broker's MQTT listeners listen on (IPv6 hosts in brackets)."""
     addresses = []
-    for server in context._broker_instance._servers.values():
-        for listening in getattr(server.instance, "sockets", None) or ():
-            if listening.type == socket.SOCK_STREAM:
-                host, port = listening.getsockname()[:2]
-                addresses.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    for listening in _listening_sockets(context):
+        host, port = listening.getsockname()[:2]
+        addresses.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     return addresses
+
+
+def _listening_sockets(context: BrokerContext) -> list[socket.socket]:
+    """The TCP sockets of the broker's listeners (amqtt keeps each asyncio server in ``Broker._servers``)."""
+    return [listening for server in context._broker_instance._servers.values()
+            for listening in getattr(server.instance, "sockets", None) or ()
+            if listening.type == socket.SOCK_STREAM]
