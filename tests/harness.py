@@ -10,6 +10,7 @@ import socket
 import struct
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 
 import paho.mqtt.client as mqtt
@@ -106,6 +107,12 @@ class Client:
             if sock is not None:  # None once paho saw the broker go away
                 sock.close()
         self._c.loop_stop()
+
+
+def metrics_text(broker: BrokerProcess) -> str:
+    """The broker's ``/metrics`` page (Prometheus text exposition) from its admin API."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{broker.admin_port}/metrics", timeout=10) as response:
+        return response.read().decode()
 
 
 def write(client: Client, clientid: str, key: str, payload: bytes | str, qos: int = 1) -> None:

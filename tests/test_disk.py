@@ -16,7 +16,7 @@ import pytest
 
 from ecq.queue.store import Append
 from ecq.queue.leveldb import LevelDbStore as Store
-from tests.harness import ECQ, BrokerProcess, Client, wait_until, write
+from tests.harness import ECQ, BrokerProcess, Client, metrics_text, wait_until, write
 
 START_BOUND_S = 30  # `ecq broker` must have exited (or be running) within this
 
@@ -123,11 +123,6 @@ def test_cut_log_is_reported(tmp_path, connect, broker_process):
     assert len(consumer.expect(9)) == 9 and consumer.quiet(1.0) == []  # the cut last write is gone
 
 
-def metrics(broker: BrokerProcess) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{broker.admin_port}/metrics", timeout=10) as response:
-        return response.read().decode()
-
-
 def test_block_damaged_at_run_time_stops_that_queue_once(tmp_path, connect, broker_process):
     broker = broker_process(data_retention="3650d", read_timeout="200ms")
     fill_store(broker.data_dir, "bad", 3000, 2000)
@@ -139,7 +134,7 @@ def test_block_damaged_at_run_time_stops_that_queue_once(tmp_path, connect, brok
     assert consumer.subscribe("$ECQ/bad/#") == 1
     stopped = "ECQ delivery of bad stopped: cannot read its queue"
     assert wait_until(lambda: stopped in broker.log(), 10)
-    assert 'ecq_store_errors_total{op="read"} 1.0' in metrics(broker)
+    assert 'ecq_store_errors_total{op="read"} 1.0' in metrics_text(broker)
     consumer.quiet(2.0)  # two heartbeats and ten read timeouts: no retry, no second line
     assert broker.log().count(stopped) == 1 and "ECQ read for bad failed" not in broker.log()
     assert "Corruption: block checksum mismatch" in broker.log()
@@ -216,7 +211,7 @@ def test_full_disk_degrades_then_recovers_when_space_is_freed(small_disk, tmp_pa
     assert refused == 3, "writes were still acknowledged on a full disk"
     status, body = health(broker)
     assert status == 503 and body["status"] == "degraded" and "No space left on device" in body["reason"]
-    assert 'ecq_store_errors_total{op="write"}' in metrics(broker)
+    assert 'ecq_store_errors_total{op="write"}' in metrics_text(broker)
 
     filler.unlink()
     assert wait_until(lambda: try_write(broker.port, "after", b"back"), 20, 0.2), broker.log()

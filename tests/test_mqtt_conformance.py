@@ -10,10 +10,9 @@ from __future__ import annotations
 import socket
 import struct
 import time
-import urllib.request
 from dataclasses import dataclass
 
-from tests.harness import RawClient, wait_until
+from tests.harness import RawClient, metrics_text, wait_until
 
 PUBLISH, PUBACK, PUBREC, PUBREL, PUBCOMP, SUBACK, PINGRESP = 3, 4, 5, 6, 7, 9, 13
 SESSION_MONITOR_WAIT_S = 2.5  # amqtt's session monitor runs every 1 s; nothing a client sees tells it ran
@@ -135,10 +134,9 @@ class Mqtt(RawClient):
 
 def metric(broker, name: str) -> float:
     """The value of one sample line of the broker's Prometheus exposition (0 when absent)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{broker.admin_port}/metrics", timeout=10) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
+    for line in metrics_text(broker).splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
     return 0.0
 
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import ECQ, free_port, wait_until, write
+from tests.harness import ECQ, free_port, metrics_text, wait_until, write
 
 
 def ecq(*args: str, admin: int | None = None) -> subprocess.CompletedProcess:
@@ -24,10 +24,8 @@ def ecq(*args: str, admin: int | None = None) -> subprocess.CompletedProcess:
 
 def scrape(broker) -> dict[str, float]:
     """Every sample of /metrics as {name{labels}: value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{broker.admin_port}/metrics", timeout=10) as response:
-        text = response.read().decode()
     samples = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(metrics_text(broker)):
         for sample in family.samples:
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
             samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
