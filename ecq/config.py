@@ -11,6 +11,7 @@ import ipaddress
 import math
 import os
 import re
+import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -101,6 +102,33 @@ class EcqSettings(BaseModel):
     session_expiry: Timer = Field(default=7200.0,
                                              description="a disconnected persistent session is forgotten after this")
 
+    backend: Literal["leveldb", "jetstream"] = Field(
+        default="leveldb", description="queue storage: embedded LevelDB in data_dir, or a NATS JetStream cluster")
+    nats_servers: list[str] = Field(default=["nats://127.0.0.1:4222"], min_length=1,
+                                    description="NATS URLs (nats://HOST:PORT or tls://HOST:PORT) of the JetStream cluster")
+    nats_user: str | None = Field(default=None, description="NATS user name (with nats_password)")
+    nats_password: SecretStr | None = Field(default=None, description="NATS password")
+    nats_token: SecretStr | None = Field(default=None, description="NATS authentication token")
+    jetstream_shards: Int = Field(default=16, ge=1, le=1024,
+                                  description="JetStream streams the queues are spread over, by CRC32 of the clientid")
+    jetstream_replicas: Int = Field(default=3, ge=1, le=5,
+                                    description="copies of each stream on the NATS servers (1 for a single server)")
+    jetstream_namespace: str = Field(default="ECQ", pattern=r"^[A-Za-z0-9_-]{1,32}$",
+                                     description="prefix of ECQ's streams and subjects: one NATS cluster can host "
+                                                 "several ECQ clusters")
+    node_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
+                                  description="this broker's name in the cluster; None = <hostname>-<pid>")
+
+    @field_validator("nats_servers")
+    @classmethod
+    def _nats_urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            scheme, sep, rest = url.partition("://")
+            if scheme not in ("nats", "tls") or not sep:
+                raise ValueError(f"{url!r} is not a NATS URL: use nats://HOST:PORT or tls://HOST:PORT")
+            split_host_port(rest.rpartition("@")[2].rstrip("/"))
+        return value
+
     @field_validator("admin_bind")
     @classmethod
     def _host_port(cls, value: str | None) -> str | None:
@@ -129,6 +157,11 @@ class EcqSettings(BaseModel):
     def admin_token_value(self) -> str | None:
         """The admin bearer token itself, or None when there is none (``admin_token`` hides it from output)."""
         return self.admin_token.get_secret_value() if self.admin_token else None
+
+    def effective_node_name(self) -> str:
+        """This broker's name among the cluster's nodes: ``node_name``, or ``<hostname>-<pid>``."""
+        return self.node_name or f"{re.sub(r'[^A-Za-z0-9_-]', '-', socket.gethostname())}-{os.getpid()}"
+
     def effective_max_packet_bytes(self) -> int:
         """Largest remaining length (MQTT 3.1.1 section 2.2.3, bytes) of a packet the broker reads:
         ``max_packet_bytes``, or ``max_payload_bytes`` plus a PUBLISH's largest topic and packet id."""
