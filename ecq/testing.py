@@ -63,8 +63,8 @@ class BrokerProcess:
         self.log_path = workdir / "broker.log"
         self.config_path = workdir / "broker.yaml"
         self.admin_port = free_port()
-        options = {"data_dir": str(self.data_dir), "heartbeat_interval": "1s",
-                   "admin_bind": f"127.0.0.1:{self.admin_port}", **plugin_options}
+        self.options = options = {"data_dir": str(self.data_dir), "heartbeat_interval": "1s",
+                                  "admin_bind": f"127.0.0.1:{self.admin_port}", **plugin_options}
         config = {
             "listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{self.port}"}},
             "plugins": {**ANONYMOUS_AUTH, "ecq.broker.plugin.EcqPlugin": options},
@@ -101,6 +101,13 @@ class BrokerProcess:
         if self.proc and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+    def open_store(self):
+        """The broker's queue store, opened from its options as the broker opens it: LevelDB in its data dir
+        (stop the broker first: LevelDB takes a lock) or its JetStream streams. Close it after use."""
+        from ecq.config import EcqSettings
+        from ecq.queue.engine import open_store
+        return open_store(EcqSettings(**self.options))
 
     def log(self) -> str:
         """Everything the broker wrote to stderr so far."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import uuid
+
 import pytest
 
 from tests.harness import BrokerProcess, Client
@@ -27,6 +30,43 @@ def broker_process(tmp_path):
 def make_broker(broker_process):
     """Factory: make_broker(**plugin_options) -> started BrokerProcess; every one is killed at teardown."""
     return lambda **options: broker_process(**options).start()
+
+
+@pytest.fixture(scope="session")
+def nats_cluster():
+    import os
+    class C: urls = os.environ["ECQ_TEST_NATS"].split(",")
+    return C
+
+
+@pytest.fixture
+def jetstream_options(nats_cluster):
+    """Plugin options putting a broker on the session's NATS cluster, in a namespace of this test's own (so
+    that tests share no queue), with 2 shards (fewer streams to create); its streams are deleted afterwards."""
+    namespace = f"T{uuid.uuid4().hex[:12]}"
+    yield {"backend": "jetstream", "nats_servers": nats_cluster.urls, "jetstream_namespace": namespace,
+           "jetstream_shards": 2}
+    asyncio.run(_delete_streams(nats_cluster.urls, namespace))
+
+
+async def _delete_streams(urls: list[str], namespace: str) -> None:
+    import nats
+    client = await nats.connect(urls, connect_timeout=2, max_reconnect_attempts=2)
+    try:
+        js = client.jetstream(timeout=10)
+        for info in await js.streams_info():
+            if info.config.name.startswith(f"{namespace}_"):
+                await js.delete_stream(info.config.name)
+    finally:
+        await client.close()
+
+
+@pytest.fixture(params=["leveldb", "jetstream"])
+def backend_broker(request, broker_process):
+    """Factory like make_broker, once per storage backend: the embedded LevelDB, and JetStream on the session's
+    3-server NATS cluster."""
+    extra = request.getfixturevalue("jetstream_options") if request.param == "jetstream" else {}
+    return lambda **options: broker_process(**extra, **options).start()
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ class Seen:
 async def parts(tmp_path):
     store = LevelDbStore(tmp_path / "db")
     consumers: list[Consumer] = []
-    pool = WriterPool(store, 2, lambda ops, results: [c.appended(r.seqno, r.replaced) for c in consumers
+    pool = WriterPool(store, 2, lambda ops, results: [c.appended(r.seqno, op.key) for c in consumers
                                                      for op, r in zip(ops, results) if isinstance(op, Append)
                                                      and op.clientid == c.clientid])
     pool.start()

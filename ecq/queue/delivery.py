@@ -121,12 +121,12 @@ class Consumer:
         """Ask the pump to look for new messages (after an ack or a heartbeat)."""
         self._wake.set()
 
-    def appended(self, seqno: int, replaced: tuple[int, ...] = ()) -> None:
-        """Message ``seqno`` was just committed to this queue, deleting ``replaced`` (compaction): deliver it,
-        and drop the replaced ones if they were read ahead, so a superseded value is not sent."""
+    def appended(self, seqno: int, key: str) -> None:
+        """Message ``seqno`` was just committed to this queue under ``key``, replacing its older values
+        (compaction): deliver it, and drop an older value of ``key`` read ahead, so a superseded value is not sent."""
         self._newest = max(self._newest, seqno)
-        if replaced and self._ready:
-            self._ready = deque(m for m in self._ready if m.seqno not in replaced)
+        if self._ready:
+            self._ready = deque(m for m in self._ready if m.key != key or m.seqno >= seqno)
         self._wake.set()
 
     async def _pump(self) -> None:
@@ -159,6 +159,8 @@ class Consumer:
                 self._save()
             if not self.saving:  # every PUBACK received so far is stored before anything more is sent
                 self._hand_out_ready()
+                if not self._ready and self.behind and len(self.inflight) < self._window:
+                    self.wake()  # read-ahead used up with room left (acks came while a save was slow): read on
 
     async def _read(self, limit: int) -> list[Message]:
         min_ts = retention_cutoff_ms(self._retention_s)

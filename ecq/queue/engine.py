@@ -54,6 +54,23 @@ class QueueObserver(Protocol):
         """A GC pass begins."""
 
 
+def open_store(settings: EcqSettings) -> QueueStore:
+    """The store ``settings.backend`` names: LevelDB in ``data_dir`` (checked block by block first), or the
+    JetStream streams of the NATS cluster. Raises StoreError, or NatsUnavailable (a ConnectionError)."""
+    if settings.backend == "jetstream":
+        from ecq.cluster.jetstream import JetStreamStore  # needs the [cluster] extra
+        store: QueueStore = JetStreamStore(settings)
+        entries, seconds = store.verify()
+        log.info("ECQ store: JetStream namespace %s, %d shards, %d entries (%.2f s to check)",
+                 settings.jetstream_namespace, settings.jetstream_shards, entries, seconds)
+        return store
+    from ecq.queue.leveldb import LevelDbStore
+    store = LevelDbStore(settings.data_dir, sync=settings.sync_writes)
+    rows, seconds = store.verify()
+    log.info("ECQ store checked: %d rows read with checksums in %.2f s", rows, seconds)
+    return store
+
+
 class QueueEngine:
     """Queues of one broker over ``store`` (LevelDB at ``settings.data_dir`` when None).
 
@@ -65,12 +82,7 @@ class QueueEngine:
 
     def __init__(self, settings: EcqSettings, publish: Publish, *, store: QueueStore | None = None,
                  gc_lagging: Callable[[], bool] = lambda: False) -> None:
-        if store is None:
-            from ecq.queue.leveldb import LevelDbStore
-            store = LevelDbStore(settings.data_dir, sync=settings.sync_writes)
-            rows, seconds = store.verify()
-            log.info("ECQ store checked: %d rows read with checksums in %.2f s", rows, seconds)
-        self.store = store
+        self.store = store = store if store is not None else open_store(settings)
         self.settings = settings
         self.observers: list[QueueObserver] = []
         self.consumers: dict[str, Consumer] = {}
@@ -88,9 +100,13 @@ class QueueEngine:
     # --- lifecycle ----------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Count what is stored, start the writer agents and the GC, heartbeat and store-recovery loops."""
-        self._queues = await self.read(self.store.count_queues)
-        self._stored_entries, self._stored_bytes = await self.read(self.store.stored_totals)
+        """Count what is stored, start the writer agents and the GC, heartbeat and store-recovery loops; on a
+        shared store, listen to the appends other brokers make."""
+        await self.count_stored()
+        if self.store.shared:
+            loop = asyncio.get_running_loop()
+            self.store.watch(lambda *notice: loop.call_soon_threadsafe(self._appended_elsewhere, *notice),
+                             lambda: loop.call_soon_threadsafe(self._wake_online))
         self.pool.start()
         self._tasks = [asyncio.create_task(_every(self.settings.gc_interval, self.run_gc), name="ecq-gc"),
                        asyncio.create_task(_every(self.settings.heartbeat_interval, self.heartbeat),
@@ -151,7 +167,22 @@ class QueueEngine:
         self._stored_entries += 1 - len(result.replaced)
         self._stored_bytes += len(op.payload) - result.replaced_bytes
         if (consumer := self.consumers.get(op.clientid)) and consumer.online:
-            consumer.appended(result.seqno, result.replaced)
+            consumer.appended(result.seqno, op.key)
+
+    def _appended_elsewhere(self, clientid: str, seqno: int, key: str) -> None:
+        if (consumer := self.consumers.get(clientid)) and consumer.online:
+            consumer.appended(seqno, key)
+
+    def _wake_online(self) -> None:
+        for consumer in self.consumers.values():
+            if consumer.online:
+                consumer.wake()
+
+    async def count_stored(self) -> None:
+        """Read the queue, entry and byte counts from the store (kept up to date by this broker's commits,
+        and re-read every heartbeat on a shared store, where other brokers write too)."""
+        self._queues = await self.read(self.store.count_queues)
+        self._stored_entries, self._stored_bytes = await self.read(self.store.stored_totals)
 
     def _commit_failed(self, exc: Exception) -> None:
         for observer in self.observers:
@@ -206,6 +237,8 @@ class QueueEngine:
                 consumer.wake()
             elif not consumer.online and not consumer.saving and not consumer.attempts:
                 del self.consumers[clientid]
+        if self.store.shared:
+            await self.count_stored()
 
     # --- garbage collection and store health --------------------------------------------------------
 

@@ -68,6 +68,8 @@ class LevelDbStore:
     database while it is closed and opened again; :meth:`commit` takes care of itself.
     """
 
+    shared = False  # one broker holds the LevelDB lock
+
     def __init__(self, path: Path, sync: bool = False) -> None:
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
@@ -114,6 +116,9 @@ class LevelDbStore:
             raise StoreError(f"LevelDB at {self.path} is corrupt: {_reason(exc)} (start-up check, {where}); "
                              f"`ecq repair --data-dir {self.path}` keeps what can be read") from exc
         return rows, time.monotonic() - started
+
+    def watch(self, notify: Callable[[str, int, str], None], on_reconnect: Callable[[], None]) -> None:
+        """Nothing to watch: every append comes through this broker's own commits."""
 
     def close(self) -> None:
         """Close the database; pending writes were already committed by :meth:`commit`."""

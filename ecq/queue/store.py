@@ -5,7 +5,8 @@ A store holds, per queue (a clientid): entries numbered by a seqno that starts a
 with a compaction key, a payload and its publish time; the consumer's ack state; and the last seqno ever
 assigned. Writes come as ops (:data:`Op`) committed in batches, each batch atomically. All timestamps are
 milliseconds since the Unix epoch; sizes are payload bytes. The methods block (disk I/O) and are run off
-the event loop, in reader or writer threads. :class:`ecq.queue.leveldb.LevelDbStore` is the implementation.
+the event loop, in reader or writer threads. :class:`ecq.queue.leveldb.LevelDbStore` is the embedded
+implementation, :class:`ecq.cluster.jetstream.JetStreamStore` the one a cluster of brokers shares.
 """
 
 from __future__ import annotations
@@ -114,6 +115,14 @@ class QueueStore(Protocol):
 
     write_error: str | None
     """The I/O error that suspended commits, None while commits are accepted (see :meth:`reopen_if_space`)."""
+
+    shared: bool
+    """True when other brokers write to the same store (a cluster): appends arrive through :meth:`watch` too,
+    and stored totals must be read from the store, not counted from this broker's commits."""
+
+    def watch(self, notify: Callable[[str, int, str], None], on_reconnect: Callable[[], None]) -> None:
+        """For a shared store: call ``notify(clientid, seqno, key)`` for each entry any broker stored, and
+        ``on_reconnect()`` when notices may have been missed; both from a thread of the store's own."""
 
     def commit(self, ops: Sequence[Op]) -> list[CommitResult]:
         """Apply ``ops`` in order as one atomic batch (group commit); returns one result per op.

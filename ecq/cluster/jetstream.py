@@ -1,0 +1,454 @@
+"""The ECQ tables on NATS JetStream: a :class:`ecq.queue.store.QueueStore` that many brokers share.
+
+JetStream is the core of the cluster (Raft-replicated streams on the NATS servers); every ECQ broker is a
+stateless replicant that reads and writes through it. ``NS`` is ``jetstream_namespace``; ``T(x)`` is one
+subject token holding any string: ``x`` then the URL-safe base64 of its UTF-8, unpadded.
+
+==========================  ==================================================================================
+ECQ table (ecq.queue.leveldb)  on JetStream
+==========================  ==================================================================================
+index + payload             stream ``NS_Q_<shard>``, one message per entry on ``NS.q.<shard>.T(clientid).T(key)``
+                            with header ``Ecq-Ts`` (publish ms); ``max_msgs_per_subject: 1``, so JetStream
+                            itself deletes a key's older value when a new one is stored (compaction)
+seqno                       the stream sequence: a queue's seqnos grow (with gaps: the shard's other queues
+                            share the counter) and never repeat, even after every entry expired
+state (ack position)        stream ``NS_ACKS``, the last message on ``NS.ack.T(clientid)`` (JSON), read from
+                            the stream leader so that a consumer moving to another broker sees its last ack
+==========================  ==================================================================================
+
+A queue's shard is CRC32(clientid) modulo ``jetstream_shards``, as the writer pool picks an agent. A PUBACK
+to a producer waits for JetStream's publish ack, sent once a quorum of the stream's replicas stored it.
+Publishes carry a ``Nats-Msg-Id``, so one retried after a leader change is stored once (JetStream's
+duplicate window, 2 min). Each shard stream republishes the headers of what it stored on
+``NS.appended.<shard>.>``: every broker learns of every append (:meth:`JetStreamStore.watch`), whichever
+broker took the write.
+
+Reads use JetStream's direct get (answered by any current replica) in batches, and confirm a short read with
+the stream leader, since a replica may not yet hold what was just stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import json
+import logging
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
+from typing import Any, TypeVar
+
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import DiscardPolicy, RePublish, StorageType, StreamConfig
+from nats.js.errors import APIError, NotFoundError
+
+from ecq.cluster.link import NatsLink, NatsUnavailable
+from ecq.config import EcqSettings
+from ecq.queue.store import (AckState, Append, Appended, CommitResult, Expire, ExpiredRow, IndexEntry, Message, Op,
+                             SaveAck, StoreError)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+TS_HEADER = "Ecq-Ts"
+REQUEST_TIMEOUT_S = 2.0      # one NATS request; a commit retries within write_timeout
+RETRY_PAUSE_S = 0.1          # between two tries of a publish during a leader election or an outage
+DUPLICATE_WINDOW_S = 120.0   # JetStream's de-duplication of a retried publish by Nats-Msg-Id
+META_TIMEOUT_S = 30.0        # creating or checking the streams at start-up
+
+
+def token(text: str) -> str:
+    """``text`` as one NATS subject token (any characters): ``x`` + unpadded URL-safe base64 of its UTF-8."""
+    return "x" + base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def untoken(tok: str) -> str:
+    """Inverse of :func:`token`. Raises ValueError for a token it did not make."""
+    if not tok.startswith("x"):
+        raise ValueError(f"not an ECQ subject token: {tok!r}")
+    body = tok[1:]
+    return base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode()
+
+
+class JetStreamStore:
+    """ECQ queues in the JetStream streams of ``settings.jetstream_namespace`` (created when missing).
+
+    Raises :class:`ecq.cluster.link.NatsUnavailable` when no NATS server answers, and StoreError when the
+    streams cannot be created or were made with another shard count. Methods block; none may run on the
+    link's loop. Writes that fail for lack of NATS set ``write_error`` until the link is back.
+    """
+
+    shared = True
+
+    def __init__(self, settings: EcqSettings) -> None:
+        self.write_error: str | None = None
+        self._settings = settings
+        self._ns = settings.jetstream_namespace
+        self._shards = settings.jetstream_shards
+        self._notify: Callable[[str, int, str], None] | None = None
+        self._msg_ids = itertools.count(1)
+        self._msg_id_prefix = f"{settings.effective_node_name()}-{uuid.uuid4().hex[:8]}-"
+        self._link = NatsLink(settings, on_reconnect=self._reconnected)
+        self._link.start()
+        self._on_reconnect: Callable[[], None] = lambda: None
+        try:
+            self._call(self._ensure_streams(), META_TIMEOUT_S)
+        except Exception:
+            self._link.close()
+            raise
+
+    # --- layout -------------------------------------------------------------------------------------
+
+    def shard(self, clientid: str) -> int:
+        """The shard (stream number) holding the queue of ``clientid``."""
+        return zlib.crc32(clientid.encode()) % self._shards
+
+    def stream(self, shard: int) -> str:
+        """Name of the stream of ``shard``."""
+        return f"{self._ns}_Q_{shard}"
+
+    def _queue_subject(self, clientid: str, key: str | None = None) -> str:
+        base = f"{self._ns}.q.{self.shard(clientid)}.{token(clientid)}"
+        return f"{base}.>" if key is None else f"{base}.{token(key)}"
+
+    def _ack_subject(self, clientid: str) -> str:
+        return f"{self._ns}.ack.{token(clientid)}"
+
+    async def _ensure_streams(self) -> None:
+        js = self._link.nc.jetstream(timeout=META_TIMEOUT_S)
+        prefix = f"{self._ns}_Q_"
+        existing = {info.config.name for info in await js.streams_info() if info.config.name.startswith(prefix)}
+        wanted = {self.stream(shard) for shard in range(self._shards)}
+        if existing and existing != wanted:
+            raise StoreError(f"JetStream holds {len(existing)} ECQ shard streams of namespace {self._ns!r}, but "
+                             f"jetstream_shards is {self._shards}: use the same value on every node (queues are "
+                             f"placed by it)")
+        replicas = self._settings.jetstream_replicas
+        for shard in range(self._shards):
+            await self._ensure(js, StreamConfig(
+                name=self.stream(shard), subjects=[f"{self._ns}.q.{shard}.>"], max_msgs_per_subject=1,
+                num_replicas=replicas, allow_direct=True, storage=StorageType.FILE, discard=DiscardPolicy.OLD,
+                duplicate_window=DUPLICATE_WINDOW_S,
+                republish=RePublish(src=f"{self._ns}.q.{shard}.>", dest=f"{self._ns}.appended.{shard}.>",
+                                    headers_only=True)))
+        await self._ensure(js, StreamConfig(
+            name=f"{self._ns}_ACKS", subjects=[f"{self._ns}.ack.>"], max_msgs_per_subject=1, num_replicas=replicas,
+            allow_direct=False, storage=StorageType.FILE, discard=DiscardPolicy.OLD,
+            duplicate_window=DUPLICATE_WINDOW_S))
+        await self._link.nc.subscribe(f"{self._ns}.appended.>", cb=self._appended)
+
+    @staticmethod
+    async def _ensure(js: Any, config: StreamConfig) -> None:
+        try:
+            info = await js.stream_info(config.name)
+        except NotFoundError:
+            try:
+                await js.add_stream(config)
+            except APIError as exc:
+                raise StoreError(f"cannot create JetStream stream {config.name}: {exc.description} "
+                                 f"(jetstream_replicas {config.num_replicas} needs as many NATS servers)") from None
+            return
+        if info.config.num_replicas != config.num_replicas:
+            await js.update_stream(config)
+
+    # --- notifications ------------------------------------------------------------------------------
+
+    def watch(self, notify: Callable[[str, int, str], None], on_reconnect: Callable[[], None]) -> None:
+        """Call ``notify(clientid, seqno, key)`` for every entry stored by any broker, and ``on_reconnect()``
+        after the link to NATS came back (notifications sent meanwhile are lost: poll the online consumers).
+        Both run on the link's thread and must hand over to their own loop."""
+        self._notify, self._on_reconnect = notify, on_reconnect
+
+    async def _appended(self, msg: Any) -> None:
+        if self._notify is None or not msg.headers:
+            return
+        try:
+            _ns, _q, _shard, cid, key = msg.headers["Nats-Subject"].split(".", 4)
+            self._notify(untoken(cid), int(msg.headers["Nats-Sequence"]), untoken(key))
+        except (KeyError, ValueError) as exc:
+            log.warning("ECQ: ignored a malformed append notice on %s: %s", msg.subject, exc)
+
+    def _reconnected(self) -> None:
+        self._on_reconnect()
+
+    # --- writes -------------------------------------------------------------------------------------
+
+    def commits_without_waiting(self) -> bool:
+        """Never: every commit waits on the network."""
+        return False
+
+    def commit(self, ops: Sequence[Op]) -> list[CommitResult]:
+        """Apply ``ops`` in order (QueueStore.commit). Not atomic across ops: each is stored on a quorum or
+        not at all, and a failed batch may have stored its first ops (their writers get no PUBACK and the
+        producer sends them again). Raises StoreError after ``write_timeout`` without NATS."""
+        timeout = self._settings.write_timeout
+        try:
+            results = self._call(self._commit(ops, time.monotonic() + timeout), timeout + REQUEST_TIMEOUT_S)
+        except (NatsUnavailable, TimeoutError, NatsTimeout, NoRespondersError, ConnectionError) as exc:
+            if not self._link.connected:
+                self.write_error = "NATS unreachable"
+                self._link.note_outage()
+            raise StoreError(f"JetStream commit failed: {exc or type(exc).__name__}") from None
+        return results
+
+    async def _commit(self, ops: Sequence[Op], deadline: float) -> list[CommitResult]:
+        appends = [op for op in ops if isinstance(op, Append)]
+        looked_up = iter(await asyncio.gather(*(self._last_of_key(op) for op in appends)))
+        # tasks created in order: nats-py writes their requests to its one connection in this order
+        done = await asyncio.gather(*[asyncio.ensure_future(self._apply(op, deadline)) for op in ops])
+        latest: dict[tuple[str, str], tuple[int, int]] = {}  # a key written twice in this batch
+        results: list[CommitResult] = []
+        for op, result in zip(ops, done, strict=True):
+            if not isinstance(op, Append):
+                results.append(result)
+                continue
+            old = latest.get((op.clientid, op.key), next(looked_up))
+            latest[(op.clientid, op.key)] = (result, len(op.payload))
+            results.append(Appended(result, (old[0],), old[1]) if old else Appended(result))
+        return results
+
+    async def _apply(self, op: Op, deadline: float) -> Any:
+        if isinstance(op, Append):
+            headers = {TS_HEADER: str(op.ts_ms), "Nats-Msg-Id": self._msg_id_prefix + str(next(self._msg_ids))}
+            ack = await self._publish(self._queue_subject(op.clientid, op.key), op.payload, headers, deadline)
+            return ack["seq"]
+        if isinstance(op, SaveAck):
+            state = op.state
+            body = json.dumps({"acked": state.acked, "last_ack_ms": state.last_ack_ms, "above": sorted(state.above)})
+            await self._publish(self._ack_subject(op.clientid), body.encode(),
+                                {"Nats-Msg-Id": self._msg_id_prefix + str(next(self._msg_ids))}, deadline)
+            return None
+        return await self._expire(op)
+
+    async def _publish(self, subject: str, payload: bytes, headers: dict[str, str], deadline: float) -> dict:
+        """Publish to JetStream until stored or ``deadline`` (time.monotonic()); the same Nats-Msg-Id on every
+        try, so a try whose ack was lost is not stored twice. Raises TimeoutError at the deadline."""
+        while True:
+            try:
+                reply = await self._link.nc.request(subject, payload, timeout=min(REQUEST_TIMEOUT_S, max(
+                    0.05, deadline - time.monotonic())), headers=headers)
+                answer = json.loads(reply.data)
+                if "error" not in answer:
+                    return answer
+                reason = answer["error"].get("description", answer["error"])
+            except (NatsTimeout, NoRespondersError, asyncio.TimeoutError) as exc:
+                reason = str(exc) or type(exc).__name__  # leader election, or NATS away: try again
+            if time.monotonic() + RETRY_PAUSE_S >= deadline:
+                raise TimeoutError(f"JetStream did not store {subject}: {reason}")
+            await asyncio.sleep(RETRY_PAUSE_S)
+
+    async def _last_of_key(self, op: Append) -> tuple[int, int] | None:
+        """(seqno, payload bytes) of the value ``op`` will replace, or None (compaction events and counts)."""
+        reply = await self._direct(self.stream(self.shard(op.clientid)),
+                                   {"last_by_subj": self._queue_subject(op.clientid, op.key)})
+        if not reply:
+            return None
+        return int(reply[0].headers["Nats-Sequence"]), len(reply[0].data)
+
+    async def _expire(self, op: Expire) -> tuple[ExpiredRow, ...]:
+        stream = self.stream(self.shard(op.clientid))
+        answers = await asyncio.gather(*(self._api(f"STREAM.MSG.DELETE.{stream}", {"seq": row.seqno, "no_erase": True})
+                                         for row in op.rows))
+        return tuple(row for row, answer in zip(op.rows, answers, strict=True) if answer.get("success"))
+
+    # --- reads --------------------------------------------------------------------------------------
+
+    def read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0) -> list[Message]:
+        """Up to ``limit`` entries of ``clientid`` with seqno > ``after``, in seqno order (QueueStore)."""
+        return self._call(self._read_after(clientid, after, limit, min_ts_ms), self._settings.read_timeout)
+
+    async def _read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int) -> list[Message]:
+        stream, subject = self.stream(self.shard(clientid)), self._queue_subject(clientid)
+        replies = await self._direct(stream, {"seq": after + 1, "next_by_subj": subject, "batch": limit})
+        if len(replies) < limit:  # a replica may lag the leader: ask the leader what comes next
+            last = int(replies[-1].headers["Nats-Sequence"]) if replies else after
+            answer = await self._api(f"STREAM.MSG.GET.{stream}", {"seq": last + 1, "next_by_subj": subject})
+            if "message" in answer:
+                replies = await self._direct(stream, {"seq": after + 1, "next_by_subj": subject, "batch": limit},
+                                             leader_seq=answer["message"]["seq"])
+        messages = [_message(reply) for reply in replies]
+        return [m for m in messages if m.ts_ms >= min_ts_ms]
+
+    async def _direct(self, stream: str, request: dict, leader_seq: int = 0) -> list[Any]:
+        """JetStream direct get (any current replica): the messages answered, [] when none matched. With
+        ``leader_seq``, tries until the answer reaches that seqno (a lagging replica catches up)."""
+        nc = self._link.nc
+        for _ in range(20):
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(inbox)
+            try:
+                await nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(), reply=inbox)
+                replies = await _collect(sub, batched="batch" in request)
+            finally:
+                await sub.unsubscribe()
+            if not leader_seq or any(int(r.headers["Nats-Sequence"]) >= leader_seq for r in replies) \
+                    or len(replies) >= request.get("batch", 1):
+                return replies
+            await asyncio.sleep(0.005)
+        raise TimeoutError(f"JetStream replicas of {stream} did not catch up with seqno {leader_seq}")
+
+    async def _api(self, path: str, request: dict) -> dict:
+        reply = await self._link.nc.request(f"$JS.API.{path}", json.dumps(request).encode(), timeout=REQUEST_TIMEOUT_S)
+        return json.loads(reply.data)
+
+    def ack_state(self, clientid: str) -> AckState:
+        """The saved progress of ``clientid``'s consumer, read from the leader of the acks stream."""
+        return self._call(self._ack_state(clientid), self._settings.read_timeout)
+
+    async def _ack_state(self, clientid: str) -> AckState:
+        answer = await self._api(f"STREAM.MSG.GET.{self._ns}_ACKS", {"last_by_subj": self._ack_subject(clientid)})
+        if "message" not in answer:
+            if answer.get("error", {}).get("code") == 404:
+                return AckState()
+            raise StoreError(f"reading the ack state of {clientid}: {answer.get('error')}")
+        body = json.loads(base64.b64decode(answer["message"]["data"]))
+        return AckState(body["acked"], body["last_ack_ms"], set(body["above"]))
+
+    def ack_states(self) -> Iterator[tuple[str, AckState]]:
+        """Every saved consumer state as (clientid, state), in clientid order."""
+        subjects = self._call(self._subjects(f"{self._ns}_ACKS", f"{self._ns}.ack.>"), self._settings.read_timeout)
+        for clientid in sorted(untoken(subject.rsplit(".", 1)[1]) for subject in subjects):
+            yield clientid, self.ack_state(clientid)
+
+    async def _subjects(self, stream: str, subject_filter: str) -> dict[str, int]:
+        info = await self._link.nc.jetstream().stream_info(stream, subjects_filter=subject_filter)
+        return info.state.subjects or {}
+
+    def expired_step(self, cutoff_ms: int, limit: int, start: bytes | None = None
+                     ) -> tuple[dict[str, list[ExpiredRow]], bytes | None]:
+        """One GC step over the shards in order: up to ``limit`` entries published before ``cutoff_ms``.
+        ``start`` is ``b"<shard>:<seqno>"``."""
+        shard, seq = map(int, start.split(b":")) if start else (0, 1)
+        replies = self._call(self._direct(self.stream(shard), {"seq": seq, "next_by_subj": f"{self._ns}.q.{shard}.>",
+                                                               "batch": limit}), self._settings.read_timeout)
+        found: dict[str, list[ExpiredRow]] = {}
+        for reply in replies:
+            message = _message(reply)
+            if message.ts_ms >= cutoff_ms:  # the stream is in time order: the rest of this shard is fresh
+                return found, _next_shard(shard, self._shards)
+            clientid = untoken(reply.headers["Nats-Subject"].split(".")[3])
+            found.setdefault(clientid, []).append(ExpiredRow(message.seqno, message.key, message.ts_ms,
+                                                             len(message.payload)))
+        if len(replies) < limit:
+            return found, _next_shard(shard, self._shards)
+        return found, f"{shard}:{int(replies[-1].headers['Nats-Sequence']) + 1}".encode()
+
+    def stored_totals(self) -> tuple[int, int]:
+        """(entries, bytes) stored across every shard, from the streams' state: bytes are JetStream's stored
+        bytes (payload, subject and headers), the same figure on every broker."""
+        infos = self._call(self._shard_infos(), self._settings.read_timeout)
+        return sum(i.state.messages for i in infos), sum(i.state.bytes for i in infos)
+
+    async def _shard_infos(self) -> list[Any]:
+        js = self._link.nc.jetstream()
+        return list(await asyncio.gather(*(js.stream_info(self.stream(s)) for s in range(self._shards))))
+
+    def count_queues(self) -> int:
+        """How many queues hold entries now (a listing of every stored subject: O(keys))."""
+        clientids = set()
+        for shard in range(self._shards):
+            subjects = self._call(self._subjects(self.stream(shard), f"{self._ns}.q.{shard}.>"),
+                                  self._settings.read_timeout)
+            clientids.update(subject.split(".")[3] for subject in subjects)
+        return len(clientids)
+
+    def last_seqno(self, clientid: str) -> int:
+        """Seqno of the newest stored entry of ``clientid``, 0 when it holds none."""
+        answer = self._call(self._api(f"STREAM.MSG.GET.{self.stream(self.shard(clientid))}",
+                                      {"last_by_subj": self._queue_subject(clientid)}), self._settings.read_timeout)
+        return answer["message"]["seq"] if "message" in answer else 0
+
+    def seqnos(self, clientid: str) -> Iterator[int]:
+        """Seqnos of the stored entries of ``clientid``, ascending."""
+        after = 0
+        while batch := self.read_after(clientid, after, 256):
+            yield from (m.seqno for m in batch)
+            after = batch[-1].seqno
+
+    def queue_range(self, clientid: str) -> tuple[int, int, int] | None:
+        """(first seqno, last seqno, entry count) of the stored queue of ``clientid``, or None when empty."""
+        seqnos = list(self.seqnos(clientid))
+        return (seqnos[0], seqnos[-1], len(seqnos)) if seqnos else None
+
+    def edge_index_entries(self) -> tuple[IndexEntry | None, IndexEntry | None]:
+        """The oldest and the newest stored entry across every shard (by publish time)."""
+        entries = []
+        for shard in range(self._shards):
+            stream = self.stream(shard)
+            for request in ({"seq": 1, "next_by_subj": f"{self._ns}.q.{shard}.>"},
+                            {"last_by_subj": f"{self._ns}.q.{shard}.>"}):
+                replies = self._call(self._direct(stream, request), self._settings.read_timeout)
+                entries.extend(_index_entry(reply) for reply in replies)
+        if not entries:
+            return None, None
+        return min(entries, key=lambda e: e.ts_ms), max(entries, key=lambda e: e.ts_ms)
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+
+    def run(self, func: Callable[..., T], *args: Any) -> T:
+        """``func(*args)``: nothing here is reopened under a read."""
+        return func(*args)
+
+    def reopen_if_space(self) -> bool:
+        """After failed commits: True (and commits accepted again) once the link to NATS is back."""
+        if self._link.connected:
+            self.write_error = None
+            return True
+        self._link.note_outage()
+        return False
+
+    def verify(self) -> tuple[int, float]:
+        """Check that every shard stream answers; returns (entries, seconds)."""
+        started = time.monotonic()
+        entries, _bytes = self.stored_totals()
+        return entries, time.monotonic() - started
+
+    def close(self) -> None:
+        """Close the link to NATS; everything committed is on the JetStream replicas."""
+        self._link.close()
+
+    def _call(self, coro: Any, timeout: float) -> Any:
+        try:
+            return self._link.call(coro, timeout)
+        except (NatsTimeout, NoRespondersError) as exc:
+            raise TimeoutError(f"NATS: {exc or type(exc).__name__}") from None
+
+
+async def _collect(sub: Any, batched: bool) -> list[Any]:
+    replies = []
+    while True:
+        msg = await sub.next_msg(timeout=REQUEST_TIMEOUT_S)
+        status = msg.headers.get("Status") if msg.headers else None
+        if status == "404":
+            return replies
+        if status == "204":  # end of a batch
+            return replies
+        if status:
+            raise StoreError(f"JetStream direct get failed: {status} {msg.headers.get('Description', '')}")
+        replies.append(msg)
+        if not batched:
+            return replies
+
+
+def _message(reply: Any) -> Message:
+    headers = reply.headers
+    key = untoken(headers["Nats-Subject"].split(".")[4])
+    ts_ms = int(headers[TS_HEADER]) if TS_HEADER in headers else _stream_ms(headers["Nats-Time-Stamp"])
+    return Message(int(headers["Nats-Sequence"]), key, reply.data, ts_ms)
+
+
+def _index_entry(reply: Any) -> IndexEntry:
+    message = _message(reply)
+    return IndexEntry(untoken(reply.headers["Nats-Subject"].split(".")[3]), message.seqno, message.key, message.ts_ms)
+
+
+def _stream_ms(rfc3339: str) -> int:
+    return int(datetime.fromisoformat(rfc3339[:26].rstrip("Z") + "+00:00").timestamp() * 1000)
+
+
+def _next_shard(shard: int, shards: int) -> bytes | None:
+    return f"{shard + 1}:1".encode() if shard + 1 < shards else None

@@ -1,0 +1,140 @@
+"""One connection to the NATS cluster, run on its own thread and event loop.
+
+The queue store's methods block (the engine calls them from reader and writer threads), and the broker's
+event loop must never wait on NATS: so the nats-py client lives on a loop of its own, and both sides hand it
+coroutines (:meth:`NatsLink.call` from threads, :meth:`NatsLink.submit` from the broker loop). nats-py
+reconnects by itself, forever, to any server of the list; while it is away, requests wait in its pending
+buffer until their timeout, and the outage is logged when it starts, every ``OUTAGE_LOG_INTERVAL_S`` while it
+lasts, and when it ends (not once per request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import nats
+from nats.aio.client import Client as NatsClient
+
+from ecq.config import EcqSettings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+CONNECT_TIMEOUT_S = 10.0       # at start-up: how long to try the servers before giving up
+OUTAGE_LOG_INTERVAL_S = 30.0   # while NATS is unreachable, how often to say so again
+RECONNECT_WAIT_S = 0.5         # between two reconnect attempts to one server
+
+
+class NatsUnavailable(ConnectionError):
+    """No NATS server of ``nats_servers`` could be reached (at start-up, or within a request's time)."""
+
+
+class NatsLink:
+    """A nats-py connection to ``settings.nats_servers`` on a daemon thread named ``ecq-nats``.
+
+    ``on_reconnect()`` runs on the link's loop after each reconnect (subscriptions are restored by nats-py;
+    the caller may have missed core-NATS messages meanwhile). Raises :class:`NatsUnavailable` from
+    :meth:`start` when no server answers within ``CONNECT_TIMEOUT_S``.
+    """
+
+    def __init__(self, settings: EcqSettings, on_reconnect: Callable[[], None] = lambda: None) -> None:
+        self._settings = settings
+        self._on_reconnect = on_reconnect
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="ecq-nats", daemon=True)
+        self.nc: NatsClient | None = None
+        self.outage_since: float | None = None  # time.monotonic() of the disconnect; None while connected
+        self._outage_logged = 0.0
+        self._closing = False
+
+    @property
+    def connected(self) -> bool:
+        """True while the client holds a connection to a NATS server."""
+        return self.nc is not None and self.nc.is_connected
+
+    def start(self) -> None:
+        """Start the thread and connect. Raises NatsUnavailable naming the servers and the reason."""
+        self._thread.start()
+        try:
+            self.nc = self.call(self._connect(), CONNECT_TIMEOUT_S + 1)
+        except Exception as exc:
+            self.close()
+            raise NatsUnavailable(f"cannot reach NATS at {', '.join(self._settings.nats_servers)}: "
+                                  f"{exc or type(exc).__name__}") from None
+
+    async def _connect(self) -> NatsClient:
+        settings = self._settings
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        while True:
+            try:
+                return await nats.connect(
+                    settings.nats_servers, name=f"ecq {settings.effective_node_name()}",
+                    user=settings.nats_user,
+                    password=settings.nats_password.get_secret_value() if settings.nats_password else None,
+                    token=settings.nats_token.get_secret_value() if settings.nats_token else None,
+                    connect_timeout=2, allow_reconnect=True, max_reconnect_attempts=-1,
+                    reconnect_time_wait=RECONNECT_WAIT_S, disconnected_cb=self._disconnected,
+                    reconnected_cb=self._reconnected, error_cb=self._error)
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(RECONNECT_WAIT_S)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run ``coro`` on the link's loop and wait for it from another thread (never from the link's loop).
+
+        Raises what ``coro`` raised, or TimeoutError after ``timeout`` seconds (the coroutine is cancelled).
+        """
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"NATS request did not finish within {timeout:g} s") from None
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future:
+        """Run ``coro`` on the link's loop; returns a future of the calling (running) event loop."""
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def close(self) -> None:
+        """Drain and close the connection, then stop the thread (bounded: at most a few seconds)."""
+        self._closing = True
+        if self.nc is not None and not self.nc.is_closed:
+            try:
+                self.call(self.nc.close(), 5.0)
+            except Exception as exc:
+                log.warning("closing the NATS connection: %s", exc)
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5.0)
+
+    def note_outage(self) -> None:
+        """Log that NATS is unreachable, at most once per ``OUTAGE_LOG_INTERVAL_S`` (callers may call it per
+        failed request)."""
+        now = time.monotonic()
+        if self.outage_since is None:
+            self.outage_since = now
+        if now - self._outage_logged >= OUTAGE_LOG_INTERVAL_S:
+            self._outage_logged = now
+            log.error("ECQ: NATS unreachable for %.0f s (servers %s): writes get no PUBACK and ack positions are "
+                      "not saved until it is back", now - self.outage_since, ", ".join(self._settings.nats_servers))
+
+    async def _disconnected(self) -> None:
+        if not self._closing:
+            self.note_outage()
+
+    async def _reconnected(self) -> None:
+        since = self.outage_since
+        self.outage_since, self._outage_logged = None, 0.0
+        url = self.nc.connected_url.netloc if self.nc and self.nc.connected_url else "?"
+        log.warning("ECQ: NATS connection back (%s) after %.1f s", url, time.monotonic() - since if since else 0.0)
+        self._on_reconnect()
+
+    async def _error(self, exc: Exception) -> None:
+        log.debug("NATS client error: %s", exc)
