@@ -9,6 +9,7 @@ event stream (:mod:`ecq.broker.observers`). Options: :class:`ecq.config.EcqSetti
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from typing import Any
@@ -58,14 +59,19 @@ class EcqPlugin(BaseTopicPlugin):
                                   gc_lagging=lambda: self.events is not None and self.events.lagging())
         self.start_error: Exception | None = None  # raised by ecq.broker.amqtt_hooks from Broker.start
         totals = self.engine.totals
+        self.bus: Any = None  # ecq.cluster.bus.ClusterBus with backend: jetstream
+        cluster = self.settings.backend == "jetstream"
         self.metrics = EcqMetrics({
+            **({"ecq_nats_connected": self._nats_connected} if cluster else {}),
             "ecq_queues": lambda: totals().queues,
             "ecq_stored_messages": lambda: totals().stored_entries,
             "ecq_stored_bytes": lambda: totals().stored_bytes,
             "ecq_inflight": lambda: totals().inflight,
             "ecq_consumers_online": lambda: totals().online,
             "ecq_events_dropped": lambda: self.event_stats().get("dropped_items", 0),
-        })
+        }, cluster=cluster)
+        if cluster:
+            self.engine.store.observe_publish = self.metrics.jetstream_publish_latency.observe
         self.engine.observers.append(MetricsObserver(self.metrics))
         self.sessions = QueueSessions(context, self.engine)
         self.writes = EcqWrites(self.settings, self.engine, self.access, self.metrics, lambda: self.events)
@@ -95,6 +101,8 @@ class EcqPlugin(BaseTopicPlugin):
         else:
             self.events = None
         await self.engine.start()
+        if self.settings.backend == "jetstream":
+            await self._join_cluster()
         if self.settings.admin_bind:
             host, port = split_host_port(self.settings.admin_bind)
             try:
@@ -103,6 +111,27 @@ class EcqPlugin(BaseTopicPlugin):
             except OSError as exc:  # another broker's API there would answer `ecq status` for this one
                 raise OSError(f"cannot serve the admin API on {self.settings.admin_bind}: {exc.strerror or exc}") from None
             log.info("ECQ admin API on http://%s/ (metrics at /metrics)", self.settings.admin_bind)
+
+    async def _join_cluster(self) -> None:
+        from ecq.cluster.bus import ClusterBus  # needs the [cluster] extra
+        loop = asyncio.get_running_loop()
+        self.bus = ClusterBus(self.settings, loop, deliver=self._deliver_from_cluster, release=self.sessions.release)
+        await loop.run_in_executor(None, self.bus.start)
+        self.sessions.bus = self.bus
+        log.info("ECQ node %s joined the cluster (NATS %s)", self.settings.effective_node_name(),
+                 ", ".join(self.settings.nats_servers))
+
+    async def _deliver_from_cluster(self, topic: str, data: bytes, qos: int) -> None:
+        await hooks.broadcast_from_cluster(self.context, topic, data, qos)
+
+    def forward_to_cluster(self, topic: str, data: bytes, qos: int) -> None:
+        """Send a message of an ordinary topic broadcast here to the cluster's other brokers."""
+        if self.bus is not None:
+            self.bus.forward(topic, data, qos)
+
+    def _nats_connected(self) -> float:
+        store_link = getattr(self.engine.store, "connected", False)
+        return float(bool(store_link) and self.bus is not None and self.bus.connected)
 
     async def on_broker_post_start(self) -> None:
         """Widen the MQTT listeners' accept queue to ``listen_backlog`` once amqtt opened them, then log in one
@@ -118,6 +147,8 @@ class EcqPlugin(BaseTopicPlugin):
         """Stop the admin API, close the engine (queued writes committed), then flush events (amqtt calls this last)."""
         if self._admin:
             await self._admin.cleanup()
+        if self.bus is not None:
+            self.bus.close()
         await self.engine.close()
         if self.events:
             await self.events.close()

@@ -4,7 +4,9 @@ connect, subscribe, unsubscribe and disconnect events."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from amqtt.broker import BrokerContext
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
@@ -12,6 +14,9 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from ecq.broker import amqtt_hooks as hooks
 from ecq.queue.engine import QueueEngine
 from ecq.queue.topics import queue_filter
+
+if TYPE_CHECKING:
+    from ecq.cluster.bus import ClusterBus
 
 log = logging.getLogger(__name__)
 
@@ -23,14 +28,20 @@ class QueueSessions:
     def __init__(self, context: BrokerContext, engine: QueueEngine) -> None:
         self._context, self._engine = context, engine
         self._connections: dict[str, BrokerProtocolHandler] = {}
+        self.bus: ClusterBus | None = None  # in a cluster: takeover across brokers
+        self._claims: dict[str, asyncio.Future] = {}
 
     async def connected(self, client_id: str) -> None:
         """Enforce takeover (MQTT 3.1.1 section 3.1.4) and resume a persistent session's queue.
 
         A persistent session keeps its ``$ECQ/<clientid>/#`` subscription across disconnects (until
         ``session_expiry``; see ``amqtt_hooks.conformance.keep_persistent_sessions``), so its reconnect resumes delivery
-        (MQTT 3.1.1 section 3.1.2.4). A clean session has none.
+        (MQTT 3.1.1 section 3.1.2.4). A clean session has none. In a cluster, another broker's connection of
+        ``client_id`` is closed first (:meth:`ecq.cluster.bus.ClusterBus.claim`).
         """
+        if self.bus is not None:
+            claim = self._claims[client_id] = asyncio.ensure_future(self.bus.claim(client_id))
+            await claim
         live = hooks.live_connection(self._context, client_id)
         previous = self._connections.get(client_id)
         if previous is not None and previous is not live and hooks.connection_is_open(previous):
@@ -57,6 +68,9 @@ class QueueSessions:
         """Detach a consumer whose connection closed; a newer connection (takeover) keeps or gets it."""
         if self._connections.get(client_id) is not None and not hooks.connection_is_open(self._connections[client_id]):
             del self._connections[client_id]
+        if self.bus is not None and not hooks.connection_is_open(hooks.live_connection(self._context, client_id)):
+            self._claims.pop(client_id, None)
+            await self.bus.disown(client_id)
         if client_id not in self._engine.consumers or hooks.connection_is_open(self._engine.connection_of(client_id)):
             return
         self._engine.detach(client_id)
@@ -64,11 +78,21 @@ class QueueSessions:
         if hooks.connection_is_open(live) and self._holds_queue_subscription(client_id):
             await self._attach(client_id, live)
 
+    async def release(self, client_id: str) -> None:
+        """Another broker of the cluster took ``client_id`` over: close its connection here and return once
+        its consumer's acks are saved."""
+        live = hooks.live_connection(self._context, client_id)
+        if hooks.connection_is_open(live):
+            await hooks.close_connection(live)
+        await self._engine.release(client_id)
+
     def _holds_queue_subscription(self, clientid: str) -> bool:
         holders = self._context.subscriptions.get(queue_filter(clientid), [])
         return any(session.client_id == clientid for session, _qos in holders)
 
     async def _attach(self, clientid: str, connection: BrokerProtocolHandler | None) -> None:
+        if (claim := self._claims.get(clientid)) is not None:  # the takeover from another broker comes first
+            await asyncio.shield(claim)
         # checked after the engine loaded the ack state: an UNSUBSCRIBE, disconnect or takeover may have happened
         await self._engine.attach(clientid, connection, lambda: (
             hooks.connection_is_open(connection) and connection is hooks.live_connection(self._context, clientid)

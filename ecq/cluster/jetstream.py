@@ -90,6 +90,7 @@ class JetStreamStore:
         self._ns = settings.jetstream_namespace
         self._shards = settings.jetstream_shards
         self._notify: Callable[[str, int, str], None] | None = None
+        self.observe_publish: Callable[[float], None] = lambda _seconds: None  # publish-to-ack time, any thread
         self._msg_ids = itertools.count(1)
         self._msg_id_prefix = f"{settings.effective_node_name()}-{uuid.uuid4().hex[:8]}-"
         self._link = NatsLink(settings, on_reconnect=self._reconnected)
@@ -100,6 +101,11 @@ class JetStreamStore:
         except Exception:
             self._link.close()
             raise
+
+    @property
+    def connected(self) -> bool:
+        """True while the link to NATS is up."""
+        return self._link.connected
 
     # --- layout -------------------------------------------------------------------------------------
 
@@ -227,12 +233,14 @@ class JetStreamStore:
     async def _publish(self, subject: str, payload: bytes, headers: dict[str, str], deadline: float) -> dict:
         """Publish to JetStream until stored or ``deadline`` (time.monotonic()); the same Nats-Msg-Id on every
         try, so a try whose ack was lost is not stored twice. Raises TimeoutError at the deadline."""
+        started = time.monotonic()
         while True:
             try:
                 reply = await self._link.nc.request(subject, payload, timeout=min(REQUEST_TIMEOUT_S, max(
                     0.05, deadline - time.monotonic())), headers=headers)
                 answer = json.loads(reply.data)
                 if "error" not in answer:
+                    self.observe_publish(time.monotonic() - started)
                     return answer
                 reason = answer["error"].get("description", answer["error"])
             except (NatsTimeout, NoRespondersError, asyncio.TimeoutError) as exc:

@@ -20,7 +20,7 @@ _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25
 class EcqMetrics:
     """The metric objects; ``gauges`` maps a gauge name to a callable returning its current value."""
 
-    def __init__(self, gauges: dict[str, Callable[[], float]]) -> None:
+    def __init__(self, gauges: dict[str, Callable[[], float]], cluster: bool = False) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.writes_accepted = Counter("ecq_writes_accepted", "ECQ writes committed to the store", registry=r)
@@ -42,6 +42,10 @@ class EcqMetrics:
                                         buckets=_LATENCY_BUCKETS_S, registry=r)
         self.delivery_latency = Histogram("ecq_delivery_latency_seconds", "PUBLISH sent to consumer to its PUBACK",
                                           buckets=_LATENCY_BUCKETS_S, registry=r)
+        if cluster:  # backend: jetstream
+            self.jetstream_publish_latency = Histogram(
+                "ecq_jetstream_publish_seconds", "JetStream publish to its ack (stored on a quorum of replicas)",
+                buckets=_LATENCY_BUCKETS_S, registry=r)
         for name, (help_text, read) in _gauge_help(gauges).items():
             Gauge(name, help_text, registry=r).set_function(read)
 
@@ -51,7 +55,8 @@ class EcqMetrics:
 
 
 _GAUGE_HELP = {
-    "ecq_queues": "queues that ever had a write (clientids in the seqno table)",
+    "ecq_nats_connected": "1 while this broker's links to NATS (queue store and cluster bus) are up, else 0",
+    "ecq_queues": "queues that ever had a write (clientids in the seqno table); in a cluster, queues holding entries",
     "ecq_stored_messages": "entries stored across all queues",
     "ecq_stored_bytes": "payload bytes stored across all queues (exact: the index total at start-up, kept by each write and GC)",
     "ecq_inflight": "PUBLISHes sent to consumers and not yet acknowledged",

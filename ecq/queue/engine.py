@@ -212,6 +212,16 @@ class QueueEngine:
         if consumer := self.consumers.get(clientid):
             consumer.detach()
 
+    async def release(self, clientid: str) -> None:
+        """Stop delivering to ``clientid`` and return once the acks it sent are saved (at most ACK_SETTLE_S):
+        another broker of the cluster is taking the queue over and reads the saved position next."""
+        if (consumer := self.consumers.get(clientid)) is None:
+            return
+        consumer.detach()
+        deadline = asyncio.get_running_loop().time() + ACK_SETTLE_S
+        while consumer.saving and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.005)
+
     def connection_of(self, clientid: str) -> Any:
         """The connection ``clientid``'s queue is delivered to, or None."""
         consumer = self.consumers.get(clientid)

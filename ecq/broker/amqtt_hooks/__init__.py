@@ -18,6 +18,7 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   retained messages);
 - :mod:`.conformance`: MQTT 3.1.1 for ordinary topics (persistent sessions, retained messages, QoS of a
   fan-out, resend on reconnect, keepalive, with per-session bounds);
+- :mod:`.cluster`: ordinary MQTT messages forwarded to and from the other brokers of a cluster;
 - :mod:`.start_up`: start-up failures are reported, not hidden.
 
 Several corrections wrap the same amqtt method (``init_from_connect``, ``handle_puback``,
@@ -26,15 +27,16 @@ Several corrections wrap the same amqtt method (``init_from_connect``, ``handle_
 
 from __future__ import annotations
 
-from ecq.broker.amqtt_hooks import acks, bad_clients, conformance, ecq_guards, ecq_paths, start_up, target
+from ecq.broker.amqtt_hooks import acks, bad_clients, cluster, conformance, ecq_guards, ecq_paths, start_up, target
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
+from ecq.broker.amqtt_hooks.cluster import broadcast_from_cluster
 from ecq.broker.amqtt_hooks.conformance import set_session_expiry
 from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge, client_id, close_connection, connection_is_open,
                                               listener_addresses, live_connection, publish_qos1, send_soon,
                                               set_listen_backlog)
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 
-__all__ = ["EcqHooksTarget", "ProtocolViolation", "acknowledge", "client_id", "close_connection",
+__all__ = ["EcqHooksTarget", "ProtocolViolation", "acknowledge", "broadcast_from_cluster", "client_id", "close_connection",
            "connection_is_open", "install", "listener_addresses", "live_connection", "publish_qos1", "send_soon", "set_listen_backlog",
            "set_session_expiry"]
 
@@ -60,6 +62,7 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     ecq_guards.refuse_forbidden_wills()
     ecq_guards.keep_ecq_out_of_broadcasts()
     ecq_guards.keep_ecq_out_of_retained_store()
+    cluster.forward_broadcasts_to_the_cluster()  # inside conformant_fan_out's wrapper: gets the PUBLISH's QoS
     conformance.keep_persistent_sessions()
     conformance.retained_only_for_new_subscriptions()
     conformance.offline_messages_not_retained()

@@ -35,6 +35,9 @@ class EcqHooksTarget(Protocol):
     def will_refusal(self, session: Session) -> str | None:
         """Why a CONNECT carrying a Will must be refused with CONNACK 0x05, or None to accept it."""
 
+    def forward_to_cluster(self, topic: str, data: bytes, qos: int) -> None:
+        """Send a message broadcast on this broker to the cluster's other brokers (no-op without a cluster)."""
+
     def session_message_dropped(self, clientid: str, topic: str, reason: str) -> None:
         """Count a message of an ordinary topic dropped from a persistent session at a bound
         (``reason``: ``queue_full`` or ``inflight_full``)."""
