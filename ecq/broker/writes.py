@@ -17,10 +17,12 @@ from ecq.broker.observers import QueueEvents
 from ecq.config import EcqSettings
 from ecq.ops.metrics import EcqMetrics
 from ecq.queue.engine import QueueEngine
+from ecq.queue.throttle import LogThrottle
 from ecq.queue.topics import BadWrite, parse_target, parse_write
 from ecq.queue.writer import PoolClosed
 
 log = logging.getLogger(__name__)
+FAILURE_LOG_INTERVAL_S = 30.0  # while the store fails every write, one line per interval
 
 
 class EcqWrites:
@@ -30,6 +32,7 @@ class EcqWrites:
                  events: Callable[[], QueueEvents | None]) -> None:
         self._max_payload_bytes = settings.max_payload_bytes
         self._engine, self._access, self._metrics, self._events = engine, access, metrics, events
+        self._failure_log = LogThrottle(FAILURE_LOG_INTERVAL_S)
 
     async def publish(self, handler: BrokerProtocolHandler, packet: PublishPacket) -> None:
         """Take a PUBLISH under ``$ECQ/``: store a valid write, then acknowledge it; refuse the rest.
@@ -56,8 +59,10 @@ class EcqWrites:
             await future
             self._metrics.append_latency.observe(time.monotonic() - received)
         except Exception as exc:
-            log.error("ECQ write to %r failed (%s); closing publisher %s so it resends",
-                      topic, exc or type(exc).__name__, hooks.client_id(handler))
+            if (held_back := self._failure_log.due()) is not None:
+                log.error("ECQ write to %r failed (%s); closing publisher %s so it resends (%d more failed "
+                          "writes since the last such line)", topic, exc or type(exc).__name__,
+                          hooks.client_id(handler), held_back)
             await hooks.close_connection(handler)
             return
         try:

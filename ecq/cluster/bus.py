@@ -48,7 +48,7 @@ class ClusterBus:
         self._deliver, self._release = deliver, release
         self._node = settings.effective_node_name()
         self._mqtt_subject = f"{settings.jetstream_namespace}.mqtt"
-        self._link = NatsLink(settings)
+        self._link = NatsLink(settings, report_outages=False)  # the queue store's link reports them
         self._held: dict[str, Any] = {}  # clientid -> its NATS subscription (link loop only)
         self.forwarded = self.received = 0
 
@@ -101,6 +101,8 @@ class ClusterBus:
 
     async def _claim(self, clientid: str) -> None:
         if clientid in self._held:
+            return
+        if not self._link.connected:  # nobody to ask: serve it here (logged once per outage by the store)
             return
         subject = self._session_subject(clientid)
         try:

@@ -194,7 +194,7 @@ class JetStreamStore:
         timeout = self._settings.write_timeout
         try:
             results = self._call(self._commit(ops, time.monotonic() + timeout), timeout + REQUEST_TIMEOUT_S)
-        except (NatsUnavailable, TimeoutError, NatsTimeout, NoRespondersError, ConnectionError) as exc:
+        except (NatsUnavailable, TimeoutError, NatsTimeout, NoRespondersError, ConnectionError, _Retry) as exc:
             if not self._link.connected:
                 self.write_error = "NATS unreachable"
                 self._link.note_outage()
@@ -203,7 +203,8 @@ class JetStreamStore:
 
     async def _commit(self, ops: Sequence[Op], deadline: float) -> list[CommitResult]:
         appends = [op for op in ops if isinstance(op, Append)]
-        looked_up = iter(await asyncio.gather(*(self._last_of_key(op) for op in appends)))
+        looked_up = iter(await asyncio.gather(*(_until(deadline, lambda op=op: self._last_of_key(op))
+                                                for op in appends)))
         # tasks created in order: nats-py writes their requests to its one connection in this order
         done = await asyncio.gather(*[asyncio.ensure_future(self._apply(op, deadline)) for op in ops])
         latest: dict[tuple[str, str], tuple[int, int]] = {}  # a key written twice in this batch
@@ -234,20 +235,18 @@ class JetStreamStore:
         """Publish to JetStream until stored or ``deadline`` (time.monotonic()); the same Nats-Msg-Id on every
         try, so a try whose ack was lost is not stored twice. Raises TimeoutError at the deadline."""
         started = time.monotonic()
-        while True:
-            try:
-                reply = await self._link.nc.request(subject, payload, timeout=min(REQUEST_TIMEOUT_S, max(
-                    0.05, deadline - time.monotonic())), headers=headers)
-                answer = json.loads(reply.data)
-                if "error" not in answer:
-                    self.observe_publish(time.monotonic() - started)
-                    return answer
-                reason = answer["error"].get("description", answer["error"])
-            except (NatsTimeout, NoRespondersError, asyncio.TimeoutError) as exc:
-                reason = str(exc) or type(exc).__name__  # leader election, or NATS away: try again
-            if time.monotonic() + RETRY_PAUSE_S >= deadline:
-                raise TimeoutError(f"JetStream did not store {subject}: {reason}")
-            await asyncio.sleep(RETRY_PAUSE_S)
+
+        async def attempt() -> dict:
+            reply = await self._link.nc.request(subject, payload, headers=headers,
+                                                timeout=min(REQUEST_TIMEOUT_S, max(0.05, deadline - time.monotonic())))
+            answer = json.loads(reply.data)
+            if "error" in answer:  # e.g. 503 while the stream elects a leader
+                raise _Retry(f"JetStream did not store {subject}: {answer['error'].get('description')}")
+            return answer
+
+        answer = await _until(deadline, attempt)
+        self.observe_publish(time.monotonic() - started)
+        return answer
 
     async def _last_of_key(self, op: Append) -> tuple[int, int] | None:
         """(seqno, payload bytes) of the value ``op`` will replace, or None (compaction events and counts)."""
@@ -301,14 +300,19 @@ class JetStreamStore:
 
     async def _api(self, path: str, request: dict) -> dict:
         reply = await self._link.nc.request(f"$JS.API.{path}", json.dumps(request).encode(), timeout=REQUEST_TIMEOUT_S)
-        return json.loads(reply.data)
+        answer = json.loads(reply.data)
+        if answer.get("error", {}).get("code") == 503:  # no stream leader yet
+            raise _Retry(f"JetStream {path}: {answer['error'].get('description')}")
+        return answer
 
     def ack_state(self, clientid: str) -> AckState:
         """The saved progress of ``clientid``'s consumer, read from the leader of the acks stream."""
         return self._call(self._ack_state(clientid), self._settings.read_timeout)
 
     async def _ack_state(self, clientid: str) -> AckState:
-        answer = await self._api(f"STREAM.MSG.GET.{self._ns}_ACKS", {"last_by_subj": self._ack_subject(clientid)})
+        request = {"last_by_subj": self._ack_subject(clientid)}
+        answer = await _until(time.monotonic() + self._settings.read_timeout - 0.2,
+                              lambda: self._api(f"STREAM.MSG.GET.{self._ns}_ACKS", request))
         if "message" not in answer:
             if answer.get("error", {}).get("code") == 404:
                 return AckState()
@@ -422,8 +426,25 @@ class JetStreamStore:
     def _call(self, coro: Any, timeout: float) -> Any:
         try:
             return self._link.call(coro, timeout)
-        except (NatsTimeout, NoRespondersError) as exc:
+        except (NatsTimeout, NoRespondersError, _Retry) as exc:
             raise TimeoutError(f"NATS: {exc or type(exc).__name__}") from None
+
+
+class _Retry(Exception):
+    """A NATS request that may succeed when tried again (no responders, timeout, leader election)."""
+
+
+async def _until(deadline: float, attempt: Callable[[], Any]) -> Any:
+    """``await attempt()`` until it does not raise a retryable error or ``deadline`` (time.monotonic()) comes;
+    raises TimeoutError with the last reason then."""
+    while True:
+        try:
+            return await attempt()
+        except (_Retry, NatsTimeout, NoRespondersError, asyncio.TimeoutError) as exc:
+            reason = str(exc) or type(exc).__name__
+        if time.monotonic() + RETRY_PAUSE_S >= deadline:
+            raise TimeoutError(reason)
+        await asyncio.sleep(RETRY_PAUSE_S)
 
 
 async def _collect(sub: Any, batched: bool) -> list[Any]:
@@ -435,6 +456,8 @@ async def _collect(sub: Any, batched: bool) -> list[Any]:
             return replies
         if status == "204":  # end of a batch
             return replies
+        if status in ("503", "408"):  # no current replica, or it timed out: worth another try
+            raise _Retry(f"JetStream direct get: {status} {msg.headers.get('Description', '')}")
         if status:
             raise StoreError(f"JetStream direct get failed: {status} {msg.headers.get('Description', '')}")
         replies.append(msg)

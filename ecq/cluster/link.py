@@ -43,8 +43,10 @@ class NatsLink:
     :meth:`start` when no server answers within ``CONNECT_TIMEOUT_S``.
     """
 
-    def __init__(self, settings: EcqSettings, on_reconnect: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, settings: EcqSettings, on_reconnect: Callable[[], None] = lambda: None,
+                 report_outages: bool = True) -> None:
         self._settings = settings
+        self._report_outages = report_outages
         self._on_reconnect = on_reconnect
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="ecq-nats", daemon=True)
@@ -120,7 +122,7 @@ class NatsLink:
         now = time.monotonic()
         if self.outage_since is None:
             self.outage_since = now
-        if now - self._outage_logged >= OUTAGE_LOG_INTERVAL_S:
+        if self._report_outages and now - self._outage_logged >= OUTAGE_LOG_INTERVAL_S:
             self._outage_logged = now
             log.error("ECQ: NATS unreachable for %.0f s (servers %s): writes get no PUBACK and ack positions are "
                       "not saved until it is back", now - self.outage_since, ", ".join(self._settings.nats_servers))
@@ -133,7 +135,8 @@ class NatsLink:
         since = self.outage_since
         self.outage_since, self._outage_logged = None, 0.0
         url = self.nc.connected_url.netloc if self.nc and self.nc.connected_url else "?"
-        log.warning("ECQ: NATS connection back (%s) after %.1f s", url, time.monotonic() - since if since else 0.0)
+        if self._report_outages:
+            log.warning("ECQ: NATS connection back (%s) after %.1f s", url, time.monotonic() - since if since else 0.0)
         self._on_reconnect()
 
     async def _error(self, exc: Exception) -> None:

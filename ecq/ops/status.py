@@ -58,14 +58,15 @@ def broker_status(store: QueueStore, snapshot: EngineSnapshot | None = None) -> 
     """Fleet view: queue and entry counts, payload bytes, first/last index entries, consumer states.
 
     ``snapshot`` is the running broker's engine snapshot, whose consumers and (entries, payload bytes)
-    counts are used; None when reading a data dir directly (then the store is scanned).
+    counts are used; None when reading a data dir directly (then the store is scanned). A shared store
+    (a cluster) is always asked for its counts, so that every broker reports the same figures.
     At most 100 consumer states are listed; ``consumers_total`` gives how many are stored.
     """
-    if snapshot is None:
-        (messages, size), consumers = store.stored_totals(), {}
+    consumers = snapshot.consumers if snapshot else {}
+    if snapshot is None or store.shared:
+        messages, size = store.stored_totals()
     else:
         messages, size = snapshot.totals.stored_entries, snapshot.totals.stored_bytes
-        consumers = snapshot.consumers
     first, last = store.edge_index_entries()
     states = []
     total = 0

@@ -22,7 +22,7 @@ from ecq.queue.delivery import Consumer, Publish
 from ecq.queue.gc import run_gc
 from ecq.queue.readers import BatchedReader
 from ecq.queue.snapshots import ConsumerSnapshot, EngineSnapshot, Totals, consumer_snapshot
-from ecq.queue.store import (Append, Appended, Expire, ExpiredRow, Message, Op, QueueStore, StoreError,
+from ecq.queue.store import (AckState, Append, Appended, Expire, ExpiredRow, Message, Op, QueueStore, StoreError,
                              StoreReadError)
 from ecq.queue.writer import WriterPool
 
@@ -178,11 +178,17 @@ class QueueEngine:
             if consumer.online:
                 consumer.wake()
 
-    async def count_stored(self) -> None:
+    async def count_stored(self, keep_on_error: bool = False) -> None:
         """Read the queue, entry and byte counts from the store (kept up to date by this broker's commits,
-        and re-read every heartbeat on a shared store, where other brokers write too)."""
-        self._queues = await self.read(self.store.count_queues)
-        self._stored_entries, self._stored_bytes = await self.read(self.store.stored_totals)
+        and re-read every heartbeat on a shared store, where other brokers write too). With
+        ``keep_on_error``, a failed read (NATS away) keeps the last figures instead of raising."""
+        try:
+            self._queues = await self.read(self.store.count_queues)
+            self._stored_entries, self._stored_bytes = await self.read(self.store.stored_totals)
+        except Exception as exc:
+            if not keep_on_error:
+                raise
+            log.debug("ECQ store totals not refreshed: %s", exc)
 
     def _commit_failed(self, exc: Exception) -> None:
         for observer in self.observers:
@@ -199,13 +205,30 @@ class QueueEngine:
         if self.closing:
             return
         if clientid not in self.consumers:
-            state = await self.read(self.store.ack_state, clientid)
+            state = await self._load_ack_state(clientid, still_current)
+            if state is None:
+                return
             self.consumers.setdefault(clientid, Consumer(
                 clientid, state, store=self.store, pool=self.pool, publish=self._publish, observer=self,
                 read=self._read_soon, window=self.settings.reader_batch_size, read_deadline=self._read_deadline,
                 retention_s=self.settings.data_retention))
         if not self.closing and still_current():
             self.consumers[clientid].attach(connection)
+
+    async def _load_ack_state(self, clientid: str, still_current: Callable[[], bool]) -> AckState | None:
+        """The stored ack state of ``clientid``, read again every ``read_timeout`` while the store cannot answer
+        (a NATS outage, a JetStream leader election); None once the connection is no longer current."""
+        while True:
+            try:
+                return await self.read(self.store.ack_state, clientid)
+            except StoreReadError:
+                raise
+            except Exception as exc:
+                log.warning("ECQ cannot read the ack state of %s yet (%s); retrying in %.1fs",
+                            clientid, exc or type(exc).__name__, self.settings.read_timeout)
+            await asyncio.sleep(self.settings.read_timeout)
+            if self.closing or not still_current():
+                return None
 
     def detach(self, clientid: str) -> None:
         """Stop delivering to ``clientid``; what was sent and not acked is delivered again on the next attach."""
@@ -248,7 +271,7 @@ class QueueEngine:
             elif not consumer.online and not consumer.saving and not consumer.attempts:
                 del self.consumers[clientid]
         if self.store.shared:
-            await self.count_stored()
+            await self.count_stored(keep_on_error=True)
 
     # --- garbage collection and store health --------------------------------------------------------
 

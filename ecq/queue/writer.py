@@ -19,10 +19,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ecq.queue.store import Op, QueueStore
+from ecq.queue.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
 
 OnCommit = Callable[[Sequence[Op], Sequence[object]], None]
+FAILURE_LOG_INTERVAL_S = 30.0  # a full disk or a NATS outage fails every commit: one log line per interval
 
 
 class PoolClosed(RuntimeError):
@@ -43,6 +45,7 @@ class WriterPool:
         self._executor = ThreadPoolExecutor(max_workers=min(size, 4), thread_name_prefix="ecq-writer")
         self._tasks: list[asyncio.Task] = []
         self._closed = False
+        self._failure_log = LogThrottle(FAILURE_LOG_INTERVAL_S)
 
     def start(self) -> None:
         """Start the agents on the running event loop."""
@@ -87,8 +90,10 @@ class WriterPool:
                     results = self._store.commit(ops)
                 else:
                     results = await loop.run_in_executor(self._executor, self._store.commit, ops)
-            except Exception as exc:  # LevelDB I/O error: fail this batch, keep the agent alive
-                log.error("ECQ commit of %d ops failed: %s", len(ops), exc)
+            except Exception as exc:  # LevelDB I/O error, NATS away: fail this batch, keep the agent alive
+                if (held_back := self._failure_log.due()) is not None:
+                    log.error("ECQ commit of %d ops failed: %s (%d more failed commits since the last such line)",
+                              len(ops), exc, held_back)
                 self._on_error(exc)
                 for _, fut in live:
                     if not fut.done():

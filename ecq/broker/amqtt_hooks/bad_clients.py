@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,7 @@ from amqtt.mqtt.publish import PublishVariableHeader
 from amqtt.mqtt.subscribe import SubscribePayload
 
 from ecq.broker.amqtt_hooks.target import find_target
+from ecq.queue.throttle import LogThrottle
 from ecq.queue.topics import is_ecq_topic
 
 log = logging.getLogger(__name__)
@@ -253,23 +253,18 @@ class _AcceptErrorLogLimit(logging.Filter):
 
     def __init__(self, interval_s: float) -> None:
         super().__init__()
-        self._interval_s = interval_s
-        self._next_at = float("-inf")
-        self._held_back = 0
+        self._throttle = LogThrottle(interval_s)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not isinstance(record.msg, str) or not record.msg.startswith(_ACCEPT_ERROR):
             return True
-        now = time.monotonic()
-        if now < self._next_at:
-            self._held_back += 1
+        if (held_back := self._throttle.due()) is None:
             return False
         error = record.exc_info[1] if record.exc_info else None
         record.msg = (f"{_ACCEPT_ERROR}: {error}; new connections wait until descriptors are free "
-                      f"({self._held_back} more such errors since the last report; "
-                      f"reported at most every {self._interval_s:g} s)")
+                      f"({held_back} more such errors since the last report; "
+                      f"reported at most every {self._throttle.interval_s:g} s)")
         record.args, record.exc_info, record.exc_text = (), None, None
-        self._next_at, self._held_back = now + self._interval_s, 0
         return True
 
 
