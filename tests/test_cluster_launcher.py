@@ -127,9 +127,12 @@ def test_a_server_that_cannot_bind_its_port_fails_at_once_with_its_log(tmp_path)
         taken.listen()
         ports = NatsPorts(taken.getsockname()[1], free_port(), free_port())
         server = NatsServer("n1", ports, tmp_path / "nats-1", tmp_path / "run", clustered=False)
-        with pytest.raises(RuntimeError, match="address already in use"):
-            server.start(timeout=10)
-    assert not server.running
+        try:
+            with pytest.raises(RuntimeError, match="address already in use"):
+                server.start(timeout=10)
+            assert not server.running
+        finally:
+            server.kill()
 
 
 def test_a_missing_nats_server_names_the_extra_to_install(monkeypatch, tmp_path):
