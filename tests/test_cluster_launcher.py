@@ -185,10 +185,11 @@ def script_cluster(tmp_path):
     cluster = ScriptCluster(tmp_path / "cluster")
     yield cluster
     cluster.run("stop")
-    for pid in cluster.pids().values():  # in case stop itself failed
+    for pid in cluster.pids().values():  # in case stop itself failed: only processes of this cluster's dir
         try:
-            os.kill(pid, 9)
-        except ProcessLookupError:
+            if str(cluster.base_dir).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
             pass
 
 
