@@ -95,12 +95,15 @@ def test_kill9_of_the_meta_leader_elects_another_and_the_restarted_server_rejoin
     victim.kill()
     assert victim.proc.returncode == -signal.SIGKILL and not victim.running and not port_open(victim.ports.client)
     assert wait_until(lambda: cluster.meta_leader() not in (None, old), NEW_LEADER_TIMEOUT_S, 0.1)
+    # the stream has a Raft group of its own: it too may have lost its leader
+    assert wait_until(lambda: cluster.stream_leader("KEEP") not in (None, old), NEW_LEADER_TIMEOUT_S, 0.1)
     survivors = [s.url for s in cluster.servers if s is not victim]
     asyncio.run(publish_more(survivors, "KEEP", 5, 5))  # two of three still make a quorum
 
     victim.restart()
     # it is back in the meta group, follows the new leader, and caught up with what it missed
-    assert wait_until(lambda: victim.healthy() and stream_messages_on(victim, "KEEP") == 10, REJOIN_TIMEOUT_S, 0.1)
+    assert wait_until(lambda: cluster.jetstream_ready() and stream_messages_on(victim, "KEEP") == 10,
+                      REJOIN_TIMEOUT_S, 0.1)
     assert (monitor_json(victim.ports.http, "/jsz")["meta_cluster"]).get("leader") == cluster.meta_leader()
 
 

@@ -262,18 +262,33 @@ class LocalNatsCluster:
         raise KeyError(name)
 
     def start(self, timeout: float = CLUSTER_START_TIMEOUT_S) -> LocalNatsCluster:
-        """Start every server and wait until JetStream has a meta leader. On any failure everything started
-        is stopped and RuntimeError raised (with the logs of the servers that did not come up)."""
+        """Start every server and wait (at most ``timeout`` seconds) until JetStream is ready: a meta leader
+        with every server as a current peer (see jetstream_ready). On any failure everything started is
+        stopped and RuntimeError raised (with the end of every server's log)."""
         try:
             for server in self.servers:
                 server.start()
-            if not wait_until(lambda: self.meta_leader() is not None, timeout, 0.1):
+            if not wait_until(self.jetstream_ready, timeout, 0.1):
                 logs = "\n".join(f"--- {s.name}\n{s.log_tail(10)}" for s in self.servers)
-                raise RuntimeError(f"no JetStream meta leader within {timeout} s:\n{logs}")
+                raise RuntimeError(f"JetStream not ready (meta leader: {self.meta_leader()}) within {timeout} s:"
+                                   f"\n{logs}")
         except BaseException:
             self.stop()
             raise
         return self
+
+    def jetstream_ready(self) -> bool:
+        """True when there is a meta leader, it counts every other server as a current peer (so a stream
+        with ``size`` replicas can be placed) and every server's /healthz says ok."""
+        leader = self.meta_leader()
+        if leader is None:
+            return False
+        if len(self.servers) > 1:
+            jsz = monitor_json(self.server(leader).ports.http, "/jsz", 1.0) or {}
+            peers = (jsz.get("meta_cluster") or {}).get("replicas") or []
+            if len(peers) != len(self.servers) - 1 or not all(peer.get("current") for peer in peers):
+                return False
+        return all(server.healthy() for server in self.servers)
 
     def meta_leader(self) -> str | None:
         """Name of the JetStream meta leader as the first live server that knows one reports it (a single
