@@ -33,10 +33,13 @@ def make_broker(broker_process):
 
 
 @pytest.fixture(scope="session")
-def nats_cluster():
-    import os
-    class C: urls = os.environ["ECQ_TEST_NATS"].split(",")
-    return C
+def nats_cluster(tmp_path_factory):
+    """A 3-server NATS JetStream cluster on loopback, shared by the tests of a session (each test keeps to a
+    namespace of its own: see jetstream_options); stopped at the end."""
+    from ecq.cluster.local import LocalNatsCluster
+    cluster = LocalNatsCluster(tmp_path_factory.mktemp("nats")).start()
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture
