@@ -327,8 +327,18 @@ class JetStreamStore:
             yield clientid, self.ack_state(clientid)
 
     async def _subjects(self, stream: str, subject_filter: str) -> dict[str, int]:
-        info = await self._link.nc.jetstream().stream_info(stream, subjects_filter=subject_filter)
-        return info.state.subjects or {}
+        """Every stored subject of ``stream`` matching ``subject_filter`` with its message count, read page by
+        page (JetStream answers at most 100,000 subjects per stream info request)."""
+        subjects: dict[str, int] = {}
+        while True:
+            answer = await self._api(f"STREAM.INFO.{stream}", {"subjects_filter": subject_filter,
+                                                                "offset": len(subjects)})
+            if "error" in answer:
+                raise StoreError(f"JetStream stream info of {stream}: {answer['error'].get('description')}")
+            page = answer.get("state", {}).get("subjects") or {}
+            subjects.update(page)
+            if not page or len(subjects) >= answer.get("total", 0):
+                return subjects
 
     def expired_step(self, cutoff_ms: int, limit: int, start: bytes | None = None
                      ) -> tuple[dict[str, list[ExpiredRow]], bytes | None]:

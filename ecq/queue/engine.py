@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -28,6 +29,7 @@ from ecq.queue.writer import WriterPool
 
 log = logging.getLogger(__name__)
 
+QUEUE_COUNT_INTERVAL_S = 60.0    # a shared store's queue count lists every stored key: re-read at most this often
 STORE_RECOVERY_INTERVAL_S = 1.0  # after a failed commit, how often to look for free space and reopen the store
 ACK_SETTLE_S = 5.0               # on close, how long to wait for consumers' last ack states to reach the writer
 
@@ -92,6 +94,7 @@ class QueueEngine:
         self._read_deadline = SharedDeadline(settings.read_timeout, "ECQ store read")
         self._write_deadline = SharedDeadline(settings.write_timeout, "ECQ write commit")
         self._queues = self._stored_entries = self._stored_bytes = 0
+        self._queues_counted_at = float("-inf")
         self._traffic = 0  # appends and PUBACKs so far: GC paces itself slower while it grows
         self._gc_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
@@ -178,15 +181,18 @@ class QueueEngine:
             if consumer.online:
                 consumer.wake()
 
-    async def count_stored(self, keep_on_error: bool = False) -> None:
-        """Read the queue, entry and byte counts from the store (kept up to date by this broker's commits,
-        and re-read every heartbeat on a shared store, where other brokers write too). With
-        ``keep_on_error``, a failed read (NATS away) keeps the last figures instead of raising."""
+    async def count_stored(self, refresh: bool = False) -> None:
+        """Read the queue, entry and byte counts from the store. They are then kept up to date by this broker's
+        commits; on a shared store, where other brokers write too, the heartbeat re-reads them (``refresh``:
+        the queue count at most every QUEUE_COUNT_INTERVAL_S, and a failed read, NATS being away, keeps the
+        last figures instead of raising)."""
         try:
-            self._queues = await self.read(self.store.count_queues)
+            if not refresh or time.monotonic() - self._queues_counted_at >= QUEUE_COUNT_INTERVAL_S:
+                self._queues = await self.read(self.store.count_queues)
+                self._queues_counted_at = time.monotonic()
             self._stored_entries, self._stored_bytes = await self.read(self.store.stored_totals)
         except Exception as exc:
-            if not keep_on_error:
+            if not refresh:
                 raise
             log.debug("ECQ store totals not refreshed: %s", exc)
 
@@ -271,7 +277,7 @@ class QueueEngine:
             elif not consumer.online and not consumer.saving and not consumer.attempts:
                 del self.consumers[clientid]
         if self.store.shared:
-            await self.count_stored(keep_on_error=True)
+            await self.count_stored(refresh=True)
 
     # --- garbage collection and store health --------------------------------------------------------
 
