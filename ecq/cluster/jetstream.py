@@ -283,20 +283,29 @@ class JetStreamStore:
     async def _direct(self, stream: str, request: dict, leader_seq: int = 0) -> list[Any]:
         """JetStream direct get (any current replica): the messages answered, [] when none matched. With
         ``leader_seq``, tries until the answer reaches that seqno (a lagging replica catches up)."""
-        nc = self._link.nc
         for _ in range(20):
-            inbox = nc.new_inbox()
-            sub = await nc.subscribe(inbox)
-            try:
-                await nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(), reply=inbox)
-                replies = await _collect(sub, batched="batch" in request)
-            finally:
-                await sub.unsubscribe()
+            replies = await (self._direct_batch(stream, request) if "batch" in request
+                             else self._direct_one(stream, request))
             if not leader_seq or any(int(r.headers["Nats-Sequence"]) >= leader_seq for r in replies) \
                     or len(replies) >= request.get("batch", 1):
                 return replies
             await asyncio.sleep(0.005)
         raise TimeoutError(f"JetStream replicas of {stream} did not catch up with seqno {leader_seq}")
+
+    async def _direct_one(self, stream: str, request: dict) -> list[Any]:
+        reply = await self._link.nc.request(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(),
+                                            timeout=REQUEST_TIMEOUT_S)
+        return _replies([reply])
+
+    async def _direct_batch(self, stream: str, request: dict) -> list[Any]:
+        nc = self._link.nc
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        try:
+            await nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(), reply=inbox)
+            return await _collect(sub)
+        finally:
+            await sub.unsubscribe()
 
     async def _api(self, path: str, request: dict) -> dict:
         reply = await self._link.nc.request(f"$JS.API.{path}", json.dumps(request).encode(), timeout=REQUEST_TIMEOUT_S)
@@ -457,22 +466,30 @@ async def _until(deadline: float, attempt: Callable[[], Any]) -> Any:
         await asyncio.sleep(RETRY_PAUSE_S)
 
 
-async def _collect(sub: Any, batched: bool) -> list[Any]:
+async def _collect(sub: Any) -> list[Any]:
+    """The messages of a batched direct get, up to its end-of-batch (or not-found) status message."""
     replies = []
     while True:
         msg = await sub.next_msg(timeout=REQUEST_TIMEOUT_S)
-        status = msg.headers.get("Status") if msg.headers else None
-        if status == "404":
-            return replies
-        if status == "204":  # end of a batch
-            return replies
-        if status in ("503", "408"):  # no current replica, or it timed out: worth another try
-            raise _Retry(f"JetStream direct get: {status} {msg.headers.get('Description', '')}")
-        if status:
-            raise StoreError(f"JetStream direct get failed: {status} {msg.headers.get('Description', '')}")
+        if _status(msg):
+            return _replies(replies + [msg])
         replies.append(msg)
-        if not batched:
-            return replies
+
+
+def _status(msg: Any) -> str | None:
+    return msg.headers.get("Status") if msg.headers else None
+
+
+def _replies(messages: list[Any]) -> list[Any]:
+    """The stored messages of a direct get answer; raises _Retry (503 no current replica, 408 timeout) or
+    StoreError for a failure status. 404 (none matched) and 204 (end of batch) just end the answer."""
+    last = messages[-1] if messages else None
+    status = _status(last) if last is not None else None
+    if status in ("503", "408"):
+        raise _Retry(f"JetStream direct get: {status} {last.headers.get('Description', '')}")
+    if status and status not in ("404", "204"):
+        raise StoreError(f"JetStream direct get failed: {status} {last.headers.get('Description', '')}")
+    return messages[:-1] if status else messages
 
 
 def _message(reply: Any) -> Message:
