@@ -38,6 +38,14 @@ def test_defaults_follow_the_spec():
     ("write_timeout", True, "must be a duration"),
     ("max_payload_bytes", -5, "greater than or equal to 0"),
     ("retention", "7d", "Extra inputs are not permitted"),
+    ("backend", "redis", "Input should be 'leveldb' or 'jetstream'"),
+    ("nats_servers", ["http://127.0.0.1:4222"], "is not a NATS URL"),
+    ("nats_servers", ["nats://127.0.0.1"], "is not HOST:PORT"),
+    ("nats_servers", [], "at least 1 item"),
+    ("jetstream_shards", 0, "greater than or equal to 1"),
+    ("jetstream_replicas", 6, "less than or equal to 5"),
+    ("jetstream_namespace", "ECQ.prod", "should match pattern"),
+    ("node_name", "node 1", "should match pattern"),
 ])
 def test_bad_option_names_option_and_rule(option, value, rule):
     with pytest.raises(ValidationError) as info:
@@ -213,3 +221,27 @@ def test_admin_port_in_use_is_fatal(tmp_path):
     refused(result, 1, f"broker failed to start: cannot serve the admin API on 127.0.0.1:{admin_port}: "
                        "error while attempting to bind")
     assert "broker running" not in result.stderr and "Listener 'default' bind" not in result.stderr
+
+
+def test_a_cluster_broker_that_cannot_reach_nats_refuses_to_start_naming_the_servers(tmp_path):
+    url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    result = run_broker(tmp_path, ecq_config(data_dir=str(tmp_path / "d"), admin_bind="", backend="jetstream",
+                                             nats_servers=[url]))
+    assert result.returncode == 1
+    assert f"broker failed to start: cannot reach NATS at {url}" in result.stderr
+
+
+def test_more_replicas_than_nats_servers_are_refused_at_start_up(tmp_path, jetstream_options):
+    result = run_broker(tmp_path, ecq_config(data_dir=str(tmp_path / "d"), admin_bind="",
+                                             **{**jetstream_options, "jetstream_replicas": 5}))
+    assert result.returncode == 1
+    assert "jetstream_replicas 5 needs as many NATS servers" in result.stderr
+
+
+def test_a_cluster_broker_with_another_shard_count_than_the_streams_refuses_to_start(tmp_path, broker_process,
+                                                                                       jetstream_options):
+    broker_process(**jetstream_options).start().stop()  # creates the namespace's 2 shard streams
+    result = run_broker(tmp_path, ecq_config(data_dir=str(tmp_path / "d2"), admin_bind="",
+                                             **{**jetstream_options, "jetstream_shards": 3}))
+    assert result.returncode == 1
+    assert "JetStream holds 2 ECQ shard streams" in result.stderr and "jetstream_shards is 3" in result.stderr

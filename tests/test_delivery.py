@@ -3,13 +3,15 @@ saved, redelivery of only the unacked after a reattach, compaction of a read-ahe
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from ecq.queue.deadlines import SharedDeadline
 from ecq.queue.delivery import Consumer
 from ecq.queue.leveldb import LevelDbStore
 from ecq.queue.readers import BatchedReader
-from ecq.queue.store import Append, AckState, Message
+from ecq.queue.store import Append, AckState, Message, SaveAck
 from ecq.queue.clock import now_ms
 from ecq.queue.writer import WriterPool
 from tests.fake_connection import FakeConnection, publish, settle
@@ -110,3 +112,46 @@ async def test_appends_while_attached_are_delivered_and_compaction_drops_a_super
     await settle(lambda: consumer.state.acked == 3)
     assert [topic for topic, _payload in connection.sent] == ["$ECQ/q/k", "$ECQ/q/other"]
     assert parts[0].queue_range("q") == (1, 3, 2)
+
+
+class SlowAckSaves(LevelDbStore):
+    """LevelDB whose ack-state commits take ``delay_s`` (a slow disk or a remote store), in a writer thread."""
+
+    delay_s = 0.2
+
+    def commits_without_waiting(self) -> bool:
+        return False
+
+    def commit(self, ops):
+        if any(isinstance(op, SaveAck) for op in ops):
+            time.sleep(self.delay_s)
+        return super().commit(ops)
+
+
+async def test_a_window_emptied_by_compaction_reads_on_when_the_acks_came_during_a_slow_save(tmp_path):
+    # The window is full (k0..k2 sent), k3..k5 read ahead; rewriting k4 drops it from the read-ahead. When all three
+    # PUBACKs arrive while one save is in flight, the pump hands out k3 and k5 and must read on for k4's new value:
+    # it once stopped there until the next PUBACK, which never came (found running the broker tests on JetStream).
+    store = SlowAckSaves(tmp_path / "db")
+    consumers: list[Consumer] = []
+    pool = WriterPool(store, 1, lambda ops, results: [c.appended(r.seqno, op.key) for c in consumers
+                                                     for op, r in zip(ops, results) if isinstance(op, Append)])
+    pool.start()
+    reader = BatchedReader(threads=1)
+    parts = (store, pool, reader, consumers)
+    try:
+        await write(parts, *(f"k{i}" for i in range(6)))
+        consumer, _seen = make_consumer(parts, window=3)
+        connection = FakeConnection()
+        consumer.attach(connection)
+        await settle(lambda: len(connection.sent) == 3)
+        await write(parts, "k4")
+        connection.ack()
+        await settle(lambda: len(connection.sent) == 6)
+        assert [topic for topic, _payload in connection.sent[3:]] == ["$ECQ/q/k3", "$ECQ/q/k5", "$ECQ/q/k4"]
+    finally:
+        for consumer in consumers:
+            consumer.detach()
+        await pool.close()
+        reader.shutdown()
+        store.close()

@@ -225,7 +225,8 @@ class JetStreamStore:
             return ack["seq"]
         if isinstance(op, SaveAck):
             state = op.state
-            body = json.dumps({"acked": state.acked, "last_ack_ms": state.last_ack_ms, "above": sorted(state.above)})
+            above = sorted(seqno for seqno in state.above if seqno > state.acked)
+            body = json.dumps({"acked": state.acked, "last_ack_ms": state.last_ack_ms, "above": above})
             await self._publish(self._ack_subject(op.clientid), body.encode(),
                                 {"Nats-Msg-Id": self._msg_id_prefix + str(next(self._msg_ids))}, deadline)
             return None
@@ -327,7 +328,7 @@ class JetStreamStore:
                 return AckState()
             raise StoreError(f"reading the ack state of {clientid}: {answer.get('error')}")
         body = json.loads(base64.b64decode(answer["message"]["data"]))
-        return AckState(body["acked"], body["last_ack_ms"], set(body["above"]))
+        return AckState(body["acked"], body["last_ack_ms"], {s for s in body["above"] if s > body["acked"]})
 
     def ack_states(self) -> Iterator[tuple[str, AckState]]:
         """Every saved consumer state as (clientid, state), in clientid order."""
