@@ -115,7 +115,10 @@ class ClusterBus:
         except Exception as exc:  # NATS away: the clientid is served here anyway
             log.warning("ECQ takeover of %s could not ask the cluster: %s", clientid, exc)
         if clientid not in self._held:
-            self._held[clientid] = await self._link.nc.subscribe(subject, cb=self._on_takeover)
+            try:
+                self._held[clientid] = await self._link.nc.subscribe(subject, cb=self._on_takeover)
+            except Exception as exc:  # the link is closing or away: another broker's connect will not reach us
+                log.warning("ECQ could not register %s with the cluster for takeover: %s", clientid, exc)
 
     async def disown(self, clientid: str) -> None:
         """This broker no longer holds a connection of ``clientid`` (it disconnected)."""

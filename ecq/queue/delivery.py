@@ -121,6 +121,12 @@ class Consumer:
         """Ask the pump to look for new messages (after an ack or a heartbeat)."""
         self._wake.set()
 
+    def poll(self) -> None:
+        """Appends may have been made without :meth:`appended` being called (a shared store's notices were
+        lost): read the store until a short read, as after an attach."""
+        self._newest = _UNKNOWN
+        self._wake.set()
+
     def appended(self, seqno: int, key: str) -> None:
         """Message ``seqno`` was just committed to this queue under ``key``, replacing its older values
         (compaction): deliver it, and drop an older value of ``key`` read ahead, so a superseded value is not sent."""

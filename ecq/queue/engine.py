@@ -179,7 +179,7 @@ class QueueEngine:
     def _wake_online(self) -> None:
         for consumer in self.consumers.values():
             if consumer.online:
-                consumer.wake()
+                consumer.poll()
 
     async def count_stored(self, refresh: bool = False) -> None:
         """Read the queue, entry and byte counts from the store. They are then kept up to date by this broker's
@@ -270,9 +270,13 @@ class QueueEngine:
     async def heartbeat(self) -> None:
         """Re-poll idle online consumers that may have unread appends (a lost wake-up delays, never loses)
         and forget idle offline ones. Waking every idle consumer cost one store read each: with 1,000
-        consumers that stalled delivery for ~400 ms every heartbeat."""
+        consumers that stalled delivery for ~400 ms every heartbeat. On a shared store every idle consumer
+        is polled, since another broker's append notice travels over the network and may be lost (the read
+        then runs in a thread and on NATS, not on this loop)."""
         for clientid, consumer in list(self.consumers.items()):
-            if consumer.online and not consumer.inflight and consumer.behind:
+            if consumer.online and not consumer.inflight and self.store.shared:
+                consumer.poll()
+            elif consumer.online and not consumer.inflight and consumer.behind:
                 consumer.wake()
             elif not consumer.online and not consumer.saving and not consumer.attempts:
                 del self.consumers[clientid]
