@@ -177,6 +177,10 @@ class RawClient:
         size = struct.unpack_from(">H", body)[0]
         return body[2:2 + size], struct.unpack_from(">H", body, 2 + size)[0], body[4 + size:]
 
+    def receive(self) -> tuple[int, bytes]:
+        """The next packet the broker sends: (first byte, body)."""
+        return self._recv()
+
     def send_raw(self, packets: bytes) -> None:
         """Write already encoded packets in one ``sendall``: the broker reads them from one buffer."""
         self.sock.sendall(packets)

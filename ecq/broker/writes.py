@@ -3,8 +3,10 @@ engine, then acknowledged."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Callable
 
 from amqtt.errors import AMQTTError
@@ -33,6 +35,7 @@ class EcqWrites:
         self._max_payload_bytes = settings.max_payload_bytes
         self._engine, self._access, self._metrics, self._events = engine, access, metrics, events
         self._failure_log = LogThrottle(FAILURE_LOG_INTERVAL_S)
+        self._order = ArrivalOrder()
 
     async def publish(self, handler: BrokerProtocolHandler, packet: PublishPacket) -> None:
         """Take a PUBLISH under ``$ECQ/``: store a valid write, then acknowledge it; refuse the rest.
@@ -40,7 +43,18 @@ class EcqWrites:
         A refused PUBLISH is logged with its reason and still acknowledged at its QoS, so the publisher
         stays connected (MQTT 3.1.1 has no negative PUBACK). A write that cannot be stored within
         ``write_timeout`` is not acknowledged; the publisher's connection is closed so it sends it again.
+        Acknowledgements leave in the order the PUBLISHes arrived (MQTT 3.1.1 section 4.6), see ArrivalOrder.
         """
+        if packet.qos == 0:
+            return await self._publish(handler, packet, None)
+        previous, mine = self._order.enter(handler)
+        try:
+            await self._publish(handler, packet, previous)
+        finally:
+            self._order.leave(handler, mine)
+
+    async def _publish(self, handler: BrokerProtocolHandler, packet: PublishPacket,
+                       previous: asyncio.Future | None) -> None:
         topic, payload, qos, packet_id = packet.topic_name, bytes(packet.data), packet.qos, packet.packet_id
         received = time.monotonic()
         try:
@@ -50,6 +64,7 @@ class EcqWrites:
             future = self._engine.write(write.clientid, write.key, payload)
         except BadWrite as exc:
             self._refuse(handler, topic, exc)
+            await _after(previous)
             await hooks.acknowledge(handler, qos, packet_id)
             return
         except PoolClosed:
@@ -66,6 +81,7 @@ class EcqWrites:
             await hooks.close_connection(handler)
             return
         try:
+            await _after(previous)
             await hooks.acknowledge(handler, qos, packet_id)
         except (OSError, AMQTTError, TimeoutError) as exc:  # stored; the publisher resends if it reconnects
             log.info("ECQ could not acknowledge a stored write to %r: %s", topic, exc or type(exc).__name__)
@@ -75,3 +91,35 @@ class EcqWrites:
         log.warning("ECQ %s (publisher %s, reason %s)", exc, hooks.client_id(handler), exc.reason)
         if events := self._events():
             events.refused(parse_target(topic), exc.reason, topic)
+
+
+class ArrivalOrder:
+    """Per connection, the chain of its QoS 1/2 writes in arrival order, so that a PUBACK (or PUBREC) leaves
+    only after every earlier write of that connection was acknowledged, refused or failed (MQTT 3.1.1 section
+    4.6), while writes of different connections, and the commits of one connection's writes to different
+    writer agents, still run side by side.
+
+    amqtt starts one task per PUBLISH in the order the packets were read; :meth:`enter` is called before that
+    task's first await, so the order of calls is the arrival order.
+    """
+
+    def __init__(self) -> None:
+        self._tails: weakref.WeakKeyDictionary[BrokerProtocolHandler, asyncio.Future] = weakref.WeakKeyDictionary()
+
+    def enter(self, handler: BrokerProtocolHandler) -> tuple[asyncio.Future | None, asyncio.Future]:
+        """(the future of the connection's previous write, or None; this write's own future)."""
+        previous = self._tails.get(handler)
+        mine = asyncio.get_running_loop().create_future()
+        self._tails[handler] = mine
+        return previous, mine
+
+    def leave(self, handler: BrokerProtocolHandler, mine: asyncio.Future) -> None:
+        """This write is done (acknowledged, refused or failed): the next one of its connection may go."""
+        mine.set_result(None)
+        if self._tails.get(handler) is mine:
+            del self._tails[handler]
+
+
+async def _after(previous: asyncio.Future | None) -> None:
+    if previous is not None:
+        await asyncio.shield(previous)
