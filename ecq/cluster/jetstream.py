@@ -265,15 +265,19 @@ class JetStreamStore:
 
     # --- reads --------------------------------------------------------------------------------------
 
-    def read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0) -> list[Message]:
-        """Up to ``limit`` entries of ``clientid`` with seqno > ``after``, in seqno order (QueueStore)."""
-        return self._call(self._read_after(clientid, after, limit, min_ts_ms), self._settings.read_timeout)
+    def read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0,
+                   known_last: int | None = None) -> list[Message]:
+        """Up to ``limit`` entries of ``clientid`` with seqno > ``after``, in seqno order (QueueStore). An
+        answer short of ``known_last`` (or of an unknown end) is checked with the stream leader."""
+        return self._call(self._read_after(clientid, after, limit, min_ts_ms, known_last),
+                          self._settings.read_timeout)
 
-    async def _read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int) -> list[Message]:
+    async def _read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int,
+                          known_last: int | None) -> list[Message]:
         stream, subject = self.stream(self.shard(clientid)), self._queue_subject(clientid)
         replies = await self._direct(stream, {"seq": after + 1, "next_by_subj": subject, "batch": limit})
-        if len(replies) < limit:  # a replica may lag the leader: ask the leader what comes next
-            last = int(replies[-1].headers["Nats-Sequence"]) if replies else after
+        last = int(replies[-1].headers["Nats-Sequence"]) if replies else after
+        if len(replies) < limit and (known_last is None or known_last > last):  # the replica may lag the leader
             answer = await self._api(f"STREAM.MSG.GET.{stream}", {"seq": last + 1, "next_by_subj": subject})
             if "message" in answer:
                 replies = await self._direct(stream, {"seq": after + 1, "next_by_subj": subject, "batch": limit},

@@ -171,7 +171,8 @@ class Consumer:
     async def _read(self, limit: int) -> list[Message]:
         min_ts = retention_cutoff_ms(self._retention_s)
         return await self._read_deadline.watch(
-            self._read_store(self._store.read_after, self.clientid, self._read_cursor, limit, min_ts))
+            self._read_store(self._store.read_after, self.clientid, self._read_cursor, limit, min_ts,
+                             None if self._newest == _UNKNOWN else self._newest))
 
     def _hand_out_ready(self) -> None:
         """Hand read-ahead messages to the connection while the window has room; skip any that expired

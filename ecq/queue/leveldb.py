@@ -258,7 +258,8 @@ class LevelDbStore:
 
     # --- reads --------------------------------------------------------------------------------------
 
-    def read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0) -> list[Message]:
+    def read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0,
+                   known_last: int | None = None) -> list[Message]:
         """Up to ``limit`` messages of ``clientid`` with seqno > ``after``, in seqno order.
 
         Entries published before ``min_ts_ms`` (expired, not yet collected) are skipped. Blocks read from

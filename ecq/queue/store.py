@@ -137,10 +137,12 @@ class QueueStore(Protocol):
     def commits_without_waiting(self) -> bool:
         """True when :meth:`commit` will not block on the disk, so the writer may run it on the event loop."""
 
-    def read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0) -> list[Message]:
+    def read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0,
+                   known_last: int | None = None) -> list[Message]:
         """Up to ``limit`` entries of ``clientid`` with seqno > ``after``, in seqno order, skipping those
-        published before ``min_ts_ms`` (expired, not yet collected). Raises :class:`StoreReadError` for
-        damaged data."""
+        published before ``min_ts_ms`` (expired, not yet collected). ``known_last``: a seqno the caller was
+        told is stored (None: not known), for a store whose replicas may lag: a shorter answer is checked.
+        Raises :class:`StoreReadError` for damaged data."""
 
     def ack_state(self, clientid: str) -> AckState:
         """The saved progress of ``clientid``'s consumer (``AckState()`` when it never acked)."""
