@@ -151,8 +151,17 @@ def cluster_rows(bench: Bench, out: ScenarioResult) -> None:
                                 _get(base, "flow", "p50_ms")))
             out.rows.append(Row("cluster", f"p99 @{rate}, {title}", "ms", size, flow_run["p99_ms"],
                                 _get(base, "flow", "p99_ms"),
-                                note=f"{flow_run['undelivered']} of {flow_run['sent']} not delivered; "
-                                     f"duplicates {flow_run['duplicates']}"))
+                                note=f"{flow_run['undelivered']} of {flow_run['sent']} not delivered; duplicates "
+                                     f"{flow_run['duplicates']}; {_first_last(flow_run['p99_ms_by_second'])}"))
+
+
+def _first_last(p99_by_second: list[float | None]) -> str:
+    """``p99 of the writes sent in the first / last second: A / B ms``: a backlog left by the consumers'
+    attach shows as a first second far above the last."""
+    seconds = [p for p in p99_by_second if p is not None]
+    if not seconds:
+        return "no delivery"
+    return f"p99 of the writes sent in the first / last second: {seconds[0]:,.0f} / {seconds[-1]:,.0f} ms"
 
 
 def _get(run: dict[str, Any], phase: str, figure: str) -> float | None:
