@@ -47,6 +47,17 @@ class Endpoint:
     username: str | None = "bench"
 
 
+Endpoints = Endpoint | tuple[Endpoint, ...]  # several brokers of one cluster: a task's clients are dealt over them
+
+
+def endpoint_at(endpoints: Endpoints, n: int) -> Endpoint:
+    """The endpoint of a task's n-th client (0-based) of one kind (producers, consumers): with several
+    endpoints, clients are dealt round-robin over them."""
+    if isinstance(endpoints, Endpoint):
+        return endpoints
+    return endpoints[n % len(endpoints)]
+
+
 @dataclass(frozen=True)
 class Messages:
     """``len(clientids) * len(keys)`` QoS 1 PUBLISHes of ``size_bytes`` each, key-major order (consecutive
@@ -67,10 +78,10 @@ class Messages:
 
 @dataclass(frozen=True)
 class PublishTask:
-    """Publish ``messages`` from ``connections`` clients, ``window`` PUBLISHes in flight per client; the
-    timed part runs from the barrier to the last PUBACK."""
+    """Publish ``messages`` from ``connections`` clients (dealt over ``endpoint`` when it holds several),
+    ``window`` PUBLISHes in flight per client; the timed part runs from the barrier to the last PUBACK."""
 
-    endpoint: Endpoint
+    endpoint: Endpoints
     messages: Messages
     client_prefix: str
     connections: int = 8
@@ -87,9 +98,10 @@ class ConsumeTask:
     the barrier unless ``subscribe_after_start``; None subscribes nothing (a persistent session resuming).
     ``then_publish`` is published from this process after the barrier (the plain pub/sub baseline).
     With no keys the task only connects, subscribes and disconnects (it creates persistent sessions).
+    With several endpoints, the consumer of the i-th clientid connects to ``endpoint[i % len(endpoint)]``.
     """
 
-    endpoint: Endpoint
+    endpoint: Endpoints
     clientids: tuple[str, ...]
     keys: tuple[str, ...]
     subscribe_format: str | None
@@ -105,9 +117,11 @@ class FlowTask:
     """A paced realtime flow: consumers online on ``subscribe_format``, and ``producers`` clients of this
     process publishing ``rate_per_s`` messages per second (round-robin over this task's clientids, then
     over ``keys`` keys) to ``write_format`` for ``duration_s`` or until the pool's stop event; then at
-    most ``grace_s`` for the last deliveries. Worker 0 sets the pool's ``flowing`` event when sending starts."""
+    most ``grace_s`` for the last deliveries. Worker 0 sets the pool's ``flowing`` event when sending starts.
+    With several endpoints, consumer i and producer p connect to ``endpoint[i % n]`` and ``endpoint[p % n]``;
+    see :meth:`Flow.producer_for` for which producer sends which write."""
 
-    endpoint: Endpoint
+    endpoint: Endpoints
     clientids: tuple[str, ...]
     subscribe_format: str
     write_format: str
@@ -240,9 +254,10 @@ async def publish_all(clients: list[aiomqtt.Client], messages: list[tuple[str, b
     return sum(acked)
 
 
-async def connect_publishers(endpoint: Endpoint, prefix: str, count: int, window: int) -> list[aiomqtt.Client]:
-    """Connect ``count`` producer clients named ``<prefix><n>``; raises RuntimeError if any fails."""
-    clients = [make_client(endpoint, f"{prefix}{n}", window=window) for n in range(count)]
+async def connect_publishers(endpoints: Endpoints, prefix: str, count: int, window: int) -> list[aiomqtt.Client]:
+    """Connect ``count`` producer clients named ``<prefix><n>`` (dealt over ``endpoints``); raises RuntimeError
+    if any fails."""
+    clients = [make_client(endpoint_at(endpoints, n), f"{prefix}{n}", window=window) for n in range(count)]
     results = await bounded_gather([lambda c=c: c.__aenter__() for c in clients], CONNECT_CONCURRENCY)
     raise_first(results, "producer connects")
     return clients
@@ -348,16 +363,19 @@ async def prepare_consumers(task: ConsumeTask, receivers: list[Receiver], worker
                                     publish.window)
 
 
-def consumer_factory(task: ConsumeTask, cid: str) -> Callable[[], aiomqtt.Client]:
-    """Makes the client of consumer ``cid`` (a new one for each connection attempt)."""
-    return lambda: make_client(task.endpoint, cid, clean_session=task.clean_session)
+def consumer_factory(task: ConsumeTask, index: int, cid: str) -> Callable[[], aiomqtt.Client]:
+    """Makes the client of consumer ``cid``, the task's ``index``-th (a new one for each connection attempt)."""
+    endpoint = endpoint_at(task.endpoint, index)
+    return lambda: make_client(endpoint, cid, clean_session=task.clean_session)
 
 
 async def run_consume(task: ConsumeTask, sync: Sync) -> dict:
     """Timed part: from the barrier to the last expected message (or the deadline)."""
     tally, seen = Tally(), set()
-    receivers = [Receiver(consumer_factory(task, cid), task.subscribe_format and task.subscribe_format.format(cid=cid),
-                          {f"{cid}/{key}".encode() for key in task.keys}, tally, seen) for cid in task.clientids]
+    receivers = [Receiver(consumer_factory(task, i, cid),
+                          task.subscribe_format and task.subscribe_format.format(cid=cid),
+                          {f"{cid}/{key}".encode() for key in task.keys}, tally, seen)
+                 for i, cid in enumerate(task.clientids)]
     publishers: list[aiomqtt.Client] = []
     try:
         try:
@@ -401,10 +419,18 @@ class Flow:
         cids = self.task.clientids
         return self.task.write_format.format(cid=cids[n % len(cids)], key=f"k{(n // len(cids)) % self.task.keys}")
 
+    def producer_for(self, n: int) -> aiomqtt.Client:
+        """The producer of the n-th write: the write to the i-th clientid in round r (one round writes every
+        clientid once) goes through producer (i + r) mod producers. Consecutive writes alternate producers,
+        and each clientid's writes come through every producer in turn, so with producers on different
+        nodes a share of every consumer's writes crosses nodes, whatever the count of clientids."""
+        cids = len(self.task.clientids)
+        return self.producers[(n % cids + n // cids) % len(self.producers)]
+
     def send_next(self) -> None:
         """Start one PUBLISH (not awaiting its PUBACK, so a slow ack never delays the pace)."""
         payload = identified_payload(str(time.monotonic_ns()), self.pad)
-        client = self.producers[self.sent % len(self.producers)]
+        client = self.producer_for(self.sent)
         job = asyncio.ensure_future(client.publish(self.topic(self.sent), payload, qos=1, timeout=math.inf))
         job.add_done_callback(self.finished)
         self.in_flight.add(job)
@@ -463,8 +489,9 @@ class LatencyReceiver(Receiver):
 async def run_flow(task: FlowTask, sync: Sync) -> dict:
     """Timed part: the paced sending, then up to ``grace_s`` until every sent message arrived."""
     tally, seen, samples = Tally(), set(), []
-    receivers = [LatencyReceiver(lambda cid=cid: make_client(task.endpoint, cid), task.subscribe_format.format(cid=cid),
-                                 tally, seen, samples) for cid in task.clientids]
+    receivers = [LatencyReceiver(lambda cid=cid, at=endpoint_at(task.endpoint, i): make_client(at, cid),
+                                 task.subscribe_format.format(cid=cid), tally, seen, samples)
+                 for i, cid in enumerate(task.clientids)]
     producers: list[aiomqtt.Client] = []
     listening: list[asyncio.Future] = []
     try:

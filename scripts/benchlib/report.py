@@ -128,12 +128,15 @@ def results_table(results: list[ScenarioResult]) -> str:
 
 
 def load_table(checks: list[dict[str, Any]]) -> str:
-    """Per measured phase: broker CPU, each load process's CPU (% of one core), machine busy (% of all
-    cores) and CPU used by processes outside the benchmark (% of one core)."""
-    lines = [("phase", "broker", "load procs (each)", "machine", "others")]
+    """Per measured phase: broker CPU (summed over a cluster's nodes), each load process's CPU (% of one core),
+    machine busy (% of all cores) and CPU used by processes outside the benchmark (% of one core); with a
+    ``nats`` column (the NATS servers, summed) when some phase ran beside a NATS cluster."""
+    with_nats = any(c.get("nats_cpu_pct") is not None for c in checks)
+    lines = [("phase", "broker", *(("nats",) if with_nats else ()), "load procs (each)", "machine", "others")]
     for c in checks:
         loads = "/".join(_number(v) for v in c["load_cpu_pct"]) if c["load_cpu_pct"] else "-"
-        lines.append((c["phase"], _percent(c["broker_cpu_pct"]), loads, _percent(c["machine_busy_pct"]),
+        nats = (_percent(c.get("nats_cpu_pct")),) if with_nats else ()
+        lines.append((c["phase"], _percent(c["broker_cpu_pct"]), *nats, loads, _percent(c["machine_busy_pct"]),
                       _percent(c["others_cpu_pct"])))
     others = sorted(c["others_cpu_pct"] for c in checks if c["others_cpu_pct"] is not None)
     footer = (f"\nprocesses outside the benchmark used {others[len(others) // 2]:.0f}% of a core (median over phases; "

@@ -70,6 +70,7 @@ class Bench:
     tag: str = ""
     load_checks: list[dict[str, Any]] = field(default_factory=list)
     brokers: list[dict[str, Any]] = field(default_factory=list)   # each broker run: config, log problems
+    nats_pids: list[int] = field(default_factory=list)   # NATS servers running beside the brokers (cluster)
 
     def ids(self, prefix: str, count: int) -> tuple[str, ...]:
         """Clientids ``<tag><prefix><n>`` (the tag keeps runs against a long-lived broker apart)."""
@@ -129,36 +130,57 @@ class Bench:
         return results
 
     def load_check(self, phase: str, broker, start_s: float, end_s: float) -> dict[str, Any]:
-        """CPU of the broker, the load processes, the machine and everything else over [start_s, end_s]
-        (monotonic seconds); also kept for the load-check table."""
-        broker_pct = self.sampler.cpu_percent(broker.pid, start_s, end_s)
+        """CPU of the broker (summed over its processes when it has several, see broker_pids), the NATS
+        servers (summed; None without), the load processes, the machine and everything else over
+        [start_s, end_s] (monotonic seconds); also kept for the load-check table."""
+        broker_pct = self._cpu_sum(broker_pids(broker), start_s, end_s)
+        nats_pct = self._cpu_sum(self.nats_pids, start_s, end_s)
         loads = [self.sampler.cpu_percent(pid, start_s, end_s) for pid in self.pool.pids]
         machine = self.sampler.machine_percent(start_s, end_s)
         others = None
         if machine is not None:
-            ours = (broker_pct or 0.0) + sum(v or 0.0 for v in loads)
+            ours = (broker_pct or 0.0) + (nats_pct or 0.0) + sum(v or 0.0 for v in loads)
             others = round(max(0.0, machine * self.sampler.cores - ours), 1)
+        peaks = [self.sampler.peak_rss_bytes(pid, start_s, end_s) for pid in broker_pids(broker)]
         check = {"phase": phase, "seconds": round(end_s - start_s, 3), "broker_cpu_pct": broker_pct,
-                 "broker_peak_rss_mb": _mb(self.sampler.peak_rss_bytes(broker.pid, start_s, end_s)),
+                 "broker_peak_rss_mb": _mb(max((p for p in peaks if p is not None), default=None)),
+                 "nats_cpu_pct": nats_pct,
                  "load_cpu_pct": loads, "machine_busy_pct": machine, "others_cpu_pct": others}
         self.load_checks.append(check)
         progress(f"{phase}: {check['seconds']:.1f} s, broker CPU {check['broker_cpu_pct']}%")
         return check
 
+    def _cpu_sum(self, pids: list[int], start_s: float, end_s: float) -> float | None:
+        """Summed CPU percent (of one core) of ``pids`` over [start_s, end_s]; None when none is known."""
+        values = [v for v in (self.sampler.cpu_percent(pid, start_s, end_s) for pid in pids) if v is not None]
+        return round(sum(values), 1) if values else None
+
     def wait_idle(self, broker) -> float:
-        """Wait until the broker's CPU stays below IDLE_CPU_PCT for IDLE_WINDOW_S (its backlog is done);
-        returns the seconds waited (gives up after IDLE_TIMEOUT_S; returns at once without a pid)."""
+        """Wait until each process of the broker, and each NATS server, stays below IDLE_CPU_PCT for
+        IDLE_WINDOW_S (the backlog is done); returns the seconds waited (gives up after IDLE_TIMEOUT_S;
+        returns at once when the broker has no pid)."""
         started = time.monotonic()
-        if broker.pid is None:
+        pids = broker_pids(broker)
+        if not pids:
             return 0.0
+        pids += self.nats_pids
         time.sleep(IDLE_WINDOW_S)
         while time.monotonic() - started < IDLE_TIMEOUT_S:
             now = time.monotonic()
-            busy = self.sampler.cpu_percent(broker.pid, now - IDLE_WINDOW_S, now)
-            if busy is not None and busy < IDLE_CPU_PCT:
+            busy = [self.sampler.cpu_percent(pid, now - IDLE_WINDOW_S, now) for pid in pids]
+            if all(b is not None and b < IDLE_CPU_PCT for b in busy):
                 break
             time.sleep(0.2)
         return elapsed_s(started)
+
+
+def broker_pids(broker) -> list[int]:
+    """The processes of what is measured as one broker: its ``pids`` when it has several (the nodes of a
+    cluster), else its ``pid``; [] when not started here."""
+    pids = getattr(broker, "pids", None)
+    if pids is not None:
+        return list(pids)
+    return [broker.pid] if broker.pid else []
 
 
 def progress(message: str) -> None:
@@ -290,12 +312,12 @@ def p99_by_second(samples: list[tuple[int, int]], start_s: float) -> list[float 
 
 
 def flow(bench: Bench, broker, phase: str, cids: tuple[str, ...], subscribe_format: str,
-         write_format: str, rate_per_s: float | None = None) -> dict[str, Any]:
-    """A paced realtime flow for --latency-seconds to online consumers at ``rate_per_s`` writes per second
-    (default --latency-rate); latency quantiles and losses."""
-    tasks = flow_tasks(bench, broker, phase, cids, subscribe_format, write_format, bench.args.latency_seconds,
-                       rate_per_s)
-    results = bench.run_phase(tasks, bench.args.latency_seconds + tasks[0].grace_s)
+         write_format: str, rate_per_s: float | None = None, duration_s: float | None = None) -> dict[str, Any]:
+    """A paced realtime flow for ``duration_s`` (default --latency-seconds) to online consumers at
+    ``rate_per_s`` writes per second (default --latency-rate); latency quantiles and losses."""
+    duration_s = bench.args.latency_seconds if duration_s is None else duration_s
+    tasks = flow_tasks(bench, broker, phase, cids, subscribe_format, write_format, duration_s, rate_per_s)
+    results = bench.run_phase(tasks, duration_s + tasks[0].grace_s)
     return flow_summary(bench, broker, phase, results)
 
 
@@ -707,6 +729,15 @@ def paho_publish_all(endpoint, topics: list[str], payload: bytes) -> float:
         client.loop_stop()
 
 
+# --- cluster on NATS JetStream ---------------------------------------------------------------------------------
+
+
+def cluster(bench: Bench, out: ScenarioResult) -> None:
+    """The cluster scenario, in benchlib.cluster (imported here when it runs, since it builds on this module)."""
+    from benchlib.cluster import cluster as cluster_scenario
+    cluster_scenario(bench, out)
+
+
 SCENARIOS: dict[str, Callable[[Bench, ScenarioResult], None]] = {
     "writes": writes, "reads": reads, "latency": latency, "storm": storm, "scale": scale,
-    "single-producer": single_producer}
+    "single-producer": single_producer, "cluster": cluster}
