@@ -60,15 +60,3 @@ async def test_reads_after_shutdown_raise(reader):
     with pytest.raises(RuntimeError):
         await asyncio.wait_for(reader.read(lambda: 1), 5)
 
-
-
-async def test_unbatched_reads_wait_side_by_side():
-    # Four reads that each wait for the other three (a barrier) finish only if they run at the same time, as reads
-    # of a network store must; batched, they would run one after another and the barrier would time out.
-    reader = BatchedReader(threads=4, batched=False)
-    barrier = threading.Barrier(4, timeout=5)
-    try:
-        results = await asyncio.gather(*(reader.read(lambda n=n: (barrier.wait(), n)[1]) for n in range(4)))
-        assert results == [0, 1, 2, 3]
-    finally:
-        reader.shutdown()

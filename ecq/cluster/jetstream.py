@@ -46,7 +46,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import DiscardPolicy, RePublish, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError
 
-from ecq.cluster.link import NatsLink, NatsUnavailable
+from ecq.cluster.link import NatsLink
 from ecq.config import EcqSettings
 from ecq.queue.store import (AckState, Append, Appended, CommitResult, Expire, ExpiredRow, IndexEntry, Message, Op,
                              SaveAck, StoreError)
@@ -187,19 +187,33 @@ class JetStreamStore:
         """Never: every commit waits on the network."""
         return False
 
+    def commit_async(self, ops: Sequence[Op]) -> asyncio.Future:
+        """:meth:`commit` on the link's loop, awaited from the caller's loop without a thread in between."""
+        return self._link.submit(self._commit_or_raise(ops))
+
+    def read_async(self, func: Callable[..., T], *args: Any) -> asyncio.Future | None:
+        """``read_after`` and ``ack_state`` (delivery's reads) on the link's loop without a thread; None for
+        the other reads (run them in a reader thread)."""
+        if func == self.read_after:
+            return self._link.submit(self._read_after(*args))
+        if func == self.ack_state:
+            return self._link.submit(self._ack_state(*args))
+        return None
+
     def commit(self, ops: Sequence[Op]) -> list[CommitResult]:
         """Apply ``ops`` in order (QueueStore.commit). Not atomic across ops: each is stored on a quorum or
         not at all, and a failed batch may have stored its first ops (their writers get no PUBACK and the
         producer sends them again). Raises StoreError after ``write_timeout`` without NATS."""
-        timeout = self._settings.write_timeout
+        return self._call(self._commit_or_raise(ops), self._settings.write_timeout + REQUEST_TIMEOUT_S)
+
+    async def _commit_or_raise(self, ops: Sequence[Op]) -> list[CommitResult]:
         try:
-            results = self._call(self._commit(ops, time.monotonic() + timeout), timeout + REQUEST_TIMEOUT_S)
-        except (NatsUnavailable, TimeoutError, NatsTimeout, NoRespondersError, ConnectionError, _Retry) as exc:
+            return await self._commit(ops, time.monotonic() + self._settings.write_timeout)
+        except (TimeoutError, NatsTimeout, NoRespondersError, ConnectionError, _Retry) as exc:
             if not self._link.connected:
                 self.write_error = "NATS unreachable"
                 self._link.note_outage()
             raise StoreError(f"JetStream commit failed: {exc or type(exc).__name__}") from None
-        return results
 
     async def _commit(self, ops: Sequence[Op], deadline: float) -> list[CommitResult]:
         appends = [op for op in ops if isinstance(op, Append)]
@@ -272,8 +286,8 @@ class JetStreamStore:
         return self._call(self._read_after(clientid, after, limit, min_ts_ms, known_last),
                           self._settings.read_timeout)
 
-    async def _read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int,
-                          known_last: int | None) -> list[Message]:
+    async def _read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0,
+                          known_last: int | None = None) -> list[Message]:
         stream, subject = self.stream(self.shard(clientid)), self._queue_subject(clientid)
         replies = await self._direct(stream, {"seq": after + 1, "next_by_subj": subject, "batch": limit})
         last = int(replies[-1].headers["Nats-Sequence"]) if replies else after

@@ -90,7 +90,7 @@ class QueueEngine:
         self.consumers: dict[str, Consumer] = {}
         self.pool = WriterPool(store, settings.effective_pool_size(), self._on_commit, on_error=self._commit_failed)
         self._publish, self._gc_lagging = publish, gc_lagging
-        self._reader = BatchedReader(threads=32, batched=False) if store.shared else BatchedReader(threads=4)
+        self._reader = BatchedReader(threads=4)
         self._read_deadline = SharedDeadline(settings.read_timeout, "ECQ store read")
         self._write_deadline = SharedDeadline(settings.write_timeout, "ECQ write commit")
         self._queues = self._stored_entries = self._stored_bytes = 0
@@ -327,7 +327,7 @@ class QueueEngine:
         return await self._read_soon(func, *args)
 
     def _read_soon(self, func: Callable[..., Any], *args: Any) -> asyncio.Future:
-        future = self._reader.read(self.store.run, func, *args)
+        future = self.store.read_async(func, *args) or self._reader.read(self.store.run, func, *args)
         future.add_done_callback(self._count_read_error)
         return future
 

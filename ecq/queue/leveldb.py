@@ -120,6 +120,12 @@ class LevelDbStore:
     def watch(self, notify: Callable[[str, int, str], None], on_reconnect: Callable[[], None]) -> None:
         """Nothing to watch: every append comes through this broker's own commits."""
 
+    def commit_async(self, ops: Sequence[Op]) -> None:
+        """None: LevelDB commits run inline or in a writer thread."""
+
+    def read_async(self, func: Callable, *args: object) -> None:
+        """None: LevelDB reads run in reader threads."""
+
     def close(self) -> None:
         """Close the database; pending writes were already committed by :meth:`commit`."""
         with self._gate.exclusive():

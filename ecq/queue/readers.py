@@ -17,15 +17,11 @@ from typing import Any
 class BatchedReader:
     """Runs blocking read functions in ``threads`` worker threads, one thread hop per event-loop iteration.
 
-    With ``batched=False`` each read is a job of its own instead: for a store across the network (JetStream),
-    where a read is mostly waiting on round trips (~2 ms), reads run side by side, up to ``threads`` at a time;
-    one after another, 200 reads asked in one iteration took 0.5 s (the cluster benchmark).
     Use from one event loop only. :meth:`shutdown` waits for reads already running in threads.
     """
 
-    def __init__(self, threads: int, thread_name_prefix: str = "ecq-read", batched: bool = True) -> None:
+    def __init__(self, threads: int, thread_name_prefix: str = "ecq-read") -> None:
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=thread_name_prefix)
-        self._batched = batched
         self._batch: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future]] = []
 
     def read(self, func: Callable[..., Any], *args: Any) -> asyncio.Future:
@@ -35,9 +31,6 @@ class BatchedReader:
         """
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        if not self._batched:
-            self._submit(loop, [(func, args, future)])
-            return future
         if not self._batch:
             loop.call_soon(self._submit_batch, loop)
         self._batch.append((func, args, future))
@@ -49,9 +42,6 @@ class BatchedReader:
 
     def _submit_batch(self, loop: asyncio.AbstractEventLoop) -> None:
         batch, self._batch = self._batch, []
-        self._submit(loop, batch)
-
-    def _submit(self, loop: asyncio.AbstractEventLoop, batch: list) -> None:
         try:
             self._executor.submit(self._run_batch, loop, batch)
         except RuntimeError as exc:  # shut down: the broker is closing

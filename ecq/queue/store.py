@@ -11,6 +11,7 @@ implementation, :class:`ecq.cluster.jetstream.JetStreamStore` the one a cluster 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
@@ -133,6 +134,14 @@ class QueueStore(Protocol):
         A :class:`SaveAck` returns None. On failure nothing was written; after an I/O error every commit
         raises :class:`StoreError` until :meth:`reopen_if_space` succeeds.
         """
+
+    def commit_async(self, ops: Sequence[Op]) -> asyncio.Future | None:
+        """Start :meth:`commit` without a thread, on a store that can (a network store's own event loop):
+        a future of the event loop calling it; None when the commit must run in a thread (or inline)."""
+
+    def read_async(self, func: Callable[..., T], *args: Any) -> asyncio.Future | None:
+        """Start the read ``func(*args)`` (one of this store's read methods) without a thread, on a store that
+        can: a future of the calling event loop; None when it must run in a reader thread."""
 
     def commits_without_waiting(self) -> bool:
         """True when :meth:`commit` will not block on the disk, so the writer may run it on the event loop."""

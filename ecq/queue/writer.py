@@ -88,6 +88,8 @@ class WriterPool:
                 inline = self._store.commits_without_waiting()
                 if inline:
                     results = self._store.commit(ops)
+                elif (pending := self._store.commit_async(ops)) is not None:
+                    results = await pending
                 else:
                     results = await loop.run_in_executor(self._executor, self._store.commit, ops)
             except Exception as exc:  # LevelDB I/O error, NATS away: fail this batch, keep the agent alive
