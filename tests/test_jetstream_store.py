@@ -8,7 +8,8 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ecq.cluster.jetstream import JetStreamStore, token, untoken
+from ecq.cluster.jetstream import JetStreamStore
+from ecq.cluster.jsapi import token, untoken
 from ecq.config import EcqSettings
 from ecq.queue.store import AckState, Append, Appended, Expire, SaveAck
 

@@ -23,7 +23,7 @@ from typing import Any
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from ecq.cluster.jetstream import token, untoken
+from ecq.cluster.jsapi import token, untoken
 from ecq.cluster.link import NatsLink
 from ecq.config import EcqSettings
 

@@ -38,7 +38,6 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime
 from typing import Any, TypeVar
 
 from nats.errors import NoRespondersError
@@ -46,6 +45,8 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import DiscardPolicy, RePublish, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError
 
+from ecq.cluster.jsapi import (REQUEST_TIMEOUT_S, TS_HEADER, JetStreamApi, Retry, index_entry_of, message_of,
+                              token, until, untoken)
 from ecq.cluster.link import NatsLink
 from ecq.config import EcqSettings
 from ecq.queue.store import (AckState, Append, Appended, CommitResult, Expire, ExpiredRow, IndexEntry, Message, Op,
@@ -54,24 +55,8 @@ from ecq.queue.store import (AckState, Append, Appended, CommitResult, Expire, E
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-TS_HEADER = "Ecq-Ts"
-REQUEST_TIMEOUT_S = 2.0      # one NATS request; a commit retries within write_timeout
-RETRY_PAUSE_S = 0.1          # between two tries of a publish during a leader election or an outage
 DUPLICATE_WINDOW_S = 120.0   # JetStream's de-duplication of a retried publish by Nats-Msg-Id
 META_TIMEOUT_S = 30.0        # creating or checking the streams at start-up
-
-
-def token(text: str) -> str:
-    """``text`` as one NATS subject token (any characters): ``x`` + unpadded URL-safe base64 of its UTF-8."""
-    return "x" + base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
-
-
-def untoken(tok: str) -> str:
-    """Inverse of :func:`token`. Raises ValueError for a token it did not make."""
-    if not tok.startswith("x"):
-        raise ValueError(f"not an ECQ subject token: {tok!r}")
-    body = tok[1:]
-    return base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode()
 
 
 class JetStreamStore:
@@ -94,6 +79,7 @@ class JetStreamStore:
         self._msg_ids = itertools.count(1)
         self._msg_id_prefix = f"{settings.effective_node_name()}-{uuid.uuid4().hex[:8]}-"
         self._link = NatsLink(settings, on_reconnect=self._reconnected)
+        self._js = JetStreamApi(self._link)
         self._link.start()
         self._on_reconnect: Callable[[], None] = lambda: None
         try:
@@ -209,7 +195,7 @@ class JetStreamStore:
     async def _commit_or_raise(self, ops: Sequence[Op]) -> list[CommitResult]:
         try:
             return await self._commit(ops, time.monotonic() + self._settings.write_timeout)
-        except (TimeoutError, NatsTimeout, NoRespondersError, ConnectionError, _Retry) as exc:
+        except (TimeoutError, NatsTimeout, NoRespondersError, ConnectionError, Retry) as exc:
             if not self._link.connected:
                 self.write_error = "NATS unreachable"
                 self._link.note_outage()
@@ -217,7 +203,7 @@ class JetStreamStore:
 
     async def _commit(self, ops: Sequence[Op], deadline: float) -> list[CommitResult]:
         appends = [op for op in ops if isinstance(op, Append)]
-        looked_up = iter(await asyncio.gather(*(_until(deadline, lambda op=op: self._last_of_key(op))
+        looked_up = iter(await asyncio.gather(*(until(deadline, lambda op=op: self._last_of_key(op))
                                                 for op in appends)))
         # tasks created in order: nats-py writes their requests to its one connection in this order
         done = await asyncio.gather(*[asyncio.ensure_future(self._apply(op, deadline)) for op in ops])
@@ -256,16 +242,16 @@ class JetStreamStore:
                                                 timeout=min(REQUEST_TIMEOUT_S, max(0.05, deadline - time.monotonic())))
             answer = json.loads(reply.data)
             if "error" in answer:  # e.g. 503 while the stream elects a leader
-                raise _Retry(f"JetStream did not store {subject}: {answer['error'].get('description')}")
+                raise Retry(f"JetStream did not store {subject}: {answer['error'].get('description')}")
             return answer
 
-        answer = await _until(deadline, attempt)
+        answer = await until(deadline, attempt)
         self.observe_publish(time.monotonic() - started)
         return answer
 
     async def _last_of_key(self, op: Append) -> tuple[int, int] | None:
         """(seqno, payload bytes) of the value ``op`` will replace, or None (compaction events and counts)."""
-        reply = await self._direct(self.stream(self.shard(op.clientid)),
+        reply = await self._js.direct(self.stream(self.shard(op.clientid)),
                                    {"last_by_subj": self._queue_subject(op.clientid, op.key)})
         if not reply:
             return None
@@ -273,7 +259,7 @@ class JetStreamStore:
 
     async def _expire(self, op: Expire) -> tuple[ExpiredRow, ...]:
         stream = self.stream(self.shard(op.clientid))
-        answers = await asyncio.gather(*(self._api(f"STREAM.MSG.DELETE.{stream}", {"seq": row.seqno, "no_erase": True})
+        answers = await asyncio.gather(*(self._js.api(f"STREAM.MSG.DELETE.{stream}", {"seq": row.seqno, "no_erase": True})
                                          for row in op.rows))
         return tuple(row for row, answer in zip(op.rows, answers, strict=True) if answer.get("success"))
 
@@ -289,49 +275,15 @@ class JetStreamStore:
     async def _read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0,
                           known_last: int | None = None) -> list[Message]:
         stream, subject = self.stream(self.shard(clientid)), self._queue_subject(clientid)
-        replies = await self._direct(stream, {"seq": after + 1, "next_by_subj": subject, "batch": limit})
+        replies = await self._js.direct(stream, {"seq": after + 1, "next_by_subj": subject, "batch": limit})
         last = int(replies[-1].headers["Nats-Sequence"]) if replies else after
         if len(replies) < limit and (known_last is None or known_last > last):  # the replica may lag the leader
-            answer = await self._api(f"STREAM.MSG.GET.{stream}", {"seq": last + 1, "next_by_subj": subject})
+            answer = await self._js.api(f"STREAM.MSG.GET.{stream}", {"seq": last + 1, "next_by_subj": subject})
             if "message" in answer:
-                replies = await self._direct(stream, {"seq": after + 1, "next_by_subj": subject, "batch": limit},
+                replies = await self._js.direct(stream, {"seq": after + 1, "next_by_subj": subject, "batch": limit},
                                              leader_seq=answer["message"]["seq"])
-        messages = [_message(reply) for reply in replies]
+        messages = [message_of(reply) for reply in replies]
         return [m for m in messages if m.ts_ms >= min_ts_ms]
-
-    async def _direct(self, stream: str, request: dict, leader_seq: int = 0) -> list[Any]:
-        """JetStream direct get (any current replica): the messages answered, [] when none matched. With
-        ``leader_seq``, tries until the answer reaches that seqno (a lagging replica catches up)."""
-        for _ in range(20):
-            replies = await (self._direct_batch(stream, request) if "batch" in request
-                             else self._direct_one(stream, request))
-            if not leader_seq or any(int(r.headers["Nats-Sequence"]) >= leader_seq for r in replies) \
-                    or len(replies) >= request.get("batch", 1):
-                return replies
-            await asyncio.sleep(0.005)
-        raise TimeoutError(f"JetStream replicas of {stream} did not catch up with seqno {leader_seq}")
-
-    async def _direct_one(self, stream: str, request: dict) -> list[Any]:
-        reply = await self._link.nc.request(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(),
-                                            timeout=REQUEST_TIMEOUT_S)
-        return _replies([reply])
-
-    async def _direct_batch(self, stream: str, request: dict) -> list[Any]:
-        nc = self._link.nc
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox)
-        try:
-            await nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(), reply=inbox)
-            return await _collect(sub)
-        finally:
-            await sub.unsubscribe()
-
-    async def _api(self, path: str, request: dict) -> dict:
-        reply = await self._link.nc.request(f"$JS.API.{path}", json.dumps(request).encode(), timeout=REQUEST_TIMEOUT_S)
-        answer = json.loads(reply.data)
-        if answer.get("error", {}).get("code") == 503:  # no stream leader yet
-            raise _Retry(f"JetStream {path}: {answer['error'].get('description')}")
-        return answer
 
     def ack_state(self, clientid: str) -> AckState:
         """The saved progress of ``clientid``'s consumer, read from the leader of the acks stream."""
@@ -339,8 +291,8 @@ class JetStreamStore:
 
     async def _ack_state(self, clientid: str) -> AckState:
         request = {"last_by_subj": self._ack_subject(clientid)}
-        answer = await _until(time.monotonic() + self._settings.read_timeout - 0.2,
-                              lambda: self._api(f"STREAM.MSG.GET.{self._ns}_ACKS", request))
+        answer = await until(time.monotonic() + self._settings.read_timeout - 0.2,
+                              lambda: self._js.api(f"STREAM.MSG.GET.{self._ns}_ACKS", request))
         if "message" not in answer:
             if answer.get("error", {}).get("code") == 404:
                 return AckState()
@@ -350,34 +302,20 @@ class JetStreamStore:
 
     def ack_states(self) -> Iterator[tuple[str, AckState]]:
         """Every saved consumer state as (clientid, state), in clientid order."""
-        subjects = self._call(self._subjects(f"{self._ns}_ACKS", f"{self._ns}.ack.>"), self._settings.read_timeout)
+        subjects = self._call(self._js.subjects(f"{self._ns}_ACKS", f"{self._ns}.ack.>"), self._settings.read_timeout)
         for clientid in sorted(untoken(subject.rsplit(".", 1)[1]) for subject in subjects):
             yield clientid, self.ack_state(clientid)
-
-    async def _subjects(self, stream: str, subject_filter: str) -> dict[str, int]:
-        """Every stored subject of ``stream`` matching ``subject_filter`` with its message count, read page by
-        page (JetStream answers at most 100,000 subjects per stream info request)."""
-        subjects: dict[str, int] = {}
-        while True:
-            answer = await self._api(f"STREAM.INFO.{stream}", {"subjects_filter": subject_filter,
-                                                                "offset": len(subjects)})
-            if "error" in answer:
-                raise StoreError(f"JetStream stream info of {stream}: {answer['error'].get('description')}")
-            page = answer.get("state", {}).get("subjects") or {}
-            subjects.update(page)
-            if not page or len(subjects) >= answer.get("total", 0):
-                return subjects
 
     def expired_step(self, cutoff_ms: int, limit: int, start: bytes | None = None
                      ) -> tuple[dict[str, list[ExpiredRow]], bytes | None]:
         """One GC step over the shards in order: up to ``limit`` entries published before ``cutoff_ms``.
         ``start`` is ``b"<shard>:<seqno>"``."""
         shard, seq = map(int, start.split(b":")) if start else (0, 1)
-        replies = self._call(self._direct(self.stream(shard), {"seq": seq, "next_by_subj": f"{self._ns}.q.{shard}.>",
+        replies = self._call(self._js.direct(self.stream(shard), {"seq": seq, "next_by_subj": f"{self._ns}.q.{shard}.>",
                                                                "batch": limit}), self._settings.read_timeout)
         found: dict[str, list[ExpiredRow]] = {}
         for reply in replies:
-            message = _message(reply)
+            message = message_of(reply)
             if message.ts_ms >= cutoff_ms:  # the stream is in time order: the rest of this shard is fresh
                 return found, _next_shard(shard, self._shards)
             clientid = untoken(reply.headers["Nats-Subject"].split(".")[3])
@@ -401,14 +339,14 @@ class JetStreamStore:
         """How many queues hold entries now (a listing of every stored subject: O(keys))."""
         clientids = set()
         for shard in range(self._shards):
-            subjects = self._call(self._subjects(self.stream(shard), f"{self._ns}.q.{shard}.>"),
+            subjects = self._call(self._js.subjects(self.stream(shard), f"{self._ns}.q.{shard}.>"),
                                   self._settings.read_timeout)
             clientids.update(subject.split(".")[3] for subject in subjects)
         return len(clientids)
 
     def last_seqno(self, clientid: str) -> int:
         """Seqno of the newest stored entry of ``clientid``, 0 when it holds none."""
-        answer = self._call(self._api(f"STREAM.MSG.GET.{self.stream(self.shard(clientid))}",
+        answer = self._call(self._js.api(f"STREAM.MSG.GET.{self.stream(self.shard(clientid))}",
                                       {"last_by_subj": self._queue_subject(clientid)}), self._settings.read_timeout)
         return answer["message"]["seq"] if "message" in answer else 0
 
@@ -431,8 +369,8 @@ class JetStreamStore:
             stream = self.stream(shard)
             for request in ({"seq": 1, "next_by_subj": f"{self._ns}.q.{shard}.>"},
                             {"last_by_subj": f"{self._ns}.q.{shard}.>"}):
-                replies = self._call(self._direct(stream, request), self._settings.read_timeout)
-                entries.extend(_index_entry(reply) for reply in replies)
+                replies = self._call(self._js.direct(stream, request), self._settings.read_timeout)
+                entries.extend(index_entry_of(reply) for reply in replies)
         if not entries:
             return None, None
         return min(entries, key=lambda e: e.ts_ms), max(entries, key=lambda e: e.ts_ms)
@@ -464,67 +402,8 @@ class JetStreamStore:
     def _call(self, coro: Any, timeout: float) -> Any:
         try:
             return self._link.call(coro, timeout)
-        except (NatsTimeout, NoRespondersError, _Retry) as exc:
+        except (NatsTimeout, NoRespondersError, Retry) as exc:
             raise TimeoutError(f"NATS: {exc or type(exc).__name__}") from None
-
-
-class _Retry(Exception):
-    """A NATS request that may succeed when tried again (no responders, timeout, leader election)."""
-
-
-async def _until(deadline: float, attempt: Callable[[], Any]) -> Any:
-    """``await attempt()`` until it does not raise a retryable error or ``deadline`` (time.monotonic()) comes;
-    raises TimeoutError with the last reason then."""
-    while True:
-        try:
-            return await attempt()
-        except (_Retry, NatsTimeout, NoRespondersError, asyncio.TimeoutError) as exc:
-            reason = str(exc) or type(exc).__name__
-        if time.monotonic() + RETRY_PAUSE_S >= deadline:
-            raise TimeoutError(reason)
-        await asyncio.sleep(RETRY_PAUSE_S)
-
-
-async def _collect(sub: Any) -> list[Any]:
-    """The messages of a batched direct get, up to its end-of-batch (or not-found) status message."""
-    replies = []
-    while True:
-        msg = await sub.next_msg(timeout=REQUEST_TIMEOUT_S)
-        if _status(msg):
-            return _replies(replies + [msg])
-        replies.append(msg)
-
-
-def _status(msg: Any) -> str | None:
-    return msg.headers.get("Status") if msg.headers else None
-
-
-def _replies(messages: list[Any]) -> list[Any]:
-    """The stored messages of a direct get answer; raises _Retry (503 no current replica, 408 timeout) or
-    StoreError for a failure status. 404 (none matched) and 204 (end of batch) just end the answer."""
-    last = messages[-1] if messages else None
-    status = _status(last) if last is not None else None
-    if status in ("503", "408"):
-        raise _Retry(f"JetStream direct get: {status} {last.headers.get('Description', '')}")
-    if status and status not in ("404", "204"):
-        raise StoreError(f"JetStream direct get failed: {status} {last.headers.get('Description', '')}")
-    return messages[:-1] if status else messages
-
-
-def _message(reply: Any) -> Message:
-    headers = reply.headers
-    key = untoken(headers["Nats-Subject"].split(".")[4])
-    ts_ms = int(headers[TS_HEADER]) if TS_HEADER in headers else _stream_ms(headers["Nats-Time-Stamp"])
-    return Message(int(headers["Nats-Sequence"]), key, reply.data, ts_ms)
-
-
-def _index_entry(reply: Any) -> IndexEntry:
-    message = _message(reply)
-    return IndexEntry(untoken(reply.headers["Nats-Subject"].split(".")[3]), message.seqno, message.key, message.ts_ms)
-
-
-def _stream_ms(rfc3339: str) -> int:
-    return int(datetime.fromisoformat(rfc3339[:26].rstrip("Z") + "+00:00").timestamp() * 1000)
 
 
 def _next_shard(shard: int, shards: int) -> bytes | None:

@@ -1,0 +1,154 @@
+"""JetStream's API as the ECQ store uses it: subject tokens for any text, retries until a deadline, direct
+gets (any current replica, single or batched), the JSON API (``$JS.API.*``) and the decoding of stored
+messages. Everything here runs on the NATS link's event loop (ecq/cluster/link.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from ecq.cluster.link import NatsLink
+from ecq.queue.store import IndexEntry, Message, StoreError
+
+TS_HEADER = "Ecq-Ts"         # the publish time in ms, as the broker that took the write stamped it
+REQUEST_TIMEOUT_S = 2.0      # one NATS request; a commit retries within write_timeout
+RETRY_PAUSE_S = 0.1          # between two tries of a request during a leader election or an outage
+
+
+def token(text: str) -> str:
+    """``text`` as one NATS subject token (any characters): ``x`` + unpadded URL-safe base64 of its UTF-8."""
+    return "x" + base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def untoken(tok: str) -> str:
+    """Inverse of :func:`token`. Raises ValueError for a token it did not make."""
+    if not tok.startswith("x"):
+        raise ValueError(f"not an ECQ subject token: {tok!r}")
+    body = tok[1:]
+    return base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode()
+
+
+class Retry(Exception):
+    """A NATS request that may succeed when tried again (no responders, timeout, leader election)."""
+
+
+async def until(deadline: float, attempt: Callable[[], Any]) -> Any:
+    """``await attempt()`` until it does not raise a retryable error or ``deadline`` (time.monotonic()) comes;
+    raises TimeoutError with the last reason then."""
+    while True:
+        try:
+            return await attempt()
+        except (Retry, NatsTimeout, NoRespondersError, asyncio.TimeoutError) as exc:
+            reason = str(exc) or type(exc).__name__
+        if time.monotonic() + RETRY_PAUSE_S >= deadline:
+            raise TimeoutError(reason)
+        await asyncio.sleep(RETRY_PAUSE_S)
+
+
+async def collect(sub: Any) -> list[Any]:
+    """The messages of a batched direct get, up to its end-of-batch (or not-found) status message."""
+    replies = []
+    while True:
+        msg = await sub.next_msg(timeout=REQUEST_TIMEOUT_S)
+        if status_of(msg):
+            return stored_messages(replies + [msg])
+        replies.append(msg)
+
+
+def status_of(msg: Any) -> str | None:
+    """The ``Status`` header of a JetStream answer (``204``, ``404``, ``503``...), None on a stored message."""
+    return msg.headers.get("Status") if msg.headers else None
+
+
+def stored_messages(messages: list[Any]) -> list[Any]:
+    """The stored messages of a direct get answer; raises Retry (503 no current replica, 408 timeout) or
+    StoreError for a failure status. 404 (none matched) and 204 (end of batch) just end the answer."""
+    last = messages[-1] if messages else None
+    status = status_of(last) if last is not None else None
+    if status in ("503", "408"):
+        raise Retry(f"JetStream direct get: {status} {last.headers.get('Description', '')}")
+    if status and status not in ("404", "204"):
+        raise StoreError(f"JetStream direct get failed: {status} {last.headers.get('Description', '')}")
+    return messages[:-1] if status else messages
+
+
+def message_of(reply: Any) -> Message:
+    """The queue entry in a direct get answer (subject ``NS.q.<shard>.T(clientid).T(key)``)."""
+    headers = reply.headers
+    key = untoken(headers["Nats-Subject"].split(".")[4])
+    ts_ms = int(headers[TS_HEADER]) if TS_HEADER in headers else stream_ms(headers["Nats-Time-Stamp"])
+    return Message(int(headers["Nats-Sequence"]), key, reply.data, ts_ms)
+
+
+def index_entry_of(reply: Any) -> IndexEntry:
+    """Where a direct get answer sits: clientid, seqno, key, publish ms."""
+    message = message_of(reply)
+    return IndexEntry(untoken(reply.headers["Nats-Subject"].split(".")[3]), message.seqno, message.key, message.ts_ms)
+
+
+def stream_ms(rfc3339: str) -> int:
+    """JetStream's ``Nats-Time-Stamp`` (RFC 3339, nanoseconds) as ms since the epoch."""
+    return int(datetime.fromisoformat(rfc3339[:26].rstrip("Z") + "+00:00").timestamp() * 1000)
+
+
+class JetStreamApi:
+    """The requests the store makes, over ``link``'s connection (call on the link's loop)."""
+
+    def __init__(self, link: NatsLink) -> None:
+        self._link = link
+
+    async def direct(self, stream: str, request: dict, leader_seq: int = 0) -> list[Any]:
+        """JetStream direct get (any current replica): the messages answered, [] when none matched. With
+        ``leader_seq``, tries until the answer reaches that seqno (a lagging replica catches up)."""
+        for _ in range(20):
+            replies = await (self._direct_batch(stream, request) if "batch" in request
+                             else self._direct_one(stream, request))
+            if not leader_seq or any(int(r.headers["Nats-Sequence"]) >= leader_seq for r in replies) \
+                    or len(replies) >= request.get("batch", 1):
+                return replies
+            await asyncio.sleep(0.005)
+        raise TimeoutError(f"JetStream replicas of {stream} did not catch up with seqno {leader_seq}")
+
+    async def _direct_one(self, stream: str, request: dict) -> list[Any]:
+        reply = await self._link.nc.request(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(),
+                                            timeout=REQUEST_TIMEOUT_S)
+        return stored_messages([reply])
+
+    async def _direct_batch(self, stream: str, request: dict) -> list[Any]:
+        nc = self._link.nc
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        try:
+            await nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(), reply=inbox)
+            return await collect(sub)
+        finally:
+            await sub.unsubscribe()
+
+    async def api(self, path: str, request: dict) -> dict:
+        reply = await self._link.nc.request(f"$JS.API.{path}", json.dumps(request).encode(), timeout=REQUEST_TIMEOUT_S)
+        answer = json.loads(reply.data)
+        if answer.get("error", {}).get("code") == 503:  # no stream leader yet
+            raise Retry(f"JetStream {path}: {answer['error'].get('description')}")
+        return answer
+
+    async def subjects(self, stream: str, subject_filter: str) -> dict[str, int]:
+        """Every stored subject of ``stream`` matching ``subject_filter`` with its message count, read page by
+        page (JetStream answers at most 100,000 subjects per stream info request)."""
+        subjects: dict[str, int] = {}
+        while True:
+            answer = await self.api(f"STREAM.INFO.{stream}", {"subjects_filter": subject_filter,
+                                                                "offset": len(subjects)})
+            if "error" in answer:
+                raise StoreError(f"JetStream stream info of {stream}: {answer['error'].get('description')}")
+            page = answer.get("state", {}).get("subjects") or {}
+            subjects.update(page)
+            if not page or len(subjects) >= answer.get("total", 0):
+                return subjects
