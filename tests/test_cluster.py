@@ -1,0 +1,201 @@
+"""Two ECQ nodes on the session's 3-server NATS JetStream cluster, over TCP with paho and raw MQTT clients: the
+issue's cluster points 2 (cross-node queues), 6 (ordinary MQTT across nodes) and 7 (cluster-wide operations).
+The destructive points (3, 4, 5) are in test_cluster_failures.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.harness import ECQ, BrokerProcess, RawClient, drain, metrics_text, topics_payloads, wait_until, write
+
+REALTIME_BOUND_S = 1.0
+TAKEOVER_BOUND_S = 2.0
+
+
+def started(nodes: list[BrokerProcess]) -> list[BrokerProcess]:
+    return [node.start() for node in nodes]
+
+
+def receive(raw: RawClient, count: int) -> list[tuple[bytes, int, bytes]]:
+    """The next ``count`` QoS 1 PUBLISHes on a raw client: (topic, packet id, payload) each."""
+    return [raw.receive_publish() for _ in range(count)]
+
+
+# --- point 2: queues across nodes ------------------------------------------------------------------
+
+
+def test_a_write_on_one_node_reaches_its_consumer_on_the_other_in_realtime(cluster_nodes, connect):
+    # a 30 s heartbeat: only the append notice through NATS can bring the write in time, not a re-poll
+    node1, node2 = started(cluster_nodes(heartbeat_interval="30s"))
+    consumer = connect(node2.port, "rt")
+    assert consumer.subscribe("$ECQ/rt/#") == 1
+    producer = connect(node1.port, "producer")
+    latencies = []
+    for i in range(5):
+        sent = time.monotonic()
+        write(producer, "rt", f"k{i}", f"v{i}")
+        [message] = consumer.expect(1, timeout=5)
+        latencies.append(time.monotonic() - sent)
+        assert (message.topic, message.payload, message.qos) == (f"$ECQ/rt/k{i}", f"v{i}".encode(), 1)
+    assert max(latencies) < REALTIME_BOUND_S, f"write-to-delivery latencies across nodes: {latencies}"
+
+
+def test_a_consumer_that_acked_on_one_node_resumes_after_its_acked_position_on_the_other(cluster_nodes, connect):
+    node1, node2 = started(cluster_nodes())
+    producer = connect(node1.port, "producer")
+    for i in range(3):
+        write(producer, "rs", f"k{i}", f"v{i}")
+    first = RawClient(node1.port, "rs")
+    try:
+        first.subscribe(b"$ECQ/rs/#")
+        delivered = receive(first, 3)
+        assert [topic for topic, _id, _payload in delivered] == [b"$ECQ/rs/k0", b"$ECQ/rs/k1", b"$ECQ/rs/k2"]
+        first.puback(delivered[0][1], delivered[1][1])  # k2 never acked
+    finally:
+        first.close()
+    assert drain(connect, node2.port, "rs", 1) == [("$ECQ/rs/k2", b"v2")]
+
+
+def test_a_takeover_across_nodes_closes_the_old_connection_and_moves_delivery(cluster_nodes, connect):
+    node1, node2 = started(cluster_nodes())
+    producers = [connect(node1.port, "producer-1"), connect(node2.port, "producer-2")]
+    for i in range(4):
+        write(producers[i % 2], "tk", f"k{i}", f"v{i}")
+    old = RawClient(node1.port, "tk")  # raw: paho would reconnect by itself and take the clientid back
+    try:
+        old.subscribe(b"$ECQ/tk/#")
+        delivered = receive(old, 4)
+        old.puback(delivered[0][1], delivered[1][1])  # k2, k3 delivered on node 1, never acked
+        taking_over = time.monotonic()
+        new = connect(node2.port, "tk")
+        old.read_until_closed(timeout=TAKEOVER_BOUND_S + 1)
+        closed_after = time.monotonic() - taking_over
+    finally:
+        old.close()
+    assert closed_after < TAKEOVER_BOUND_S, f"the old connection was closed after {closed_after:.2f} s"
+    assert new.subscribe("$ECQ/tk/#") == 1
+    for i in range(4, 8):
+        write(producers[i % 2], "tk", f"k{i}", f"v{i}")
+    assert topics_payloads(new.expect(6)) == [(f"$ECQ/tk/k{i}", f"v{i}".encode()) for i in range(2, 8)]
+    assert new.quiet(1.0) == []
+
+
+# --- point 6: ordinary MQTT across nodes -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("qos", [0, 1])
+def test_a_plain_publish_reaches_every_subscriber_of_both_nodes_exactly_once(cluster_nodes, connect, qos):
+    node1, node2 = started(cluster_nodes())
+    subscribers = {"sub-1": connect(node1.port, "sub-1"), "sub-2": connect(node2.port, "sub-2")}
+    for subscriber in subscribers.values():
+        assert subscriber.subscribe("plain/#", qos) == qos
+    connect(node1.port, "pub-1").publish("plain/from-1", b"one", qos=qos)
+    connect(node2.port, "pub-2").publish("plain/from-2", b"two", qos=qos)
+    for name, subscriber in subscribers.items():
+        got = subscriber.expect(2)
+        assert sorted((m.topic, m.payload, m.qos) for m in got) == [
+            ("plain/from-1", b"one", qos), ("plain/from-2", b"two", qos)], name
+    for name, subscriber in subscribers.items():  # no copy coming back through NATS, no loop
+        assert subscriber.quiet(1.0) == [], name
+
+
+def test_a_retained_message_stays_on_the_node_that_took_it(cluster_nodes, connect):
+    node1, node2 = started(cluster_nodes())
+    connect(node1.port, "pub").publish("state/lamp", b"on", qos=1, retain=True)
+    local = connect(node1.port, "late-1")
+    local.subscribe("state/#")
+    [retained] = local.expect(1)
+    assert (retained.topic, retained.payload) == ("state/lamp", b"on")
+    remote = connect(node2.port, "late-2")  # documented: retained messages are per node
+    remote.subscribe("state/#")
+    assert remote.quiet(1.0) == []
+
+
+# --- point 7: operations are cluster-wide ----------------------------------------------------------
+
+
+def ecq_json(*args: str, admin: int) -> dict:
+    result = subprocess.run([ECQ, *args, "--json", "--admin", f"127.0.0.1:{admin}"], capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def queue_figures(node: BrokerProcess, clientids: list[str]) -> dict:
+    """What `ecq status` and `ecq inspect` say of the queues on ``node``."""
+    status = ecq_json("status", admin=node.admin_port)
+    figures = {"status": (status["queues"], status["messages"], status["bytes"])}
+    for clientid in clientids:
+        info = ecq_json("inspect", clientid, admin=node.admin_port)
+        figures[clientid] = (info["last_seqno"], info["stored"], info["pending"], info["acked"])
+    return figures
+
+
+def test_status_and_inspect_show_the_same_figures_on_either_node(cluster_nodes, connect):
+    node1, node2 = started(cluster_nodes())
+    producer1, producer2 = connect(node1.port, "producer-1"), connect(node2.port, "producer-2")
+    for key in ("k0", "k1", "k0"):  # k0 twice: compacted to one entry
+        write(producer1, "ops-a", key, "v1")
+    write(producer2, "ops-a", "k2", "v2")
+    write(producer2, "ops-b", "k0", "v2")
+    consumer = connect(node2.port, "ops-a", manual_ack=True)
+    consumer.subscribe("$ECQ/ops-a/#")
+    first, _second, _third = consumer.expect(3)
+    consumer.ack(first)
+    seen: list[dict] = []
+
+    def settled() -> bool:
+        seen[:] = [queue_figures(node, ["ops-a", "ops-b"]) for node in (node1, node2)]
+        one = seen[0]
+        return seen[0] == seen[1] and one["status"][:2] == (2, 4) and one["ops-a"][1:3] == (3, 2) \
+            and one["ops-a"][3] > 0 and one["ops-b"][1:] == (1, 1, 0)
+    assert wait_until(settled, 15, 0.5), f"node 1 and node 2 report: {seen}"
+
+
+def metric(text: str, name: str) -> float | None:
+    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+def test_metrics_show_the_nats_link_and_the_jetstream_publish_latency(cluster_nodes, connect):
+    node1, node2 = started(cluster_nodes())
+    producer = connect(node1.port, "producer")
+    for i in range(3):
+        write(producer, "met", f"k{i}", "v")
+    texts = [metrics_text(node) for node in (node1, node2)]
+    assert [metric(text, "ecq_nats_connected") for text in texts] == [1.0, 1.0]
+    assert metric(texts[0], "ecq_jetstream_publish_seconds_count") >= 3
+
+
+def lake_events(lake: Path) -> list[dict]:
+    import pyarrow.dataset as ds
+    return ds.dataset(lake, format="parquet", partitioning="hive").to_table(columns=["type", "clientid", "key"]) \
+        .to_pylist()
+
+
+def test_the_queue_events_of_both_nodes_land_in_one_lake_counted_once(cluster_nodes, connect, tmp_path):
+    lake = tmp_path / "lake"
+    node1, node2 = started(cluster_nodes(lake_dir=lake, export_interval="200ms"))
+    producer1, producer2 = connect(node1.port, "producer-1"), connect(node2.port, "producer-2")
+    for i in range(5):
+        write(producer1, "ev", f"n1-{i}", "v")
+    for i in range(4):
+        write(producer2, "ev", f"n2-{i}", "v")
+    consumer = connect(node2.port, "ev")
+    consumer.subscribe("$ECQ/ev/#")
+    assert len(consumer.expect(9)) == 9
+    assert wait_until(lambda: ecq_json("inspect", "ev", admin=node2.admin_port)["pending"] == 0, 10)
+    for client in (consumer, producer1, producer2):
+        client.close()
+    assert [node.stop() for node in (node1, node2)] == [0, 0]  # the final export flushes every event
+    events = [e for e in lake_events(lake) if e["clientid"] == "ev"]
+    counts = {kind: sum(1 for e in events if e["type"] == kind) for kind in ("appended", "delivered", "acked")}
+    assert counts == {"appended": 9, "delivered": 9, "acked": 9}
+    assert sorted(e["key"] for e in events if e["type"] == "appended") == sorted(
+        [f"n1-{i}" for i in range(5)] + [f"n2-{i}" for i in range(4)])
