@@ -46,44 +46,50 @@ def test_a_write_on_one_node_reaches_its_consumer_on_the_other_in_realtime(clust
     assert max(latencies) < REALTIME_BOUND_S, f"write-to-delivery latencies across nodes: {latencies}"
 
 
-def test_a_consumer_that_acked_on_one_node_resumes_after_its_acked_position_on_the_other(cluster_nodes, connect):
-    node1, node2 = started(cluster_nodes())
-    producer = connect(node1.port, "producer")
-    for i in range(3):
-        write(producer, "rs", f"k{i}", f"v{i}")
-    first = RawClient(node1.port, "rs")
+def hop_between_nodes(nodes: list[BrokerProcess], connect, clientid: str, rounds: int, takeover: bool) -> None:
+    """A consumer that moves to the other node every round, acking all but the last message it got before it
+    leaves: by closing its connection first, or (``takeover``) by connecting anew while the old connection is
+    open, which the old node must then close within TAKEOVER_BOUND_S. Each round it must get exactly the one
+    message it left unacked (never one it acked), then the round's two new writes (made through both nodes)."""
+    producers = [connect(node.port, f"producer-{i}") for i, node in enumerate(nodes)]
+    unacked: list[bytes] = []
+    old: RawClient | None = None
     try:
-        first.subscribe(b"$ECQ/rs/#")
-        delivered = receive(first, 3)
-        assert [topic for topic, _id, _payload in delivered] == [b"$ECQ/rs/k0", b"$ECQ/rs/k1", b"$ECQ/rs/k2"]
-        first.puback(delivered[0][1], delivered[1][1])  # k2 never acked
+        for round_ in range(rounds):
+            arriving = time.monotonic()
+            consumer = RawClient(nodes[round_ % 2].port, clientid)  # raw: paho would reconnect by itself
+            if old is not None:
+                old.read_until_closed(timeout=TAKEOVER_BOUND_S + 1)
+                closed_after = time.monotonic() - arriving
+                assert closed_after < TAKEOVER_BOUND_S, f"round {round_}: old connection closed after {closed_after:.2f} s"
+                old.close()
+            consumer.subscribe(f"$ECQ/{clientid}/#".encode())
+            delivered = receive(consumer, len(unacked))
+            keys = [f"r{round_}-a", f"r{round_}-b"]
+            for producer, key in zip(producers, keys):
+                write(producer, clientid, key, key)
+            delivered += receive(consumer, 2)
+            expected = unacked + [f"$ECQ/{clientid}/{key}".encode() for key in keys]
+            assert [topic for topic, _id, _payload in delivered] == expected, f"round {round_}"
+            consumer.puback(*[packet_id for _topic, packet_id, _payload in delivered[:-1]])
+            unacked = [delivered[-1][0]]
+            if takeover:
+                old = consumer
+            else:
+                consumer.close()
     finally:
-        first.close()
-    assert drain(connect, node2.port, "rs", 1) == [("$ECQ/rs/k2", b"v2")]
+        if old is not None:
+            old.close()
+    last_key = unacked[0].decode().rsplit("/", 1)[1]
+    assert drain(connect, nodes[rounds % 2].port, clientid, 1) == [(unacked[0].decode(), last_key.encode())]
+
+
+def test_a_consumer_that_acked_on_one_node_resumes_after_its_acked_position_on_the_other(cluster_nodes, connect):
+    hop_between_nodes(started(cluster_nodes()), connect, "hop", rounds=8, takeover=False)
 
 
 def test_a_takeover_across_nodes_closes_the_old_connection_and_moves_delivery(cluster_nodes, connect):
-    node1, node2 = started(cluster_nodes())
-    producers = [connect(node1.port, "producer-1"), connect(node2.port, "producer-2")]
-    for i in range(4):
-        write(producers[i % 2], "tk", f"k{i}", f"v{i}")
-    old = RawClient(node1.port, "tk")  # raw: paho would reconnect by itself and take the clientid back
-    try:
-        old.subscribe(b"$ECQ/tk/#")
-        delivered = receive(old, 4)
-        old.puback(delivered[0][1], delivered[1][1])  # k2, k3 delivered on node 1, never acked
-        taking_over = time.monotonic()
-        new = connect(node2.port, "tk")
-        old.read_until_closed(timeout=TAKEOVER_BOUND_S + 1)
-        closed_after = time.monotonic() - taking_over
-    finally:
-        old.close()
-    assert closed_after < TAKEOVER_BOUND_S, f"the old connection was closed after {closed_after:.2f} s"
-    assert new.subscribe("$ECQ/tk/#") == 1
-    for i in range(4, 8):
-        write(producers[i % 2], "tk", f"k{i}", f"v{i}")
-    assert topics_payloads(new.expect(6)) == [(f"$ECQ/tk/k{i}", f"v{i}".encode()) for i in range(2, 8)]
-    assert new.quiet(1.0) == []
+    hop_between_nodes(started(cluster_nodes()), connect, "tk", rounds=8, takeover=True)
 
 
 # --- point 6: ordinary MQTT across nodes -----------------------------------------------------------
