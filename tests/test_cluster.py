@@ -185,8 +185,9 @@ def lake_events(lake: Path) -> list[dict]:
         .to_pylist()
 
 
-def test_the_queue_events_of_both_nodes_land_in_one_lake_counted_once(cluster_nodes, connect, tmp_path):
-    lake = tmp_path / "lake"
+def make_cluster_lake(cluster_nodes, connect, lake: Path) -> None:
+    """Two nodes sharing ``lake``: 5 writes to queue ev through node 1, 4 through node 2, all delivered to and
+    acked by its consumer on node 2; both nodes stopped (their final export flushes every event)."""
     node1, node2 = started(cluster_nodes(lake_dir=lake, export_interval="200ms"))
     producer1, producer2 = connect(node1.port, "producer-1"), connect(node2.port, "producer-2")
     for i in range(5):
@@ -199,9 +200,29 @@ def test_the_queue_events_of_both_nodes_land_in_one_lake_counted_once(cluster_no
     assert wait_until(lambda: ecq_json("inspect", "ev", admin=node2.admin_port)["pending"] == 0, 10)
     for client in (consumer, producer1, producer2):
         client.close()
-    assert [node.stop() for node in (node1, node2)] == [0, 0]  # the final export flushes every event
+    assert [node.stop() for node in (node1, node2)] == [0, 0]
+
+
+def test_the_queue_events_of_both_nodes_land_in_one_lake_counted_once(cluster_nodes, connect, tmp_path):
+    lake = tmp_path / "lake"
+    make_cluster_lake(cluster_nodes, connect, lake)
     events = [e for e in lake_events(lake) if e["clientid"] == "ev"]
     counts = {kind: sum(1 for e in events if e["type"] == kind) for kind in ("appended", "delivered", "acked")}
     assert counts == {"appended": 9, "delivered": 9, "acked": 9}
     assert sorted(e["key"] for e in events if e["type"] == "appended") == sorted(
         [f"n1-{i}" for i in range(5)] + [f"n2-{i}" for i in range(4)])
+
+
+@pytest.mark.timeout(300)
+def test_the_spark_report_counts_the_events_of_both_nodes_once(cluster_nodes, connect, tmp_path):
+    # ~30 s alone (a local Spark JVM starts; shared with the pipeline tests when they run in the same session)
+    from click.testing import CliRunner
+
+    from ecq.pipeline.cli import pipeline
+    from ecq.pipeline.report import read_table
+    lake, out = tmp_path / "lake", tmp_path / "report"
+    make_cluster_lake(cluster_nodes, connect, lake)
+    result = CliRunner().invoke(pipeline, ["report", "--lake", str(lake), "--out", str(out), "--master", "local[2]"])
+    assert result.exit_code == 0, result.output
+    [row] = [r for r in read_table(out, "consumers").to_pylist() if r["clientid"] == "ev"]
+    assert (row["appended"], row["delivered"], row["redeliveries"], row["acked"], row["backlog"]) == (9, 9, 0, 9, 0)
