@@ -64,6 +64,38 @@ async def _delete_streams(urls: list[str], namespace: str) -> None:
         await client.close()
 
 
+@pytest.fixture
+def cluster_nodes(tmp_path, request):
+    """Factory: cluster_nodes(count=2, nats=None, lake_dir=None, **options) -> ``count`` ECQ brokers (not started)
+    on one NATS cluster in one namespace: the session's ``nats_cluster`` in this test's namespace (see
+    jetstream_options) unless ``nats`` (a LocalNatsCluster of the test's own) is given. Node i (1, 2, ... across
+    every call of the test) has workdir ``tmp_path/node-<i>`` and node_name ``node-<i>``; ``lake_dir``, when
+    given, is shared by the nodes. Every node is killed at teardown."""
+    made: list[BrokerProcess] = []
+
+    def factory(count: int = 2, nats=None, lake_dir=None, **options) -> list[BrokerProcess]:
+        if nats is None:
+            base = request.getfixturevalue("jetstream_options")
+        else:
+            base = {"backend": "jetstream", "nats_servers": nats.urls, "jetstream_namespace": "ECQT",
+                    "jetstream_shards": 2}
+        if lake_dir is not None:
+            options["lake_dir"] = str(lake_dir)
+        nodes = []
+        for _ in range(count):
+            name = f"node-{len(made) + 1}"
+            workdir = tmp_path / name
+            workdir.mkdir()
+            node = BrokerProcess(workdir, **base, node_name=name, **options)
+            made.append(node)
+            nodes.append(node)
+        return nodes
+
+    yield factory
+    for node in made:
+        node.kill()
+
+
 @pytest.fixture(params=["leveldb", "jetstream"])
 def backend_broker(request, broker_process):
     """Factory like make_broker, once per storage backend: the embedded LevelDB, and JetStream on the session's

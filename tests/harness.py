@@ -61,9 +61,10 @@ class Client:
         self._c.subscribe(topic_filter, qos)
         return self.suback.get(timeout=10)[0]
 
-    def publish(self, topic: str, payload: bytes | str, qos: int = 1, timeout: float = 10.0) -> None:
+    def publish(self, topic: str, payload: bytes | str, qos: int = 1, timeout: float = 10.0,
+                retain: bool = False) -> None:
         """PUBLISH and, for QoS 1/2, wait for the broker's acknowledgement (raises TimeoutError)."""
-        info = self._c.publish(topic, payload, qos)
+        info = self._c.publish(topic, payload, qos, retain)
         info.wait_for_publish(timeout)
         if not info.is_published():
             raise TimeoutError(f"no acknowledgement for PUBLISH to {topic!r}")
@@ -180,6 +181,11 @@ class RawClient:
     def receive(self) -> tuple[int, bytes]:
         """The next packet the broker sends: (first byte, body)."""
         return self._recv()
+
+    def puback(self, *packet_ids: int) -> None:
+        """Acknowledge QoS 1 PUBLISHes the broker sent, in one ``sendall`` (one segment: Nagle's algorithm
+        would hold a second small write until the broker's delayed ACK, ~40 ms)."""
+        self.send_raw(b"".join(fixed_header(0x40, 2) + struct.pack(">H", packet_id) for packet_id in packet_ids))
 
     def send_raw(self, packets: bytes) -> None:
         """Write already encoded packets in one ``sendall``: the broker reads them from one buffer."""

@@ -8,6 +8,8 @@ import subprocess
 import time
 import urllib.request
 
+import pytest
+
 from tests.harness import ECQ, free_port, wait_until
 
 RULES = """
@@ -21,6 +23,12 @@ RULES = """
 {allow, all, subscribe, ["$ECQ/#"]}.
 {allow, all}.
 """
+
+
+@pytest.fixture
+def make_broker(backend_broker):
+    """Every test with a live broker runs on each storage backend (LevelDB, JetStream)."""
+    return backend_broker
 
 
 def acl_broker(make_broker, tmp_path, rules: str = RULES, **options):

@@ -132,11 +132,13 @@ class ClusterBus:
         clientid = untoken(msg.subject.rsplit(".", 1)[1])
         log.info("ECQ takeover: %s connected to broker %s; closing its connection here", clientid,
                  msg.data.decode(errors="replace"))
-        await self._unhold(clientid)
+        held = self._held.pop(clientid, None)
         try:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._release(clientid), self._loop))
         finally:
             await msg.respond(b"released")
+            if held is not None:  # last: nats-py's unsubscribe cancels the task running this very callback
+                await held.unsubscribe()
 
     def _session_subject(self, clientid: str) -> str:
         return f"{self._settings.jetstream_namespace}.session.{token(clientid)}"

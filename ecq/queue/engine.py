@@ -243,13 +243,18 @@ class QueueEngine:
 
     async def release(self, clientid: str) -> None:
         """Stop delivering to ``clientid`` and return once the acks it sent are saved (at most ACK_SETTLE_S):
-        another broker of the cluster is taking the queue over and reads the saved position next."""
+        another broker of the cluster is taking the queue over and reads the saved position next. On a shared
+        store the consumer, once saved and still offline, is forgotten: the other broker advances its acks, so
+        an attach here later must read them again rather than resume from what this broker remembers."""
         if (consumer := self.consumers.get(clientid)) is None:
             return
         consumer.detach()
         deadline = asyncio.get_running_loop().time() + ACK_SETTLE_S
         while consumer.saving and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.005)
+        if self.store.shared and not consumer.online and not consumer.saving \
+                and self.consumers.get(clientid) is consumer:
+            del self.consumers[clientid]
 
     def connection_of(self, clientid: str) -> Any:
         """The connection ``clientid``'s queue is delivered to, or None."""
