@@ -232,9 +232,10 @@ async def test_a_late_ack_save_cannot_overwrite_a_rewind(tmp_path):
         connection = FakeConnection()
         consumer.attach(connection)
         await settle(lambda: len(connection.sent) == 2)
-        connection.ack()
-        await settle(lambda: consumer.saves_pending == 1)  # the save of acked=2 is in flight, slowly
+        connection.ack(1)
+        await settle(lambda: consumer.saves_pending == 1)  # the save of acked=1 is in flight, slowly
         await consumer.rewind(0)
+        await settle(lambda: not consumer.saving)
         assert store.ack_state("q").acked == 0
     finally:
         consumer.detach()
@@ -247,8 +248,10 @@ class SlowReads(LevelDbStore):
     """LevelDB whose reads of a queue take ``delay_s`` (in the reader threads)."""
 
     delay_s = 0.3
+    reads_begun = 0
 
     def read_after(self, *args, **kwargs):
+        self.reads_begun += 1
         time.sleep(self.delay_s)
         return super().read_after(*args, **kwargs)
 
@@ -263,7 +266,8 @@ async def test_a_read_in_progress_when_a_rewind_comes_does_not_deliver_from_the_
         await write(parts, "a", "b", "c", "d")
         consumer, _seen = make_consumer(parts, window=2)
         connection = FakeConnection()
-        consumer.attach(connection)  # its first read, after seqno 0, takes delay_s
+        consumer.attach(connection)
+        await settle(lambda: store.reads_begun == 1)  # the first read, after seqno 0, takes delay_s
         await consumer.rewind(2)
         await settle(lambda: len(connection.sent) == 2)
         assert [payload for _topic, payload in connection.sent] == [b"c", b"d"]
