@@ -118,6 +118,8 @@ def test_ecq_rewind_and_the_admin_api_rewind_an_offline_queue(backend_broker, co
     assert consume_and_leave(broker, connect, "off", 3) == everything
     status, body = admin_post(broker, f"/api/v1/queues/off/rewind?to={first_seqno}")
     assert (status, body) == (200, {"clientid": "off", "acked": first_seqno})
+    broker.kill()  # the answer came once the rewind was stored: it survives kill -9
+    broker.start()
     assert consume_and_leave(broker, connect, "off", 2) == everything[1:]
     latest = ecq("rewind", "off", "latest", admin=broker.admin_port)
     assert latest.returncode == 0 and f"acked seqno {queue(broker, 'off')['last_seqno']}" in latest.stdout
