@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import urllib.error
 import urllib.request
 
 import pyarrow.dataset as ds
