@@ -37,6 +37,7 @@ from ecq.ops.client import (EXIT_NOT_FOUND, Unreachable, call_admin, check_answe
                             render_status)
 from ecq.ops.status import broker_status, queue_info
 from ecq.queue.store import StoreError
+from ecq.queue.topics import BadWrite, parse_rewind_point
 from ecq.queue.leveldb import LevelDbStore
 from ecq.queue.leveldb_files import repair as repair_store
 
@@ -320,6 +321,25 @@ def gc(admin: str, token: str | None, as_json: bool) -> None:
     """Run garbage collection now on the running broker."""
     data = check_answer(*call_admin(admin, "/api/v1/gc", token, method="POST"))
     emit(data, as_json, lambda d: f"GC deleted {d['deleted']} expired entries")
+
+
+@main.command()
+@click.argument("clientid")
+@click.argument("point", metavar="(N|earliest|latest|since:MS)")
+@admin_options
+def rewind(clientid: str, point: str, admin: str, token: str | None, as_json: bool) -> None:
+    """Rewind the queue of CLIENTID on the running broker, online or offline: the next delivery is the first stored
+    entry after seqno N, the oldest stored entry (earliest), the next write (latest), or the first entry published
+    at or after MS, ms since the Unix epoch (since:MS). Prints the new acked seqno."""
+    try:
+        parse_rewind_point(point)
+    except BadWrite as exc:
+        raise click.BadParameter(str(exc), param_hint="POINT") from None
+    path = (f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}/rewind"
+            f"?to={urllib.request.quote(point, safe='')}")
+    data = check_answer(*call_admin(admin, path, token, method="POST"))
+    emit(data, as_json, lambda d: f"rewound {d['clientid']}: acked seqno {d['acked']}, the next delivery is the "
+                                  f"first stored entry after it")
 
 
 @main.command("show-config")

@@ -155,3 +155,124 @@ async def test_a_window_emptied_by_compaction_reads_on_when_the_acks_came_during
         await pool.close()
         reader.shutdown()
         store.close()
+
+
+async def test_a_rewind_while_online_forgets_the_inflight_and_redelivers_from_the_rewind_point(parts):
+    store = parts[0]
+    await write(parts, "a", "b", "c")
+    consumer, seen = make_consumer(parts, window=2)
+    connection = FakeConnection()
+    consumer.attach(connection)
+    await settle(lambda: len(connection.sent) == 2)
+    connection.ack(1)
+    await settle(lambda: store.ack_state("q").acked == 1 and len(connection.sent) == 3)
+    await consumer.rewind(0)  # b and c are in flight: forgotten, not waited for
+    assert store.ack_state("q").acked == 0 and not consumer.attempts
+    await settle(lambda: len(connection.sent) == 5)
+    assert [payload for _topic, payload in connection.sent] == [b"a", b"b", b"c", b"a", b"b"]
+    assert connection.unacked == 2 and seen.acks == [1]  # the forgotten sends of b and c are not awaited
+    connection.ack()
+    await settle(lambda: len(connection.sent) == 6)
+    connection.ack()
+    await settle(lambda: store.ack_state("q").acked == 3)
+    assert [payload for _topic, payload in connection.sent[5:]] == [b"c"]
+    assert seen.sends[-3:] == [(1, 1), (2, 1), (3, 1)]  # a rewind starts counting sends afresh
+
+
+async def test_a_rewind_clears_the_seqnos_acked_out_of_order(parts):
+    store = parts[0]
+    await write(parts, "a", "b", "c", "d")
+    consumer, _seen = make_consumer(parts, window=2, state=AckState(acked=1, above={3}))
+    await consumer.rewind(1)
+    assert store.ack_state("q").above == set()
+    connection = FakeConnection()
+    consumer.attach(connection)
+    await settle(lambda: len(connection.sent) == 2)
+    assert [payload for _topic, payload in connection.sent] == [b"b", b"c"]  # c, acked out of order, comes again
+
+
+async def test_a_rewind_while_offline_is_saved_and_the_next_attach_resumes_there(parts):
+    store = parts[0]
+    await write(parts, "a", "b", "c", "d")
+    consumer, _seen = make_consumer(parts, window=3)
+    await consumer.rewind(2)
+    assert store.ack_state("q").acked == 2 and not consumer.online
+    connection = FakeConnection()
+    consumer.attach(connection)
+    await settle(lambda: len(connection.sent) == 2)
+    assert [payload for _topic, payload in connection.sent] == [b"c", b"d"]
+
+
+class FirstAckSaveSlow(LevelDbStore):
+    """LevelDB whose first ack-state commit takes ``delay_s`` and the others none, in writer threads: a save
+    that overtook the slow one would commit first and be overwritten by it."""
+
+    delay_s = 0.3
+    slowed = False
+
+    def commits_without_waiting(self) -> bool:
+        return False
+
+    def commit(self, ops):
+        if any(isinstance(op, SaveAck) for op in ops) and not self.slowed:
+            self.slowed = True
+            time.sleep(self.delay_s)
+        return super().commit(ops)
+
+
+async def test_a_late_ack_save_cannot_overwrite_a_rewind(tmp_path):
+    store = FirstAckSaveSlow(tmp_path / "db")
+    pool = WriterPool(store, 2, lambda ops, results: None)
+    pool.start()
+    reader = BatchedReader(threads=1)
+    parts = (store, pool, reader, [])
+    try:
+        await write(parts, "a", "b")
+        consumer, _seen = make_consumer(parts, window=2)
+        connection = FakeConnection()
+        consumer.attach(connection)
+        await settle(lambda: len(connection.sent) == 2)
+        connection.ack(1)
+        await settle(lambda: consumer.saves_pending == 1)  # the save of acked=1 is in flight, slowly
+        await consumer.rewind(0)
+        await settle(lambda: not consumer.saving)
+        assert store.ack_state("q").acked == 0
+    finally:
+        consumer.detach()
+        await pool.close()
+        reader.shutdown()
+        store.close()
+
+
+class SlowReads(LevelDbStore):
+    """LevelDB whose reads of a queue take ``delay_s`` (in the reader threads)."""
+
+    delay_s = 0.3
+    reads_begun = 0
+
+    def read_after(self, *args, **kwargs):
+        self.reads_begun += 1
+        time.sleep(self.delay_s)
+        return super().read_after(*args, **kwargs)
+
+
+async def test_a_read_in_progress_when_a_rewind_comes_does_not_deliver_from_the_old_position(tmp_path):
+    store = SlowReads(tmp_path / "db")
+    pool = WriterPool(store, 1, lambda ops, results: None)
+    pool.start()
+    reader = BatchedReader(threads=1)
+    parts = (store, pool, reader, [])
+    try:
+        await write(parts, "a", "b", "c", "d")
+        consumer, _seen = make_consumer(parts, window=2)
+        connection = FakeConnection()
+        consumer.attach(connection)
+        await settle(lambda: store.reads_begun == 1)  # the first read, after seqno 0, takes delay_s
+        await consumer.rewind(2)
+        await settle(lambda: len(connection.sent) == 2)
+        assert [payload for _topic, payload in connection.sent] == [b"c", b"d"]
+    finally:
+        consumer.detach()
+        await pool.close()
+        reader.shutdown()
+        store.close()

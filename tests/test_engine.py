@@ -7,12 +7,14 @@ import dataclasses
 
 import pytest
 
+import ecq.queue.rewind
 from ecq.config import EcqSettings
 from ecq.queue.clock import now_ms
 from ecq.queue.engine import QueueEngine
 from ecq.queue.leveldb import LevelDbStore
 from ecq.queue.snapshots import ConsumerSnapshot, Totals
 from ecq.queue.store import Append, Appended
+from ecq.queue.topics import RewindPoint
 from ecq.queue.writer import PoolClosed
 from tests.fake_connection import FakeConnection, publish, settle
 
@@ -42,6 +44,9 @@ class Noted:
 
     def gc_started(self):
         self.events.append(("gc_started",))
+
+    def rewound(self, clientid, point, acked):
+        self.events.append(("rewound", clientid, str(point), acked))
 
 
 def settings(tmp_path) -> EcqSettings:
@@ -133,3 +138,45 @@ async def test_a_closed_engine_refuses_writes(tmp_path):
     await engine.close()
     with pytest.raises(PoolClosed):
         engine.write("c", "k", b"v")
+
+
+async def test_each_rewind_point_on_a_queue_with_a_gap_is_stored_and_tells_observers(tmp_path, monkeypatch):
+    monkeypatch.setattr(ecq.queue.rewind, "PAGE", 1)  # since: reads page after page
+    store = LevelDbStore(tmp_path / "db")
+    t = now_ms() - 10_000
+    store.commit([Append("r", "a", b"a1", t), Append("r", "b", b"b", t + 1000), Append("r", "a", b"a2", t + 2000),
+                  Append("r", "c", b"c", t + 3000)])  # a1 (seqno 1) compacted away: stored 2 (b), 3 (a2), 4 (c)
+    store.close()
+    engine = QueueEngine(settings(tmp_path), publish)
+    noted = Noted()
+    engine.observers.append(noted)
+    await engine.start()
+    try:
+        for point, acked in [(RewindPoint("latest"), 4), (RewindPoint("earliest"), 1), (RewindPoint("seqno", 3), 3),
+                             (RewindPoint("since", t), 1), (RewindPoint("since", t + 2000), 2),
+                             (RewindPoint("since", t + 3001), 4), (RewindPoint("since", t + 1500), 2)]:
+            assert await engine.rewind("r", point) == acked, point
+            assert (await engine.read(engine.store.ack_state, "r")).acked == acked
+        assert ("rewound", "r", f"since:{t + 1500}", 2) == noted.events[-1]
+        connection = FakeConnection()
+        await engine.attach("r", connection)
+        await settle(lambda: len(connection.sent) == 2)
+        assert connection.sent == [("$ECQ/r/a", b"a2"), ("$ECQ/r/c", b"c")]
+        assert await engine.rewind("empty", RewindPoint("earliest")) == 0
+        assert await engine.rewind("empty", RewindPoint("since", t)) == 0
+    finally:
+        await engine.close()
+
+
+async def test_a_rewind_of_an_online_consumer_restarts_its_delivery_at_once(engine):
+    engine, _noted = engine
+    for key in ("a", "b"):
+        await engine.write("on", key, key.encode())
+    connection = FakeConnection()
+    await engine.attach("on", connection)
+    await settle(lambda: len(connection.sent) == 2)
+    connection.ack()
+    await settle(lambda: engine.snapshot().consumers["on"].acked == 2)
+    assert await engine.rewind("on", RewindPoint("earliest")) == 0
+    await settle(lambda: len(connection.sent) == 4)
+    assert connection.sent[2:] == [("$ECQ/on/a", b"a"), ("$ECQ/on/b", b"b")]

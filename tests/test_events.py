@@ -96,7 +96,8 @@ async def test_every_event_type_lands_once_with_the_schema_and_hour_partitions(t
     recorder.record("acked", ts_ms=T0 + HOUR_MS, key="d", seqno=2, payload_bytes=5, **common)
     recorder.record("expired", ts_ms=T0 + HOUR_MS + 1, key="e", seqno=3, payload_bytes=5, **common)
     recorder.record("refused", ts_ms=T0 + 2 * HOUR_MS, key="f", reason="bad_key", topic="$ECQ/w/c1/+")
-    await wait_for(lambda: recorder.stats()["exported_items"] == 6)
+    recorder.record("rewound", ts_ms=T0 + 2 * HOUR_MS + 1, clientid="c1", seqno=0, reason="earliest")
+    await wait_for(lambda: recorder.stats()["exported_items"] == 7)
     await exporter.close()
     await recorder.close()
 
@@ -107,15 +108,18 @@ async def test_every_event_type_lands_once_with_the_schema_and_hour_partitions(t
         assert pq.read_schema(path).remove_metadata() == SCHEMA
     rows = lake_rows(lake)
     assert [(r["type"], r["key"]) for r in rows] == [
-        ("appended", "a"), ("compacted", "b"), ("delivered", "c"), ("acked", "d"), ("expired", "e"), ("refused", "f")]
-    compacted, delivered, refused = rows[1], rows[2], rows[5]
+        ("rewound", None), ("appended", "a"), ("compacted", "b"), ("delivered", "c"), ("acked", "d"), ("expired", "e"),
+        ("refused", "f")]
+    rewound, compacted, delivered, refused = rows[0], rows[2], rows[3], rows[6]
     assert (compacted["seqno"], compacted["replaced_seqno"], compacted["payload_bytes"]) == (2, 1, None)
     assert (delivered["attempt"], delivered["ts_ms"]) == (2, T0 + 2)
     assert (refused["clientid"], refused["reason"], refused["topic"], refused["seqno"]) == (
         None, "bad_key", "$ECQ/w/c1/+", None)
+    assert (rewound["clientid"], rewound["seqno"], rewound["reason"], rewound["publish_ts_ms"]) == (
+        "c1", 0, "earliest", None)
     assert recorder.stats() | {"buffered_bytes": 0} == {
-        "recorded": 6, "dropped_items": 0, "dropped_bytes": 0, "invalid": 0, "pending_items": 0,
-        "buffered_items": 0, "buffered_bytes": 0, "exported_items": 6, "export_errors": 0, "lake_ok": True}
+        "recorded": 7, "dropped_items": 0, "dropped_bytes": 0, "invalid": 0, "pending_items": 0,
+        "buffered_items": 0, "buffered_bytes": 0, "exported_items": 7, "export_errors": 0, "lake_ok": True}
 
 
 async def test_record_stamps_now_when_no_time_is_given(tmp_path):

@@ -5,13 +5,18 @@ from __future__ import annotations
 import pytest
 
 from ecq.queue.topics import (
+    MAX_SEQNO,
     BadWrite,
+    RewindPoint,
     Write,
     delivery_topic,
     is_ecq_topic,
+    parse_rewind_point,
+    parse_rewind_target,
     parse_target,
     parse_write,
     queue_filter,
+    rewind_topic,
     write_topic,
 )
 
@@ -60,6 +65,8 @@ def test_bad_write_is_a_value_error():
     ("$ECQ/w/", None),
     ("$ECQ/car7/k", None),
     ("other/w/car7/k", None),
+    ("$ECQ/ctl/car7/rewind", "car7"),
+    ("$ECQ/ctl//rewind", None),
 ])
 def test_parse_target_reads_the_clientid_when_there_is_one(topic, clientid):
     assert parse_target(topic) == clientid
@@ -91,3 +98,48 @@ def test_write_topic_round_trips_through_parse_write(clientid, key):
 
 def test_write_topic_with_a_slash_in_the_clientid_parses_as_another_queue():
     assert parse_write(write_topic("a/b", "k"), 0, LIMIT) == Write("a", "b/k")
+
+
+@pytest.mark.parametrize("payload, point", [
+    ("0", RewindPoint("seqno", 0)),
+    (b"42", RewindPoint("seqno", 42)),
+    (str(MAX_SEQNO), RewindPoint("seqno", MAX_SEQNO)),
+    ("earliest", RewindPoint("earliest")),
+    (b"latest\n", RewindPoint("latest")),  # mosquitto_pub -l / -s send a trailing newline
+    ("since:1700000000000", RewindPoint("since", 1_700_000_000_000)),
+])
+def test_rewind_payloads_parse_and_print_back(payload, point):
+    assert parse_rewind_point(payload) == point
+    assert parse_rewind_point(str(point)) == point
+
+
+@pytest.mark.parametrize("payload", ["", "-1", "+1", "1.5", "0x10", "Latest", "earliest please", "since:", "since:-1",
+                                     "since: 5", str(MAX_SEQNO + 1), "\u0663", b"\xff", b"x" * 100_000])
+def test_malformed_rewind_payloads_are_bad_rewind(payload):
+    with pytest.raises(BadWrite) as caught:
+        parse_rewind_point(payload)
+    assert caught.value.reason == "bad_rewind"
+    assert len(str(caught.value)) < 200  # a large payload is not copied into the log line
+
+
+def test_the_owner_may_rewind_its_queue():
+    assert rewind_topic("car7") == "$ECQ/ctl/car7/rewind"
+    assert parse_rewind_target("$ECQ/ctl/car7/rewind", "car7") == "car7"
+
+
+@pytest.mark.parametrize("topic, publisher, reason", [
+    ("$ECQ/ctl/car7/rewind", "car8", "not_owner"),
+    ("$ECQ/ctl/car7/rewind", "", "not_owner"),
+    ("$ECQ/ctl/car7/reset", "car7", "not_a_write"),
+    ("$ECQ/ctl/car7/rewind/x", "car7", "not_a_write"),
+    ("$ECQ/ctl/car7", "car7", "not_a_write"),
+    ("$ECQ/car7/rewind", "car7", "not_a_write"),
+    ("$ECQ/ctl//rewind", "", "empty_clientid"),
+    ("$ECQ/ctl/c+r/rewind", "c+r", "bad_clientid"),
+    ("$ECQ/ctl/w/rewind", "w", "bad_clientid"),
+    ("$ECQ/ctl/ctl/rewind", "ctl", "bad_clientid"),
+])
+def test_rewind_topic_refusals_name_their_reason(topic, publisher, reason):
+    with pytest.raises(BadWrite) as caught:
+        parse_rewind_target(topic, publisher)
+    assert caught.value.reason == reason

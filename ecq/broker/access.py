@@ -9,7 +9,7 @@ from amqtt.session import Session
 
 from ecq.broker.acl import Acl, ClientInfo, Decision, load_acl
 from ecq.config import EcqSettings
-from ecq.queue.topics import is_ecq_topic, queue_filter
+from ecq.queue.topics import RESERVED_CLIENTIDS, is_ecq_topic, queue_filter
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,14 @@ class AccessControl:
         """QoS to grant for a SUBSCRIBE to an ``$ECQ/`` filter, or None to refuse it (SUBACK 0x80).
 
         Only ``<clientid>`` may subscribe to ``$ECQ/<clientid>/#``; QoS 0 is refused, QoS 2 is granted as
-        QoS 1 (MQTT 3.1.1 section 3.9.3).
+        QoS 1 (MQTT 3.1.1 section 3.9.3). Clients ``w`` and ``ctl`` own no queue: their filter would read the
+        writes or control topics of every queue.
         """
+        if clientid in RESERVED_CLIENTIDS:
+            log.warning("ECQ refused SUBSCRIBE of %s to %r: the clientids %s cannot own an ECQ queue ($ECQ/w/ and "
+                        "$ECQ/ctl/ are the write and control topics); connect with another clientid",
+                        clientid, topic_filter, " and ".join(sorted(RESERVED_CLIENTIDS)))
+            return None
         if topic_filter != queue_filter(clientid):
             log.warning("ECQ refused SUBSCRIBE of %s to %r: a client may only read its own queue %r",
                         clientid, topic_filter, queue_filter(clientid))

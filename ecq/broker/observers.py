@@ -13,6 +13,7 @@ from typing import Any
 from ecq.config import EcqSettings
 from ecq.queue.clock import now_ms
 from ecq.queue.store import Append, Appended, ExpiredRow, Message
+from ecq.queue.topics import RewindPoint
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +21,7 @@ GC_EVENTS_PENDING = 2048  # GC waits while more events than this wait for the re
 
 
 class QueueEvents:
-    """Records one queue event per append, compaction, expiry, send and PUBACK, and refused writes
+    """Records one queue event per append, compaction, expiry, send, PUBACK and rewind, and refused writes
     (a queue engine observer). ``recorder`` is an ``ecq.events.EventRecorder``."""
 
     def __init__(self, settings: EcqSettings) -> None:
@@ -84,6 +85,10 @@ class QueueEvents:
         """An ``acked`` event."""
         self.recorder.record("acked", ts_ms=now_ms(), clientid=clientid, key=message.key, seqno=message.seqno,
                              publish_ts_ms=message.ts_ms, payload_bytes=len(message.payload))
+
+    def rewound(self, clientid: str, point: RewindPoint, acked: int) -> None:
+        """A ``rewound`` event: ``seqno`` is the new acked seqno, ``reason`` the point as asked."""
+        self.recorder.record("rewound", ts_ms=now_ms(), clientid=clientid, seqno=acked, reason=str(point))
 
     def store_error(self, op: str, exc: Exception) -> None:
         """Not an event."""

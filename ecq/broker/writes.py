@@ -1,5 +1,6 @@
 """Writes under ``$ECQ/``: a PUBLISH checked (topic grammar, payload size, ACL), stored through the queue
-engine, then acknowledged."""
+engine, then acknowledged. A rewind (``$ECQ/ctl/<clientid>/rewind`` from the owner) takes the same path: checked,
+done by the engine, then acknowledged."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from ecq.config import EcqSettings
 from ecq.ops.metrics import EcqMetrics
 from ecq.queue.engine import QueueEngine
 from ecq.queue.throttle import LogThrottle
-from ecq.queue.topics import BadWrite, parse_target, parse_write
+from ecq.queue.topics import BadWrite, is_ctl_topic, parse_rewind_point, parse_rewind_target, parse_target, parse_write
 from ecq.queue.writer import PoolClosed
 
 log = logging.getLogger(__name__)
@@ -58,10 +59,12 @@ class EcqWrites:
         topic, payload, qos, packet_id = packet.topic_name, bytes(packet.data), packet.qos, packet.packet_id
         received = time.monotonic()
         try:
-            write = parse_write(topic, len(payload), self._max_payload_bytes)
-            if not self._access.allows(handler.session, "publish", topic):
-                raise BadWrite("acl_denied", f"refused write to {topic!r}: denied by the ACL")
-            future = self._engine.write(write.clientid, write.key, payload)
+            if is_ctl_topic(topic):
+                future = self._rewind(handler, topic, payload)
+            else:
+                write = parse_write(topic, len(payload), self._max_payload_bytes)
+                self._check_acl(handler, topic, "write to")
+                future = self._engine.write(write.clientid, write.key, payload)
         except BadWrite as exc:
             self._refuse(handler, topic, exc)
             await _after(previous)
@@ -72,7 +75,8 @@ class EcqWrites:
             return
         try:
             await future
-            self._metrics.append_latency.observe(time.monotonic() - received)
+            if not is_ctl_topic(topic):
+                self._metrics.append_latency.observe(time.monotonic() - received)
         except Exception as exc:
             if (held_back := self._failure_log.due()) is not None:
                 log.error("ECQ write to %r failed (%s); closing publisher %s so it resends (%d more failed "
@@ -85,6 +89,19 @@ class EcqWrites:
             await hooks.acknowledge(handler, qos, packet_id)
         except (OSError, AMQTTError, TimeoutError) as exc:  # stored; the publisher resends if it reconnects
             log.info("ECQ could not acknowledge a stored write to %r: %s", topic, exc or type(exc).__name__)
+
+    def _check_acl(self, handler: BrokerProtocolHandler, topic: str, what: str) -> None:
+        if not self._access.allows(handler.session, "publish", topic):
+            raise BadWrite("acl_denied", f"refused {what} {topic!r}: denied by the ACL")
+
+    def _rewind(self, handler: BrokerProtocolHandler, topic: str, payload: bytes) -> asyncio.Future:
+        """Start the rewind a PUBLISH to ``$ECQ/ctl/<clientid>/rewind`` asks for; the future resolves once it is
+        stored. Raises BadWrite: ``not_owner`` (the publisher is not ``<clientid>``), ``acl_denied``,
+        ``bad_rewind`` (a malformed payload), or a topic reason (see parse_rewind_target)."""
+        clientid = parse_rewind_target(topic, hooks.client_id(handler) or "")
+        self._check_acl(handler, topic, "rewind")
+        point = parse_rewind_point(payload)
+        return asyncio.ensure_future(self._engine.rewind(clientid, point))
 
     def _refuse(self, handler: BrokerProtocolHandler, topic: str, exc: BadWrite) -> None:
         self._metrics.writes_refused.labels(exc.reason).inc()

@@ -18,6 +18,10 @@ GET    /api/v1/health               ``{"status": "ok"}``; 503 ``{"status": "degr
 GET    /api/v1/status               queues, messages, bytes, consumers online, first/last index entries
 GET    /api/v1/queues/{clientid}    one queue (see ecq.ops.status.queue_info); 404 when unknown
 POST   /api/v1/gc                   run GC now: ``{"deleted": rows}``
+POST   /api/v1/queues/{clientid}/   rewind the queue (``to``: ``N``, ``earliest``, ``latest`` or ``since:<unix ms>``):
+       rewind?to=POINT              ``{"clientid": ..., "acked": N}`` once stored (the next delivery is the
+                                    first stored entry above N); 400 for a bad ``to``, 503 when it cannot be
+                                    stored now
 GET    /api/v1/config?which=W       plugin options, ``origin`` (as given) or ``inuse`` (as parsed)
 POST   /api/v1/acl/reload           reload the ACL file: ``{"reloaded": true, "rules": n}``; 400 and the
                                     parse error when the file is bad (the old rules stay)
@@ -38,6 +42,9 @@ from ecq.config import is_loopback
 from ecq.ops.metrics import EcqMetrics
 from ecq.ops.status import broker_status, queue_info
 from ecq.queue.engine import QueueEngine
+from ecq.queue.store import StoreError
+from ecq.queue.topics import RESERVED_CLIENTIDS, BadWrite, parse_rewind_point
+from ecq.queue.writer import PoolClosed
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +82,7 @@ def build_app(engine: QueueEngine, controls: BrokerControls, metrics: EcqMetrics
         web.get("/api/v1/status", _status),
         web.get("/api/v1/queues/{clientid}", _queue),
         web.post("/api/v1/gc", _gc),
+        web.post("/api/v1/queues/{clientid}/rewind", _rewind),
         web.get("/api/v1/config", _config),
         web.post("/api/v1/acl/reload", _acl_reload),
         web.get("/metrics", _metrics),
@@ -170,6 +178,22 @@ async def _queue(request: web.Request) -> web.Response:
 
 async def _gc(request: web.Request) -> web.Response:
     return web.json_response({"deleted": await request.app[_ENGINE].run_gc()})
+
+
+async def _rewind(request: web.Request) -> web.Response:
+    clientid = request.match_info["clientid"]
+    try:
+        if clientid in RESERVED_CLIENTIDS:
+            raise BadWrite("bad_clientid", f"{clientid!r} cannot own a queue")
+        point = parse_rewind_point(request.query.get("to", ""))
+    except BadWrite as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    try:
+        acked = await request.app[_ENGINE].rewind(clientid, point)
+    except (TimeoutError, StoreError, PoolClosed) as exc:
+        return web.json_response({"error": f"rewind of {clientid!r} not stored: {exc or type(exc).__name__}"},
+                                 status=503)
+    return web.json_response({"clientid": clientid, "acked": acked})
 
 
 async def _config(request: web.Request) -> web.Response:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from ecq.queue.store import Append, Appended, ExpiredRow, Message
+from ecq.queue.topics import RewindPoint
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -37,6 +38,7 @@ class EcqMetrics:
         self.gc_runs = Counter("ecq_gc_runs", "garbage collection passes", registry=r)
         self.store_errors = Counter("ecq_store_errors", "LevelDB operations that failed, by op (read: a damaged "
                                     "block stopped a queue's delivery; write: a commit failed)", ["op"], registry=r)
+        self.rewinds = Counter("ecq_rewinds", "queues rewound (ctl topic, ecq rewind, admin API)", registry=r)
         self.gc_deleted = Counter("ecq_gc_deleted_rows", "entries deleted by garbage collection", registry=r)
         self.append_latency = Histogram("ecq_append_latency_seconds", "PUBLISH received to write committed",
                                         buckets=_LATENCY_BUCKETS_S, registry=r)
@@ -101,3 +103,7 @@ class MetricsObserver:
     def gc_started(self) -> None:
         """Count a GC pass."""
         self._m.gc_runs.inc()
+
+    def rewound(self, clientid: str, point: RewindPoint, acked: int) -> None:
+        """Count a rewind."""
+        self._m.rewinds.inc()

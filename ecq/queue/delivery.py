@@ -16,6 +16,9 @@ save (disk full) is retried every ``SAVE_RETRY_S`` and holds delivery meanwhile.
 The consumer reads up to one window ahead of what is in flight, so one store read (a thread hop)
 serves about one window of PUBACKs instead of each PUBACK causing a read (the reads benchmark's profile). A
 read-ahead message that compaction superseded meanwhile is dropped, one that expired is skipped.
+
+A rewind (:meth:`Consumer.rewind`) sets ``acked`` to a chosen seqno and forgets everything in flight; its
+save queues behind the consumer's own save, so a late ack save cannot overwrite it.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ class Consumer:
         self.inflight: dict[int, asyncio.Task] = {}
         self.saves_pending = 0              # SaveAck ops submitted and not yet committed (0 or 1)
         self._save_due = False              # the state changed while a save was in flight
+        self._rewinds = 0                   # rewinds so far; each save notes how many its snapshot includes
+        self._rewind_waiters: list[tuple[int, asyncio.Future]] = []  # (rewinds, resolved once such a save commits)
         self._store, self._pool, self._publish, self._observer = store, pool, publish, observer
         self._read_store = read
         self.attempts: dict[int, int] = {}  # sends so far of each unacked seqno, across connections
@@ -106,6 +111,35 @@ class Consumer:
         self._read_cursor = self.state.acked
         self.connection = None
         self._pump_task = None
+
+    def rewind(self, acked: int) -> asyncio.Future:
+        """Move the queue's position to ``acked``: the next delivery is the first stored entry with a seqno above it.
+
+        Inflight sends are forgotten (their PUBACKs, if any come, count for nothing), the read-ahead, the
+        handed-out seqnos, the send counts and the seqnos acked out of order are cleared; when a connection is
+        attached, delivery restarts from ``acked`` at once (after the save below, like any ack). The new state is
+        saved through the writer pool after any save of this consumer already in flight, so an older snapshot
+        cannot overwrite it. Returns a future resolved once a save holding this rewind is committed; it fails
+        with PoolClosed when the broker is shutting down.
+        """
+        for task in self.inflight.values():
+            task.cancel()
+        self.inflight.clear()
+        self._handed.clear()
+        self._ready.clear()
+        self.attempts.clear()
+        self.state = AckState(acked, self.state.last_ack_ms, set())
+        self._read_cursor = acked
+        self._newest = _UNKNOWN  # read until a short read
+        if self._pump_task:  # a read in progress would bring back entries after the old cursor
+            self._pump_task.cancel()
+            self._pump_task = asyncio.create_task(self._pump(), name=f"ecq-deliver-{self.clientid}")
+        self._rewinds += 1
+        stored = asyncio.get_running_loop().create_future()
+        self._rewind_waiters.append((self._rewinds, stored))
+        self._save()
+        self.wake()
+        return stored
 
     @property
     def saving(self) -> bool:
@@ -236,13 +270,15 @@ class Consumer:
         snapshot = AckState(self.state.acked, self.state.last_ack_ms, set(self.state.above))
         try:
             future = self._pool.submit(self.clientid, SaveAck(self.clientid, snapshot))
-        except PoolClosed:
+        except PoolClosed as exc:
             log.warning("ECQ broker shutting down: ack state of %s up to seqno %d not saved", self.clientid, snapshot.acked)
+            self._settle_rewinds(self._rewinds, exc)
             return
         self.saves_pending += 1
-        future.add_done_callback(self._saved)
+        rewinds = self._rewinds
+        future.add_done_callback(lambda done: self._saved(done, rewinds))
 
-    def _saved(self, future: asyncio.Future) -> None:
+    def _saved(self, future: asyncio.Future, rewinds: int) -> None:
         self.saves_pending -= 1
         if not future.cancelled() and future.exception():
             log.error("ECQ saving the state of consumer %s failed: %s; delivery to it waits and the save is "
@@ -250,10 +286,21 @@ class Consumer:
             self._save_due = True
             asyncio.get_running_loop().call_later(SAVE_RETRY_S, self._retry_save)
             return
+        self._settle_rewinds(rewinds)
         if self._save_due:
             self._save()
         else:
             self.wake()  # the acks are stored: delivery may go on
+
+    def _settle_rewinds(self, rewinds: int, error: Exception | None = None) -> None:
+        """Resolve the futures of the rewinds up to number ``rewinds`` (their state is committed), or fail them."""
+        settled = [future for number, future in self._rewind_waiters if number <= rewinds]
+        self._rewind_waiters = [(number, future) for number, future in self._rewind_waiters if number > rewinds]
+        for future in (f for f in settled if not f.done()):
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
 
     def _retry_save(self) -> None:
         if self._save_due and not self.saves_pending:

@@ -22,9 +22,11 @@ from ecq.queue.deadlines import SharedDeadline
 from ecq.queue.delivery import Consumer, Publish
 from ecq.queue.gc import run_gc
 from ecq.queue.readers import BatchedReader
+from ecq.queue.rewind import rewind_seqno
 from ecq.queue.snapshots import ConsumerSnapshot, EngineSnapshot, Totals, consumer_snapshot
 from ecq.queue.store import (AckState, Append, Appended, Expire, ExpiredRow, Message, Op, QueueStore, StoreError,
                              StoreReadError)
+from ecq.queue.topics import RewindPoint
 from ecq.queue.writer import WriterPool
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,9 @@ class QueueObserver(Protocol):
 
     def gc_started(self) -> None:
         """A GC pass begins."""
+
+    def rewound(self, clientid: str, point: RewindPoint, acked: int) -> None:
+        """The queue of ``clientid`` was rewound to ``point``: its acked seqno is now ``acked`` (stored)."""
 
 
 def open_store(settings: EcqSettings) -> QueueStore:
@@ -214,12 +219,37 @@ class QueueEngine:
             state = await self._load_ack_state(clientid, still_current)
             if state is None:
                 return
-            self.consumers.setdefault(clientid, Consumer(
-                clientid, state, store=self.store, pool=self.pool, publish=self._publish, observer=self,
-                read=self._read_soon, window=self.settings.reader_batch_size, read_deadline=self._read_deadline,
-                retention_s=self.settings.data_retention))
+            self._consumer(clientid, state)
         if not self.closing and still_current():
             self.consumers[clientid].attach(connection)
+
+    def _consumer(self, clientid: str, state: AckState) -> Consumer:
+        """The consumer of ``clientid``; a new one from ``state`` unless one was made meanwhile (an attach and a
+        rewind may both have been loading the state)."""
+        return self.consumers.setdefault(clientid, Consumer(
+            clientid, state, store=self.store, pool=self.pool, publish=self._publish, observer=self,
+            read=self._read_soon, window=self.settings.reader_batch_size, read_deadline=self._read_deadline,
+            retention_s=self.settings.data_retention))
+
+    async def rewind(self, clientid: str, point: RewindPoint) -> int:
+        """Rewind the queue of ``clientid`` to ``point``; returns the new acked seqno once it is stored.
+
+        The next delivery is the first stored entry with a seqno above it (see ecq.queue.rewind for each
+        kind of point); entries compaction or GC removed are not brought back. An online consumer's inflight
+        sends are forgotten and its delivery restarts from there at once; an offline one resumes from there on
+        its next attach. The state is saved through the queue's writer agent behind the consumer's own saves.
+        Raises TimeoutError (not stored within ``write_timeout``), PoolClosed (shutting down), or what the
+        store's reads and commits raise.
+        """
+        acked = await self.read(rewind_seqno, self.store, clientid, point)
+        if clientid not in self.consumers:
+            state = await self.read(self.store.ack_state, clientid)
+            self._consumer(clientid, state)
+        await self._write_deadline.watch(self.consumers[clientid].rewind(acked))
+        log.info("ECQ rewound the queue of %s to %s: acked seqno %d", clientid, point, acked)
+        for observer in self.observers:
+            observer.rewound(clientid, point, acked)
+        return acked
 
     async def _load_ack_state(self, clientid: str, still_current: Callable[[], bool]) -> AckState | None:
         """The stored ack state of ``clientid``, read again every ``read_timeout`` while the store cannot answer

@@ -3,15 +3,24 @@
 - producer PUBLISH   ``$ECQ/w/<clientid>/<key>``  (``<key>`` may itself contain ``/``)
 - consumer SUBSCRIBE ``$ECQ/<clientid>/#``        (only by the client ``<clientid>``, QoS 1)
 - broker PUBLISH     ``$ECQ/<clientid>/<key>``    (QoS 1, payload unchanged)
+- owner PUBLISH      ``$ECQ/ctl/<clientid>/rewind`` (payload: a :class:`RewindPoint`, see :func:`parse_rewind_point`)
+
+``w`` and ``ctl`` name the write and control namespaces, so clients with those ids cannot own a queue.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 PREFIX = "$ECQ/"
 WRITE_PREFIX = "$ECQ/w/"
+CTL_PREFIX = "$ECQ/ctl/"
+REWIND_COMMAND = "rewind"
+RESERVED_CLIENTIDS = frozenset({"w", "ctl"})  # $ECQ/w/... and $ECQ/ctl/... are not queues
+MAX_SEQNO = 2**63 - 1  # the largest seqno or time a rewind payload may name (the int64 event columns)
 _FORBIDDEN = ("+", "#", "\x00")
+_REWIND_PAYLOAD = re.compile(r"(?:(?P<seqno>[0-9]{1,19})|(?P<word>earliest|latest)|since:(?P<since>[0-9]{1,19}))")
 
 
 class BadWrite(ValueError):
@@ -69,10 +78,75 @@ def parse_write(topic: str, payload_size: int, max_payload_bytes: int) -> Write:
 
 
 def parse_target(topic: str) -> str | None:
-    """The clientid a PUBLISH under ``$ECQ/w/`` was meant for, when one can be read from it (for logs and events)."""
-    if not topic.startswith(WRITE_PREFIX):
-        return None
-    return topic[len(WRITE_PREFIX):].partition("/")[0] or None
+    """The clientid a PUBLISH under ``$ECQ/w/`` or ``$ECQ/ctl/`` was meant for, when one can be read from it
+    (for logs and events)."""
+    for prefix in (WRITE_PREFIX, CTL_PREFIX):
+        if topic.startswith(prefix):
+            return topic[len(prefix):].partition("/")[0] or None
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class RewindPoint:
+    """Where a rewind puts a queue's acked position. ``kind``: ``seqno`` (``value`` is the seqno N: the next
+    delivery is the first stored entry with seqno > N), ``earliest`` (from the oldest stored entry), ``latest``
+    (skip everything stored now) or ``since`` (``value`` in ms since the Unix epoch: from the first stored entry
+    published at or after it). ``str()`` gives the payload form back."""
+
+    kind: str
+    value: int = 0
+
+    def __str__(self) -> str:
+        if self.kind == "seqno":
+            return str(self.value)
+        return f"since:{self.value}" if self.kind == "since" else self.kind
+
+
+def is_ctl_topic(topic: str) -> bool:
+    """True for ``$ECQ/ctl/...``, the control topics (only ``$ECQ/ctl/<clientid>/rewind`` exists)."""
+    return topic.startswith(CTL_PREFIX)
+
+
+def rewind_topic(clientid: str) -> str:
+    """Topic the owner publishes a rewind of its queue on: ``$ECQ/ctl/<clientid>/rewind``."""
+    return f"{CTL_PREFIX}{clientid}/{REWIND_COMMAND}"
+
+
+def parse_rewind_point(text: str | bytes) -> RewindPoint:
+    """Parse a rewind payload: a decimal seqno ``N``, ``earliest``, ``latest`` or ``since:<unix ms>`` (ASCII,
+    surrounding whitespace ignored; numbers up to ``MAX_SEQNO``). Raises BadWrite with reason ``bad_rewind`` (its
+    message quotes at most the first 40 characters)."""
+    decoded = text.decode("ascii", "replace") if isinstance(text, bytes) else text
+    match = _REWIND_PAYLOAD.fullmatch(decoded.strip())
+    number = int(match["seqno"] or match["since"] or 0) if match else 0
+    if match is None or number > MAX_SEQNO:
+        raise BadWrite("bad_rewind", f"refused rewind payload {text[:40]!r}: expected a seqno N (0..{MAX_SEQNO}), "
+                                     "'earliest', 'latest' or 'since:<unix ms>'")
+    if match["word"]:
+        return RewindPoint(match["word"])
+    return RewindPoint("seqno" if match["seqno"] else "since", number)
+
+
+def parse_rewind_target(topic: str, publisher: str) -> str:
+    """The clientid of ``$ECQ/ctl/<clientid>/rewind`` published by the client ``publisher``.
+
+    Raises BadWrite with reason ``not_a_write`` (another topic, or another command under ``$ECQ/ctl/``),
+    ``empty_clientid``, ``bad_clientid`` (``+``, ``#`` or NUL inside, or ``w``/``ctl``) or ``not_owner``
+    (``publisher`` is not ``<clientid>``: only a queue's owner may rewind it).
+    """
+    clientid, _, command = topic[len(CTL_PREFIX):].partition("/")
+    if not is_ctl_topic(topic) or command != REWIND_COMMAND:
+        raise BadWrite("not_a_write", f"refused PUBLISH to {topic!r}: the control topic is "
+                                      f"{CTL_PREFIX}<clientid>/{REWIND_COMMAND}")
+    if not clientid:
+        raise BadWrite("empty_clientid", f"refused rewind {topic!r}: empty clientid")
+    if any(ch in clientid for ch in _FORBIDDEN) or clientid in RESERVED_CLIENTIDS:
+        raise BadWrite("bad_clientid", f"refused rewind {topic!r}: clientid contains '+', '#' or NUL, or is "
+                                       f"{' or '.join(sorted(RESERVED_CLIENTIDS))}")
+    if publisher != clientid:
+        raise BadWrite("not_owner", f"refused rewind {topic!r}: only the client {clientid!r} may rewind its queue, "
+                                    f"not {publisher!r}")
+    return clientid
 
 
 def queue_filter(clientid: str) -> str:
