@@ -185,3 +185,16 @@ def _rewound_events(lake) -> list[tuple]:
         return []
     rows = ds.dataset(lake, format="parquet", partitioning="hive").to_table(columns=list(COLUMNS)).to_pylist()
     return [(r["clientid"], r["seqno"], r["reason"]) for r in rows if r["type"] == "rewound"]
+
+
+def test_a_rewind_on_one_cluster_node_then_acks_on_the_other_are_not_undone_by_the_first(cluster_nodes, connect):
+    # Node 1 rewinds the offline queue (and so holds its consumer in memory); the consumer then reads and acks
+    # everything through node 2. Coming back to node 1, it must get nothing: node 1 reads the acks node 2 saved
+    # instead of resuming from the state it remembered.
+    node1, node2 = (node.start() for node in cluster_nodes(2))
+    producer = connect(node1.port, "producer")
+    for i in range(3):
+        write(producer, "hop", f"k{i}", f"v{i}")
+    assert ecq("rewind", "hop", "earliest", admin=node1.admin_port).returncode == 0
+    assert len(consume_and_leave(node2, connect, "hop", 3)) == 3
+    assert consume_and_leave(node1, connect, "hop", 0) == []

@@ -42,6 +42,8 @@ def test_payload_at_the_limit_is_accepted():
     ("$ECQ/w/car+/k", 1, "bad_clientid"),
     ("$ECQ/w/car#/k", 1, "bad_clientid"),
     ("$ECQ/w/car\x00/k", 1, "bad_clientid"),
+    ("$ECQ/w/w/k", 1, "bad_clientid"),
+    ("$ECQ/w/ctl/k", 1, "bad_clientid"),
     ("$ECQ/w/car7/k+", 1, "bad_key"),
     ("$ECQ/w/car7/a/#", 1, "bad_key"),
     ("$ECQ/w/car7/k\x00", 1, "bad_key"),

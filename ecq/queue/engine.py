@@ -215,6 +215,9 @@ class QueueEngine:
         """
         if self.closing:
             return
+        if self.store.shared and (cached := self.consumers.get(clientid)) and not cached.online \
+                and not cached.saving:
+            del self.consumers[clientid]  # another broker may have moved its acks on (or rewound it): read them
         if clientid not in self.consumers:
             state = await self._load_ack_state(clientid, still_current)
             if state is None:

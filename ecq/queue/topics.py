@@ -57,7 +57,8 @@ def parse_write(topic: str, payload_size: int, max_payload_bytes: int) -> Write:
     """Parse ``$ECQ/w/<clientid>/<key>`` (payload size in bytes) into a :class:`Write`.
 
     Raises BadWrite with reason ``not_a_write`` (a PUBLISH to ``$ECQ/<clientid>/...``), ``empty_clientid``,
-    ``empty_key``, ``bad_clientid``/``bad_key`` (``+``, ``#`` or NUL inside) or ``payload_too_large``.
+    ``empty_key``, ``bad_clientid``/``bad_key`` (``+``, ``#`` or NUL inside; a clientid ``w`` or ``ctl``, whose
+    queue nobody could read) or ``payload_too_large``.
     """
     if not topic.startswith(WRITE_PREFIX):
         raise BadWrite("not_a_write", f"refused PUBLISH to {topic!r}: ECQ writes go to $ECQ/w/<clientid>/<key>")
@@ -69,6 +70,9 @@ def parse_write(topic: str, payload_size: int, max_payload_bytes: int) -> Write:
     for label, value in (("clientid", clientid), ("key", key)):
         if any(ch in value for ch in _FORBIDDEN):
             raise BadWrite(f"bad_{label}", f"refused write to {topic!r}: {label} contains '+', '#' or NUL")
+    if clientid in RESERVED_CLIENTIDS:
+        raise BadWrite("bad_clientid", f"refused write to {topic!r}: {clientid!r} cannot own a queue ($ECQ/w/ and "
+                                       "$ECQ/ctl/ are ECQ's own topics)")
     if payload_size > max_payload_bytes:
         raise BadWrite(
             "payload_too_large",
