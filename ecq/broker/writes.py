@@ -138,5 +138,5 @@ class ArrivalOrder:
 
 
 async def _after(previous: asyncio.Future | None) -> None:
-    if previous is not None:
-        await asyncio.shield(previous)
+    if previous is not None and not previous.done():  # usually done: no extra loop iteration then
+        await asyncio.shield(previous)  # shielded: a cancelled write must not cancel the one before it
