@@ -31,12 +31,12 @@ from ecq.broker.amqtt_hooks import acks, bad_clients, cluster, conformance, ecq_
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import broadcast_from_cluster
 from ecq.broker.amqtt_hooks.conformance import set_session_expiry
-from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge, client_id, close_connection, connection_is_open,
+from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge_soon, client_id, close_connection, connection_is_open,
                                               listener_addresses, live_connection, publish_qos1, send_soon,
                                               set_listen_backlog)
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 
-__all__ = ["EcqHooksTarget", "ProtocolViolation", "acknowledge", "broadcast_from_cluster", "client_id", "close_connection",
+__all__ = ["EcqHooksTarget", "ProtocolViolation", "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection",
            "connection_is_open", "install", "listener_addresses", "live_connection", "publish_qos1", "send_soon", "set_listen_backlog",
            "set_session_expiry"]
 

@@ -18,6 +18,7 @@ connection and event-loop iteration (one ``send`` per packet was 14 % of the loo
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 from typing import Any
@@ -39,6 +40,8 @@ SUBACK_FAILURE = 0x80
 _QOS2_PUBREL_TIMEOUT_S = 10.0
 _unsent: dict[BrokerProtocolHandler, list[bytes]] = {}  # packets queued by send_soon, per connection
 
+
+log = logging.getLogger(__name__)
 
 def take_ecq_publishes() -> None:
     """Hand every PUBLISH under ``$ECQ/`` to the plugin's ``handle_ecq_publish`` instead of amqtt's
@@ -123,6 +126,20 @@ async def acknowledge(handler: BrokerProtocolHandler, qos: int, packet_id: int |
         finally:
             handler._pubrel_waiters.pop(packet_id, None)
         await handler._send_packet(PubcompPacket.build(packet_id))
+
+
+def acknowledge_soon(handler: BrokerProtocolHandler, qos: int, packet_id: int | None) -> None:
+    """Start :func:`acknowledge` now: a QoS 1 PUBACK is queued at once (``send_soon``), a QoS 2 flow runs in a
+    task of its own (its PUBREC is sent before anything started later); a failure is logged, not raised."""
+    if qos == QOS_1:
+        send_soon(handler, PubackPacket.build(packet_id).to_bytes())
+    elif qos == 2:
+        asyncio.ensure_future(acknowledge(handler, qos, packet_id)).add_done_callback(_log_ack_failure)
+
+
+def _log_ack_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.info("ECQ could not finish a QoS 2 acknowledgement: %s", exc or type(exc).__name__)
 
 
 async def publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: bytes) -> None:
