@@ -46,6 +46,7 @@ def test_status_and_inspect_follow_writes_and_acks(broker, connect):
     before = json.loads(ecq("inspect", "client1", "--json", admin=broker.admin_port).stdout)
     assert (before["acked"], before["last_ack_ts"], before["range"], before["pending"], before["online"]) == (
         0, None, "[2,...,4]", 3, False)
+    assert before["pending_bytes"] == 3 and 0 <= before["oldest_pending_age_s"] < 60
     consumer = connect(broker.port, "client1", manual_ack=True)
     consumer.subscribe("$ECQ/client1/#")
     first, second, _third = consumer.expect(3)
@@ -57,9 +58,11 @@ def test_status_and_inspect_follow_writes_and_acks(broker, connect):
     assert wait_until(lambda: inspect_json()["acked"] == 3, 10)  # the two PUBACKs reached the broker
     after = inspect_json()
     assert (after["acked"], after["pending"], after["inflight"], after["online"]) == (3, 1, 1, True)
+    assert after["pending_bytes"] == 1
     assert after["last_ack_ts"].endswith("Z")
     human = ecq("inspect", "client1", admin=broker.admin_port)
     assert "queue range: [2,...,4]" in human.stdout and "acked:       3" in human.stdout
+    assert "pending:     1 (1 bytes, oldest " in human.stdout
     status_text = ecq("status", admin=broker.admin_port).stdout
     assert "consumers online:  1" in status_text and "client1  acked 3" in status_text
 

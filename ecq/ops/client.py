@@ -83,8 +83,13 @@ def render_queue(d: dict[str, Any]) -> str:
     return "\n".join([f"clientid:    {d['clientid']}", f"acked:       {d['acked']}",
                       f"last ack:    {d['last_ack_ts'] or 'never'}", f"queue range: {d['range']}",
                       f"last seqno:  {d['last_seqno']}", f"stored:      {d['stored']}",
-                      f"pending:     {d['pending']}", f"inflight:    {d['inflight']}",
+                      f"pending:     {d['pending']} ({d['pending_bytes']} bytes, oldest "
+                      f"{_age(d['oldest_pending_age_s'])})", f"inflight:    {d['inflight']}",
                       f"online:      {'yes' if d['online'] else 'no'}"])
+
+
+def _age(seconds: float | None) -> str:
+    return "none" if seconds is None else f"{seconds:.1f} s old"
 
 
 def _index_line(entry: dict[str, Any] | None) -> str:

@@ -7,10 +7,12 @@ Timestamps are RFC 3339 strings in UTC (or null); counts are entries; bytes are 
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from collections.abc import Iterator
 from typing import Any
 
+from ecq.queue.clock import now_ms
 from ecq.queue.snapshots import ConsumerSnapshot, EngineSnapshot
-from ecq.queue.store import AckState, IndexEntry, QueueStore
+from ecq.queue.store import AckState, IndexEntry, Message, QueueStore
 
 CONSUMERS_LISTED = 100
 
@@ -34,13 +36,16 @@ def queue_info(store: QueueStore, clientid: str, consumer: ConsumerSnapshot | No
     the running broker's view of its consumer (None: the stored state).
 
     Keys: clientid, acked, last_ack_ts, last_seqno, range, stored, pending (stored and not acked),
-    inflight, online.
+    pending_bytes (their payload bytes), oldest_pending_age_s (seconds since the oldest of them was published,
+    null when none), inflight, online. Reads the whole queue: O(stored entries).
     """
     state = consumer.ack_state() if consumer else store.ack_state(clientid)
     last_seqno = store.last_seqno(clientid)
     if last_seqno == 0 and state == AckState():
         return None
-    seqnos = list(store.seqnos(clientid))
+    entries = list(_stored(store, clientid))
+    seqnos = [m.seqno for m in entries]
+    pending = [m for m in entries if m.seqno > state.acked and m.seqno not in state.above]
     return {
         "clientid": clientid,
         "acked": state.acked,
@@ -48,10 +53,19 @@ def queue_info(store: QueueStore, clientid: str, consumer: ConsumerSnapshot | No
         "last_seqno": last_seqno,
         "range": format_range(seqnos),
         "stored": len(seqnos),
-        "pending": sum(1 for s in seqnos if s > state.acked and s not in state.above),
+        "pending": len(pending),
+        "pending_bytes": sum(len(m.payload) for m in pending),
+        "oldest_pending_age_s": round((now_ms() - min(m.ts_ms for m in pending)) / 1000, 3) if pending else None,
         "inflight": consumer.inflight if consumer else 0,
         "online": bool(consumer and consumer.online),
     }
+
+
+def _stored(store: QueueStore, clientid: str, page: int = 256) -> Iterator[Message]:
+    after = 0
+    while batch := store.read_after(clientid, after, page):
+        yield from batch
+        after = batch[-1].seqno
 
 
 def broker_status(store: QueueStore, snapshot: EngineSnapshot | None = None) -> dict[str, Any]:
