@@ -175,8 +175,12 @@ class EcqSettings(BaseModel):
         the event lake live, and how many writer agents run."""
         admin = f"http://{self.admin_bind}/" if self.admin_bind else "off"
         lake = self.effective_lake_dir() if self.events else "off (events: false)"
+        queues = "queues in LevelDB" if self.backend == "leveldb" else (
+            f"queues on JetStream at {', '.join(self.nats_servers)} (namespace {self.jetstream_namespace}, "
+            f"{self.jetstream_shards} shards, {self.jetstream_replicas} replicas; node {self.effective_node_name()})")
         return (f"MQTT on {', '.join(listeners) or 'no TCP listener'} (listen backlog {self.listen_backlog}); "
-                f"admin API {admin}; data_dir {self.data_dir}; lake {lake}; {self.effective_pool_size()} writer agents")
+                f"admin API {admin}; {queues}; data_dir {self.data_dir}; lake {lake}; "
+                f"{self.effective_pool_size()} writer agents")
 
     def effective_lake_dir(self) -> Path:
         """Where exported events go: ``lake_dir``, or ``<data_dir>/lake``."""

@@ -130,7 +130,14 @@ def test_start_up_log_says_where_everything_is(make_broker):
     assert f"MQTT on 127.0.0.1:{broker.port} (listen backlog 1024)" in line
     assert f"admin API http://127.0.0.1:{broker.admin_port}/" in line
     assert f"data_dir {broker.data_dir};" in line and f"lake {broker.data_dir / 'lake'};" in line
-    assert line.endswith("3 writer agents")
+    assert "; queues in LevelDB;" in line and line.endswith("3 writer agents")
+
+
+def test_a_cluster_node_says_where_its_queues_are_at_start_up(broker_process, jetstream_options):
+    broker = broker_process(**jetstream_options, node_name="node-7").start()
+    [line] = [line for line in broker.log().splitlines() if "ECQ ready:" in line]
+    assert (f"queues on JetStream at {', '.join(jetstream_options['nats_servers'])} (namespace "
+            f"{jetstream_options['jetstream_namespace']}, 2 shards, 3 replicas; node node-7)") in line
 
 
 def test_version():
