@@ -1,8 +1,8 @@
 """The ``ecq`` command line (console script).
 
 ``ecq broker`` runs amqtt with the ECQ plugin in the foreground. ``ecq status``, ``ecq inspect``,
-``ecq gc``, ``ecq rewind``, ``ecq delete``, ``ecq purge`` and ``ecq show-config`` talk to a running broker through its admin API (ecq.ops.client); when no
-broker answers, ``status`` and ``inspect`` read the data directory directly. ``ecq repair`` rebuilds a
+``ecq gc``, ``ecq rewind``, ``ecq delete``, ``ecq purge`` and ``ecq show-config`` talk to a running broker
+through its admin API (ecq.ops.client); when no broker answers, ``status`` and ``inspect`` read the data directory directly. ``ecq repair`` rebuilds a
 damaged store.
 
 Exit codes: 0 ok, 1 not found (or, for ``broker``, a runtime failure such as a port in use, a locked or
