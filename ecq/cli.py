@@ -1,8 +1,8 @@
 """The ``ecq`` command line (console script).
 
 ``ecq broker`` runs amqtt with the ECQ plugin in the foreground. ``ecq status``, ``ecq inspect``,
-``ecq gc`` and ``ecq show-config`` talk to a running broker through its admin API (ecq.ops.client); when no
-broker answers, ``status`` and ``inspect`` read the data directory directly. ``ecq repair`` rebuilds a
+``ecq gc``, ``ecq rewind``, ``ecq delete``, ``ecq purge`` and ``ecq show-config`` talk to a running broker
+through its admin API (ecq.ops.client); when no broker answers, ``status`` and ``inspect`` read the data directory directly. ``ecq repair`` rebuilds a
 damaged store.
 
 Exit codes: 0 ok, 1 not found (or, for ``broker``, a runtime failure such as a port in use, a locked or
@@ -340,6 +340,30 @@ def rewind(clientid: str, point: str, admin: str, token: str | None, as_json: bo
     data = check_answer(*call_admin(admin, path, token, method="POST"))
     emit(data, as_json, lambda d: f"rewound {d['clientid']}: acked seqno {d['acked']}, the next delivery is the "
                                   f"first stored entry after it")
+
+
+@main.command()
+@click.argument("clientid")
+@click.argument("key")
+@admin_options
+def delete(clientid: str, key: str, admin: str, token: str | None, as_json: bool) -> None:
+    """Delete KEY from the queue of CLIENTID on the running broker: writes a tombstone (an empty payload), which the
+    consumer gets once as an empty PUBLISH. Refused when the broker runs with tombstones: false. Prints its seqno."""
+    path = (f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}/delete"
+            f"?key={urllib.request.quote(key, safe='')}")
+    data = check_answer(*call_admin(admin, path, token, method="POST"))
+    emit(data, as_json, lambda d: f"deleted {d['key']} of {d['clientid']}: tombstone seqno {d['seqno']}")
+
+
+@main.command()
+@click.argument("clientid")
+@admin_options
+def purge(clientid: str, admin: str, token: str | None, as_json: bool) -> None:
+    """Delete every stored entry of the queue of CLIENTID on the running broker. Its seqno counter and acked position
+    stay, so nothing is delivered twice and the next write is delivered. Prints how many entries were deleted."""
+    path = f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}/purge"
+    data = check_answer(*call_admin(admin, path, token, method="POST"))
+    emit(data, as_json, lambda d: f"purged {d['clientid']}: {d['purged']} entries deleted")
 
 
 @main.command("show-config")

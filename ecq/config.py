@@ -74,6 +74,9 @@ class EcqSettings(BaseModel):
     data_dir: Path = Field(default=Path("storage"), description="LevelDB directory; created if missing")
     writer_pool_size: Int = Field(default=0, ge=0, le=10240, description="writer agents; 0 = CPU count")
     data_retention: Retention = Field(default=7 * 86400.0, description="age after which GC deletes a write")
+    tombstones: StrictBool = Field(default=True, description="an empty payload deletes its key: delivered once as an "
+                                   "empty PUBLISH, then removed on its PUBACK or after tombstone_retention")
+    tombstone_retention: Retention = Field(default=86400.0, description="age after which GC deletes a tombstone")
     gc_interval: GcInterval = Field(default=3600.0, description="time between GC passes")
     reader_batch_size: Int = Field(default=5, ge=1, le=31, description="inflight window per consumer")
     write_timeout: Timer = Field(default=5.0, description="an append not committed in time fails")

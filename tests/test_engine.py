@@ -30,7 +30,7 @@ class Noted:
     def appended(self, op, result):
         self.events.append(("appended", op.clientid, op.key, result.seqno, result.replaced))
 
-    def expired(self, clientid, rows):
+    def expired(self, clientid, rows, reason="retention"):
         self.events.append(("expired", clientid, tuple(row.seqno for row in rows)))
 
     def delivered(self, clientid, message, attempt):

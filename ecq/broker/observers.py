@@ -69,12 +69,13 @@ class QueueEvents:
             record("compacted", ts_ms=now_ms(), clientid=op.clientid, key=op.key, seqno=result.seqno,
                    publish_ts_ms=op.ts_ms, replaced_seqno=old)
 
-    def expired(self, clientid: str, rows: tuple[ExpiredRow, ...]) -> None:
-        """One ``expired`` event per row; GC makes them by the million, so with the least per-row work."""
+    def expired(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str = "retention") -> None:
+        """One ``expired`` event per row, ``reason`` saying why (see ecq.queue.store.Expire); GC makes them by
+        the million, so with the least per-row work."""
         record, ts_ms = self.recorder.record, now_ms()
         for seqno, key, publish_ts_ms, size in rows:
             record("expired", ts_ms=ts_ms, clientid=clientid, key=key, seqno=seqno, publish_ts_ms=publish_ts_ms,
-                   payload_bytes=size)
+                   payload_bytes=size, reason=reason)
 
     def delivered(self, clientid: str, message: Message, attempt: int) -> None:
         """A ``delivered`` event."""

@@ -21,7 +21,8 @@ replaced_seqno int64  ``compacted`` only: the seqno that was deleted
 attempt        int32  ``delivered`` only: 1 for the first send, 2+ for redeliveries
 reason         string ``refused``: ``not_a_write``, ``empty_key``, ``bad_key``, ``payload_too_large``,
                       ``acl_denied``, ``not_owner``, ``bad_rewind``, ...; ``rewound``: the point as asked
-                      (``42``, ``earliest``, ``latest``, ``since:<unix ms>``)
+                      (``42``, ``earliest``, ``latest``, ``since:<unix ms>``); ``expired``: why the entry was deleted
+                      (``retention``, ``tombstone_retention``, ``tombstone_acked``, ``purge``)
 topic          string ``refused`` only: the PUBLISH topic
 ============== ====== ==================================================================================
 

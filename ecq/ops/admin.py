@@ -22,6 +22,11 @@ POST   /api/v1/queues/{clientid}/   rewind the queue (``to``: ``N``, ``earliest`
        rewind?to=POINT              ``{"clientid": ..., "acked": N}`` once stored (the next delivery is the
                                     first stored entry above N); 400 for a bad ``to``, 503 when it cannot be
                                     stored now
+POST   /api/v1/queues/{clientid}/   write a tombstone for KEY through the normal write path:
+       delete?key=KEY               ``{"clientid": ..., "key": ..., "seqno": N}`` once committed; 400 without a
+                                    key, 409 with ``tombstones: false``, 503 when it cannot be stored now
+POST   /api/v1/queues/{clientid}/   delete every stored entry of the queue (seqno counter and acked position
+       purge                        stay): ``{"clientid": ..., "purged": n}``; 503 when it cannot be done now
 GET    /api/v1/config?which=W       plugin options, ``origin`` (as given) or ``inuse`` (as parsed)
 POST   /api/v1/acl/reload           reload the ACL file: ``{"reloaded": true, "rules": n}``; 400 and the
                                     parse error when the file is bad (the old rules stay)
@@ -43,7 +48,8 @@ from ecq.ops.metrics import EcqMetrics
 from ecq.ops.status import broker_status, queue_info
 from ecq.queue.engine import QueueEngine
 from ecq.queue.store import StoreError
-from ecq.queue.topics import RESERVED_CLIENTIDS, BadWrite, parse_rewind_point
+from ecq.queue.tombstones import TombstonesOff
+from ecq.queue.topics import RESERVED_CLIENTIDS, BadWrite, parse_rewind_point, parse_write
 from ecq.queue.writer import PoolClosed
 
 log = logging.getLogger(__name__)
@@ -83,6 +89,8 @@ def build_app(engine: QueueEngine, controls: BrokerControls, metrics: EcqMetrics
         web.get("/api/v1/queues/{clientid}", _queue),
         web.post("/api/v1/gc", _gc),
         web.post("/api/v1/queues/{clientid}/rewind", _rewind),
+        web.post("/api/v1/queues/{clientid}/delete", _delete),
+        web.post("/api/v1/queues/{clientid}/purge", _purge),
         web.get("/api/v1/config", _config),
         web.post("/api/v1/acl/reload", _acl_reload),
         web.get("/metrics", _metrics),
@@ -194,6 +202,33 @@ async def _rewind(request: web.Request) -> web.Response:
         return web.json_response({"error": f"rewind of {clientid!r} not stored: {exc or type(exc).__name__}"},
                                  status=503)
     return web.json_response({"clientid": clientid, "acked": acked})
+
+
+async def _delete(request: web.Request) -> web.Response:
+    clientid, key = request.match_info["clientid"], request.query.get("key", "")
+    try:
+        write = parse_write(f"$ECQ/w/{clientid}/{key}", 0, 0)
+        if write.clientid != clientid:
+            raise BadWrite("bad_clientid", "a clientid with '/' cannot be written to")
+        appended = await request.app[_ENGINE].delete(write.clientid, write.key)
+    except BadWrite as exc:
+        return web.json_response({"error": f"cannot delete {key!r} of {clientid!r}: {exc}"}, status=400)
+    except TombstonesOff as exc:
+        return web.json_response({"error": str(exc)}, status=409)
+    except (TimeoutError, StoreError, PoolClosed) as exc:
+        return web.json_response({"error": f"tombstone for {key!r} of {clientid!r} not stored: "
+                                           f"{exc or type(exc).__name__}"}, status=503)
+    return web.json_response({"clientid": clientid, "key": key, "seqno": appended.seqno})
+
+
+async def _purge(request: web.Request) -> web.Response:
+    clientid = request.match_info["clientid"]
+    try:
+        purged = await request.app[_ENGINE].purge(clientid)
+    except (TimeoutError, StoreError, PoolClosed) as exc:
+        return web.json_response({"error": f"purge of {clientid!r} not done: {exc or type(exc).__name__}"},
+                                 status=503)
+    return web.json_response({"clientid": clientid, "purged": purged})
 
 
 async def _config(request: web.Request) -> web.Response:

@@ -39,6 +39,11 @@ class EcqMetrics:
         self.store_errors = Counter("ecq_store_errors", "LevelDB operations that failed, by op (read: a damaged "
                                     "block stopped a queue's delivery; write: a commit failed)", ["op"], registry=r)
         self.rewinds = Counter("ecq_rewinds", "queues rewound (ctl topic, ecq rewind, admin API)", registry=r)
+        self.tombstones_written = Counter("ecq_tombstones_written", "tombstones (empty-payload writes) committed",
+                                          registry=r)
+        self.tombstones_removed = Counter("ecq_tombstones_removed", "tombstones deleted, by reason (tombstone_acked: "
+                                          "their PUBACK; tombstone_retention, retention: GC)", ["reason"], registry=r)
+        self.purged = Counter("ecq_purged_rows", "entries deleted by ecq purge", registry=r)
         self.gc_deleted = Counter("ecq_gc_deleted_rows", "entries deleted by garbage collection", registry=r)
         self.append_latency = Histogram("ecq_append_latency_seconds", "PUBLISH received to write committed",
                                         buckets=_LATENCY_BUCKETS_S, registry=r)
@@ -74,18 +79,27 @@ def _gauge_help(gauges: dict[str, Callable[[], float]]) -> dict[str, tuple[str, 
 class MetricsObserver:
     """A queue engine observer (ecq.queue.engine.QueueObserver) that counts into ``metrics``."""
 
-    def __init__(self, metrics: EcqMetrics) -> None:
+    def __init__(self, metrics: EcqMetrics, tombstones: bool = False) -> None:
         self._m = metrics
+        self._tombstones = tombstones  # an empty payload is a tombstone (option tombstones)
 
     def appended(self, op: Append, result: Appended) -> None:
         """Count an accepted write and the values its compaction deleted."""
         self._m.writes_accepted.inc()
+        if self._tombstones and not op.payload:
+            self._m.tombstones_written.inc()
         if result.replaced:
             self._m.compactions.inc(len(result.replaced))
 
-    def expired(self, clientid: str, rows: tuple[ExpiredRow, ...]) -> None:
-        """Count the rows GC deleted."""
-        self._m.gc_deleted.inc(len(rows))
+    def expired(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str = "retention") -> None:
+        """Count the rows GC, a purge or a tombstone's PUBACK deleted, and the tombstones among them."""
+        if reason == "purge":
+            self._m.purged.inc(len(rows))
+            return
+        if reason != "tombstone_acked":
+            self._m.gc_deleted.inc(len(rows))
+        if self._tombstones and (removed := sum(1 for row in rows if row.size == 0)):
+            self._m.tombstones_removed.labels(reason).inc(removed)
 
     def delivered(self, clientid: str, message: Message, attempt: int) -> None:
         """Count a first send or a send again."""

@@ -17,6 +17,9 @@ The consumer reads up to one window ahead of what is in flight, so one store rea
 serves about one window of PUBACKs instead of each PUBACK causing a read (the reads benchmark's profile). A
 read-ahead message that compaction superseded meanwhile is dropped, one that expired is skipped.
 
+With ``tombstones`` on, an acked entry with an empty payload (a tombstone) is deleted once the save holding
+its ack is committed: an Expire op with reason ``tombstone_acked`` through the queue's writer agent.
+
 A rewind (:meth:`Consumer.rewind`) sets ``acked`` to a chosen seqno and forgets everything in flight; its
 save queues behind the consumer's own save, so a late ack save cannot overwrite it.
 """
@@ -32,7 +35,7 @@ from typing import Any, Protocol
 
 from ecq.queue.clock import now_ms, retention_cutoff_ms
 from ecq.queue.deadlines import SharedDeadline
-from ecq.queue.store import AckState, Message, QueueStore, SaveAck, StoreReadError
+from ecq.queue.store import AckState, Expire, ExpiredRow, Message, QueueStore, SaveAck, StoreReadError
 from ecq.queue.topics import delivery_topic
 from ecq.queue.writer import PoolClosed, WriterPool
 
@@ -62,7 +65,7 @@ class Consumer:
 
     def __init__(self, clientid: str, state: AckState, *, store: QueueStore, pool: WriterPool, publish: Publish,
                  observer: DeliveryObserver, read: Read, read_deadline: SharedDeadline, window: int,
-                 retention_s: float) -> None:
+                 retention_s: float, tombstones: bool = False) -> None:
         self.clientid = clientid
         self.state = state
         self.connection: Any = None
@@ -76,6 +79,8 @@ class Consumer:
         self.attempts: dict[int, int] = {}  # sends so far of each unacked seqno, across connections
         self._read_deadline = read_deadline
         self._window, self._retention_s = window, retention_s
+        self._tombstones = tombstones
+        self._acked_tombstones: list[ExpiredRow] = []  # acked, to delete once a save holding their ack commits
         self._read_cursor = state.acked     # highest seqno read from the store for this connection
         self._ready: deque[Message] = deque()  # read ahead, not yet handed out (at most one window)
         self._newest = state.acked          # highest seqno known to be stored (appends tell it)
@@ -161,6 +166,10 @@ class Consumer:
         self._newest = _UNKNOWN
         self._wake.set()
 
+    def forget(self, seqnos: set[int]) -> None:
+        """Entries ``seqnos`` were deleted (``ecq purge``): drop them from the read-ahead so they are not sent."""
+        self._ready = deque(m for m in self._ready if m.seqno not in seqnos)
+
     def appended(self, seqno: int, key: str) -> None:
         """Message ``seqno`` was just committed to this queue under ``key``, replacing its older values
         (compaction): deliver it, and drop an older value of ``key`` read ahead, so a superseded value is not sent."""
@@ -242,6 +251,8 @@ class Consumer:
         self._observer.acked(self.clientid, message, sent)
         self.state.above.add(message.seqno)
         self.state.last_ack_ms = now_ms()
+        if self._tombstones and not message.payload:
+            self._acked_tombstones.append(ExpiredRow(message.seqno, message.key, message.ts_ms, 0))
         self._fold_acked()
         self._save()
         self.wake()
@@ -275,22 +286,34 @@ class Consumer:
             self._settle_rewinds(self._rewinds, exc)
             return
         self.saves_pending += 1
-        rewinds = self._rewinds
-        future.add_done_callback(lambda done: self._saved(done, rewinds))
+        rewinds, tombstones = self._rewinds, self._acked_tombstones
+        self._acked_tombstones = []
+        future.add_done_callback(lambda done: self._saved(done, rewinds, tombstones))
 
-    def _saved(self, future: asyncio.Future, rewinds: int) -> None:
+    def _saved(self, future: asyncio.Future, rewinds: int, tombstones: list[ExpiredRow]) -> None:
         self.saves_pending -= 1
         if not future.cancelled() and future.exception():
+            self._acked_tombstones[:0] = tombstones
             log.error("ECQ saving the state of consumer %s failed: %s; delivery to it waits and the save is "
                       "retried in %.1fs", self.clientid, future.exception(), SAVE_RETRY_S)
             self._save_due = True
             asyncio.get_running_loop().call_later(SAVE_RETRY_S, self._retry_save)
             return
         self._settle_rewinds(rewinds)
+        if tombstones:
+            self._delete_tombstones(tombstones)
         if self._save_due:
             self._save()
         else:
             self.wake()  # the acks are stored: delivery may go on
+
+    def _delete_tombstones(self, rows: list[ExpiredRow]) -> None:
+        """Delete acked tombstones (their ack is committed); a failure leaves them to GC (tombstone_retention)."""
+        try:
+            future = self._pool.submit(self.clientid, Expire(self.clientid, tuple(rows), "tombstone_acked"))
+        except PoolClosed:
+            return
+        future.add_done_callback(_log_failed_tombstone_delete)
 
     def _settle_rewinds(self, rewinds: int, error: Exception | None = None) -> None:
         """Resolve the futures of the rewinds up to number ``rewinds`` (their state is committed), or fail them."""
@@ -305,3 +328,9 @@ class Consumer:
     def _retry_save(self) -> None:
         if self._save_due and not self.saves_pending:
             self._save()
+
+
+def _log_failed_tombstone_delete(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception():
+        log.warning("ECQ deleting acked tombstones failed (%s); GC removes them after tombstone_retention",
+                    future.exception())

@@ -26,6 +26,7 @@ from ecq.queue.rewind import rewind_seqno
 from ecq.queue.snapshots import ConsumerSnapshot, EngineSnapshot, Totals, consumer_snapshot
 from ecq.queue.store import (AckState, Append, Appended, Expire, ExpiredRow, Message, Op, QueueStore, StoreError,
                              StoreReadError)
+from ecq.queue.tombstones import TombstonesOff, stored_rows
 from ecq.queue.topics import RewindPoint
 from ecq.queue.writer import WriterPool
 
@@ -42,8 +43,9 @@ class QueueObserver(Protocol):
     def appended(self, op: Append, result: Appended) -> None:
         """``op`` was committed as ``result.seqno`` (``result.replaced``: the seqnos compaction deleted)."""
 
-    def expired(self, clientid: str, rows: tuple[ExpiredRow, ...]) -> None:
-        """GC deleted ``rows`` of the queue of ``clientid``."""
+    def expired(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str = "retention") -> None:
+        """``rows`` of the queue of ``clientid`` were deleted; ``reason`` is ``retention`` or ``tombstone_retention``
+        (GC), ``tombstone_acked`` (a tombstone's PUBACK) or ``purge`` (see ecq.queue.store.Expire)."""
 
     def delivered(self, clientid: str, message: Message, attempt: int) -> None:
         """``message`` was sent; ``attempt`` is 1 for its first send, 2+ for each send again."""
@@ -156,6 +158,25 @@ class QueueEngine:
         future = self.pool.submit(clientid, Append(clientid, key, payload, now_ms()))
         return self._write_deadline.watch(future)
 
+    def delete(self, clientid: str, key: str) -> asyncio.Future:
+        """Write a tombstone for ``key`` in the queue of ``clientid`` (an empty payload through :meth:`write`);
+        the future resolves with its :class:`Appended`. Raises TombstonesOff when ``tombstones`` is false."""
+        if not self.settings.tombstones:
+            raise TombstonesOff("tombstones are off on this broker (tombstones: false): an empty payload is an "
+                                "ordinary value, so a key cannot be deleted")
+        return self.write(clientid, key, b"")
+
+    async def purge(self, clientid: str) -> int:
+        """Delete every stored entry of the queue of ``clientid``; returns how many. Its seqno counter and ack
+        state stay, so the next write gets a new seqno and nothing is delivered twice. Raises TimeoutError,
+        PoolClosed, or what the store's reads and commits raise."""
+        pages = await self.read(stored_rows, self.store, clientid)
+        deleted = await asyncio.gather(*(self._write_deadline.watch(
+            self.pool.submit(clientid, Expire(clientid, rows, "purge"))) for rows in pages))
+        if consumer := self.consumers.get(clientid):
+            consumer.forget({row.seqno for rows in deleted for row in rows})
+        return sum(map(len, deleted))
+
     def _on_commit(self, ops: Sequence[Op], results: Sequence[object]) -> None:
         observers = self.observers
         for op, result in zip(ops, results, strict=True):
@@ -167,7 +188,7 @@ class QueueEngine:
                 self._stored_entries -= len(result)
                 self._stored_bytes -= sum(row.size for row in result)
                 for observer in observers:
-                    observer.expired(op.clientid, result)
+                    observer.expired(op.clientid, result, op.reason)
 
     def _appended(self, op: Append, result: Appended) -> None:
         self._queues += result.seqno == 1
@@ -232,7 +253,7 @@ class QueueEngine:
         return self.consumers.setdefault(clientid, Consumer(
             clientid, state, store=self.store, pool=self.pool, publish=self._publish, observer=self,
             read=self._read_soon, window=self.settings.reader_batch_size, read_deadline=self._read_deadline,
-            retention_s=self.settings.data_retention))
+            retention_s=self.settings.data_retention, tombstones=self.settings.tombstones))
 
     async def rewind(self, clientid: str, point: RewindPoint) -> int:
         """Rewind the queue of ``clientid`` to ``point``; returns the new acked seqno once it is stored.
@@ -324,7 +345,9 @@ class QueueEngine:
     # --- garbage collection and store health --------------------------------------------------------
 
     async def run_gc(self) -> int:
-        """Delete every entry published more than ``data_retention`` ago; returns how many (see ecq.queue.gc).
+        """Delete every entry published more than ``data_retention`` ago and, with ``tombstones`` on, every
+        tombstone (empty payload) published more than ``tombstone_retention`` ago; returns how many (see
+        ecq.queue.gc).
 
         A pass asked for while one runs starts after it; :meth:`stop_delivering` ends the pass.
         """
@@ -334,6 +357,11 @@ class QueueEngine:
             cutoff_ms = retention_cutoff_ms(self.settings.data_retention)
             deleted = await run_gc(self.store, self.read, self.pool, cutoff_ms, traffic=lambda: self._traffic,
                                    running=lambda: not self.closing, lagging=self._gc_lagging)
+            if self.settings.tombstones and self.settings.tombstone_retention < self.settings.data_retention:
+                deleted += await run_gc(self.store, self.read, self.pool,
+                                        retention_cutoff_ms(self.settings.tombstone_retention),
+                                        traffic=lambda: self._traffic, running=lambda: not self.closing,
+                                        lagging=self._gc_lagging, select=_is_tombstone, reason="tombstone_retention")
             if deleted:
                 log.info("ECQ GC deleted %d entries published before %d ms", deleted, cutoff_ms)
             return deleted
@@ -388,6 +416,10 @@ class QueueEngine:
         """An immutable copy of one consumer's state, or None when it has no consumer in memory."""
         consumer = self.consumers.get(clientid)
         return consumer_snapshot(consumer) if consumer else None
+
+
+def _is_tombstone(row: ExpiredRow) -> bool:
+    return row.size == 0
 
 
 async def _every(interval_s: float, job: Callable[[], Any]) -> None:

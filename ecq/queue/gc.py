@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from ecq.queue.store import Expire, QueueStore
+from ecq.queue.store import Expire, ExpiredRow, QueueStore
 from ecq.queue.writer import WriterPool
 
 LAG_WAIT_S = 0.02  # how often a paused GC looks again whether the observers caught up
@@ -20,13 +20,15 @@ LAG_WAIT_S = 0.02  # how often a paused GC looks again whether the observers cau
 
 async def run_gc(store: QueueStore, read: Callable[..., asyncio.Future], pool: WriterPool, cutoff_ms: int, *,
                  traffic: Callable[[], int], running: Callable[[], bool],
-                 lagging: Callable[[], bool] = lambda: False) -> int:
+                 lagging: Callable[[], bool] = lambda: False, select: Callable[[ExpiredRow], bool] | None = None,
+                 reason: str = "retention") -> int:
     """One GC pass: delete every entry published before ``cutoff_ms`` (ms since the epoch); returns how many.
 
     ``read(func, *args)`` runs a blocking store read off the loop; ``traffic()`` is the count of appends and
     PUBACKs so far (GC slows down while it grows, see :class:`GcPacer`); the pass ends early once
     ``running()`` is False (shutdown), and waits between steps while ``lagging()`` is True (an observer, such
-    as the event recorder, has not yet taken in the rows deleted so far). Raises what the store read or the
+    as the event recorder, has not yet taken in the rows deleted so far). ``select(row)``, when given, keeps
+    only the rows it is True for (tombstones: ``size == 0``); ``reason`` goes on the Expire ops. Raises what the store read or the
     deleting commit raised.
     """
     pacer = GcPacer()
@@ -34,7 +36,9 @@ async def run_gc(store: QueueStore, read: Callable[..., asyncio.Future], pool: W
     while running():
         started = time.monotonic()
         found, cursor = await read(store.expired_step, cutoff_ms, pacer.rows, cursor)
-        deletions = [pool.submit(cid, Expire(cid, tuple(rows))) for cid, rows in found.items()]
+        if select is not None:
+            found = {cid: kept for cid, rows in found.items() if (kept := [row for row in rows if select(row)])}
+        deletions = [pool.submit(cid, Expire(cid, tuple(rows), reason)) for cid, rows in found.items()]
         deleted += sum(map(len, await asyncio.gather(*deletions)))
         if cursor is None:
             break

@@ -88,10 +88,15 @@ class SaveAck:
 
 @dataclass(frozen=True, slots=True)
 class Expire:
-    """Write op: delete the rows of ``clientid`` found by :meth:`QueueStore.expired_step` (GC)."""
+    """Write op: delete the rows of ``clientid`` found by :meth:`QueueStore.expired_step` (GC) or by a read.
+
+    ``reason`` says why, for observers only (the store ignores it): ``retention`` (GC, ``data_retention``),
+    ``tombstone_retention`` (GC of tombstones), ``tombstone_acked`` (a delivered tombstone's PUBACK) or
+    ``purge`` (``ecq purge``)."""
 
     clientid: str
     rows: tuple[ExpiredRow, ...]
+    reason: str = "retention"
 
 
 Op = Append | SaveAck | Expire
