@@ -106,7 +106,7 @@ class BrokerProcess:
         """The broker's queue store, opened from its options as the broker opens it: LevelDB in its data dir
         (stop the broker first: LevelDB takes a lock) or its JetStream streams. Close it after use."""
         from ecq.config import EcqSettings
-        from ecq.queue.engine import open_store
+        from ecq.queue.stores import open_store
         return open_store(EcqSettings(**self.options))
 
     def log(self) -> str:

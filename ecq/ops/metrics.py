@@ -77,7 +77,7 @@ def _gauge_help(gauges: dict[str, Callable[[], float]]) -> dict[str, tuple[str, 
 
 
 class MetricsObserver:
-    """A queue engine observer (ecq.queue.engine.QueueObserver) that counts into ``metrics``."""
+    """A queue engine observer (ecq.queue.observer.QueueObserver) that counts into ``metrics``."""
 
     def __init__(self, metrics: EcqMetrics, tombstones: bool = False) -> None:
         self._m = metrics

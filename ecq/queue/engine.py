@@ -14,16 +14,18 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from ecq.config import EcqSettings
 from ecq.queue.clock import now_ms, retention_cutoff_ms
 from ecq.queue.deadlines import SharedDeadline
 from ecq.queue.delivery import Consumer, Publish
 from ecq.queue.gc import run_gc
+from ecq.queue.observer import QueueObserver
 from ecq.queue.readers import BatchedReader
 from ecq.queue.rewind import rewind_seqno
 from ecq.queue.snapshots import ConsumerSnapshot, EngineSnapshot, Totals, consumer_snapshot
+from ecq.queue.stores import open_store
 from ecq.queue.store import (AckState, Append, Appended, Expire, ExpiredRow, Message, Op, QueueStore, StoreError,
                              StoreReadError)
 from ecq.queue.tombstones import TombstonesOff, stored_rows
@@ -35,49 +37,6 @@ log = logging.getLogger(__name__)
 QUEUE_COUNT_INTERVAL_S = 60.0    # a shared store's queue count lists every stored key: re-read at most this often
 STORE_RECOVERY_INTERVAL_S = 1.0  # after a failed commit, how often to look for free space and reopen the store
 ACK_SETTLE_S = 5.0               # on close, how long to wait for consumers' last ack states to reach the writer
-
-
-class QueueObserver(Protocol):
-    """Told of what the engine did, on the event loop; each method must return at once and never raise."""
-
-    def appended(self, op: Append, result: Appended) -> None:
-        """``op`` was committed as ``result.seqno`` (``result.replaced``: the seqnos compaction deleted)."""
-
-    def expired(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str = "retention") -> None:
-        """``rows`` of the queue of ``clientid`` were deleted; ``reason`` is ``retention`` or ``tombstone_retention``
-        (GC), ``tombstone_acked`` (a tombstone's PUBACK) or ``purge`` (see ecq.queue.store.Expire)."""
-
-    def delivered(self, clientid: str, message: Message, attempt: int) -> None:
-        """``message`` was sent; ``attempt`` is 1 for its first send, 2+ for each send again."""
-
-    def acked(self, clientid: str, message: Message, sent_monotonic: float) -> None:
-        """The PUBACK of ``message`` came; it was sent at ``sent_monotonic`` (time.monotonic seconds)."""
-
-    def store_error(self, op: str, exc: Exception) -> None:
-        """A store ``op`` failed: ``"write"`` (a commit) or ``"read"`` (a damaged block)."""
-
-    def gc_started(self) -> None:
-        """A GC pass begins."""
-
-    def rewound(self, clientid: str, point: RewindPoint, acked: int) -> None:
-        """The queue of ``clientid`` was rewound to ``point``: its acked seqno is now ``acked`` (stored)."""
-
-
-def open_store(settings: EcqSettings) -> QueueStore:
-    """The store ``settings.backend`` names: LevelDB in ``data_dir`` (checked block by block first), or the
-    JetStream streams of the NATS cluster. Raises StoreError, or NatsUnavailable (a ConnectionError)."""
-    if settings.backend == "jetstream":
-        from ecq.cluster.jetstream import JetStreamStore  # needs the [cluster] extra
-        store: QueueStore = JetStreamStore(settings)
-        entries, seconds = store.verify()
-        log.info("ECQ store: JetStream namespace %s, %d shards, %d entries (%.2f s to check)",
-                 settings.jetstream_namespace, settings.jetstream_shards, entries, seconds)
-        return store
-    from ecq.queue.leveldb import LevelDbStore
-    store = LevelDbStore(settings.data_dir, sync=settings.sync_writes)
-    rows, seconds = store.verify()
-    log.info("ECQ store checked: %d rows read with checksums in %.2f s", rows, seconds)
-    return store
 
 
 class QueueEngine:

@@ -1,0 +1,34 @@
+"""What the queue engine tells the rest of ECQ (metrics, queue events): the :class:`QueueObserver` protocol."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ecq.queue.store import Append, Appended, ExpiredRow, Message
+from ecq.queue.topics import RewindPoint
+
+
+class QueueObserver(Protocol):
+    """Told of what the engine did, on the event loop; each method must return at once and never raise."""
+
+    def appended(self, op: Append, result: Appended) -> None:
+        """``op`` was committed as ``result.seqno`` (``result.replaced``: the seqnos compaction deleted)."""
+
+    def expired(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str = "retention") -> None:
+        """``rows`` of the queue of ``clientid`` were deleted; ``reason`` is ``retention`` or ``tombstone_retention``
+        (GC), ``tombstone_acked`` (a tombstone's PUBACK) or ``purge`` (see ecq.queue.store.Expire)."""
+
+    def delivered(self, clientid: str, message: Message, attempt: int) -> None:
+        """``message`` was sent; ``attempt`` is 1 for its first send, 2+ for each send again."""
+
+    def acked(self, clientid: str, message: Message, sent_monotonic: float) -> None:
+        """The PUBACK of ``message`` came; it was sent at ``sent_monotonic`` (time.monotonic seconds)."""
+
+    def store_error(self, op: str, exc: Exception) -> None:
+        """A store ``op`` failed: ``"write"`` (a commit) or ``"read"`` (a damaged block)."""
+
+    def gc_started(self) -> None:
+        """A GC pass begins."""
+
+    def rewound(self, clientid: str, point: RewindPoint, acked: int) -> None:
+        """The queue of ``clientid`` was rewound to ``point``: its acked seqno is now ``acked`` (stored)."""

@@ -1,0 +1,27 @@
+"""Opening the store a broker's ``backend`` option names."""
+
+from __future__ import annotations
+
+import logging
+
+from ecq.config import EcqSettings
+from ecq.queue.store import QueueStore
+
+log = logging.getLogger(__name__)
+
+
+def open_store(settings: EcqSettings) -> QueueStore:
+    """The store ``settings.backend`` names: LevelDB in ``data_dir`` (checked block by block first), or the
+    JetStream streams of the NATS cluster. Raises StoreError, or NatsUnavailable (a ConnectionError)."""
+    if settings.backend == "jetstream":
+        from ecq.cluster.jetstream import JetStreamStore  # needs the [cluster] extra
+        store: QueueStore = JetStreamStore(settings)
+        entries, seconds = store.verify()
+        log.info("ECQ store: JetStream namespace %s, %d shards, %d entries (%.2f s to check)",
+                 settings.jetstream_namespace, settings.jetstream_shards, entries, seconds)
+        return store
+    from ecq.queue.leveldb import LevelDbStore
+    store = LevelDbStore(settings.data_dir, sync=settings.sync_writes)
+    rows, seconds = store.verify()
+    log.info("ECQ store checked: %d rows read with checksums in %.2f s", rows, seconds)
+    return store
