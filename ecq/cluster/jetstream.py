@@ -45,8 +45,8 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import DiscardPolicy, RePublish, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError
 
-from ecq.cluster.jsapi import (REQUEST_TIMEOUT_S, TS_HEADER, JetStreamApi, Retry, index_entry_of, message_of,
-                              token, until, untoken)
+from ecq.cluster.jsapi import (REQUEST_TIMEOUT_S, RETRY_PAUSE_S, TS_HEADER, JetStreamApi, Retry, index_entry_of,
+                              message_of, token, until, untoken)
 from ecq.cluster.link import NatsLink
 from ecq.config import EcqSettings
 from ecq.queue.store import (AckState, Append, Appended, CommitResult, Expire, ExpiredRow, IndexEntry, Message, Op,
@@ -111,14 +111,24 @@ class JetStreamStore:
         return f"{self._ns}.ack.{token(clientid)}"
 
     async def _ensure_streams(self) -> None:
-        js = self._link.nc.jetstream(timeout=META_TIMEOUT_S)
-        prefix = f"{self._ns}_Q_"
-        existing = {info.config.name for info in await js.streams_info() if info.config.name.startswith(prefix)}
+        """Create the missing streams; the acks stream, made last, records the shard count (``ecq_shards`` in its
+        metadata). Raises StoreError for another shard count, or when a recorded cluster's shard streams are
+        still not all there after META_TIMEOUT_S (NATS servers that are restarting list them one by one)."""
+        js = self._link.nc.jetstream(timeout=REQUEST_TIMEOUT_S)
         wanted = {self.stream(shard) for shard in range(self._shards)}
-        if existing and existing != wanted:
-            raise StoreError(f"JetStream holds {len(existing)} ECQ shard streams of namespace {self._ns!r}, but "
-                             f"jetstream_shards is {self._shards}: use the same value on every node (queues are "
-                             f"placed by it)")
+        deadline = time.monotonic() + META_TIMEOUT_S
+        while True:
+            recorded, existing = await until(deadline, lambda: self._layout(js))
+            if (recorded or self._shards) != self._shards or existing - wanted:
+                raise StoreError(f"JetStream holds {recorded or len(existing)} ECQ shard streams of namespace "
+                                 f"{self._ns!r}, but jetstream_shards is {self._shards}: use the same value on every "
+                                 f"node (queues are placed by it)")
+            if recorded is None or existing == wanted:
+                break
+            if time.monotonic() > deadline:
+                raise StoreError(f"JetStream lists {len(existing)} of the {self._shards} ECQ shard streams of "
+                                 f"namespace {self._ns!r}: are all NATS servers up?")
+            await asyncio.sleep(RETRY_PAUSE_S)
         replicas = self._settings.jetstream_replicas
         for shard in range(self._shards):
             await self._ensure(js, StreamConfig(
@@ -130,8 +140,20 @@ class JetStreamStore:
         await self._ensure(js, StreamConfig(
             name=f"{self._ns}_ACKS", subjects=[f"{self._ns}.ack.>"], max_msgs_per_subject=1, num_replicas=replicas,
             allow_direct=False, storage=StorageType.FILE, discard=DiscardPolicy.OLD,
-            duplicate_window=DUPLICATE_WINDOW_S))
+            duplicate_window=DUPLICATE_WINDOW_S, metadata={"ecq_shards": str(self._shards)}))
         await self._link.nc.subscribe(f"{self._ns}.appended.>", cb=self._appended)
+
+    async def _layout(self, js: Any) -> tuple[int | None, set[str]]:
+        """(shard count recorded by the acks stream or None, names of the shard streams JetStream lists)."""
+        try:
+            infos = await js.streams_info()
+        except APIError as exc:
+            raise Retry(f"JetStream stream list: {exc.description}") from None  # e.g. no meta leader yet
+        recorded = None
+        for info in infos:
+            if info.config.name == f"{self._ns}_ACKS" and (info.config.metadata or {}).get("ecq_shards"):
+                recorded = int(info.config.metadata["ecq_shards"])
+        return recorded, {info.config.name for info in infos if info.config.name.startswith(f"{self._ns}_Q_")}
 
     @staticmethod
     async def _ensure(js: Any, config: StreamConfig) -> None:
@@ -144,7 +166,8 @@ class JetStreamStore:
                 raise StoreError(f"cannot create JetStream stream {config.name}: {exc.description} "
                                  f"(jetstream_replicas {config.num_replicas} needs as many NATS servers)") from None
             return
-        if info.config.num_replicas != config.num_replicas:
+        if info.config.num_replicas != config.num_replicas or (
+                config.metadata and not config.metadata.items() <= (info.config.metadata or {}).items()):
             await js.update_stream(config)
 
     # --- notifications ------------------------------------------------------------------------------
