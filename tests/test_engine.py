@@ -54,12 +54,18 @@ def settings(tmp_path) -> EcqSettings:
                        reader_batch_size=3, data_retention=HOUR_MS / 1000)
 
 
-@pytest.fixture
-async def engine(tmp_path):
+async def started_engine(tmp_path) -> tuple[QueueEngine, Noted]:
+    """A started engine over ``tmp_path``'s store with a Noted observer (close it after use)."""
     queue_engine = QueueEngine(settings(tmp_path), publish)
     noted = Noted()
     queue_engine.observers.append(noted)
     await queue_engine.start()
+    return queue_engine, noted
+
+
+@pytest.fixture
+async def engine(tmp_path):
+    queue_engine, noted = await started_engine(tmp_path)
     yield queue_engine, noted
     await queue_engine.close()
 
@@ -118,10 +124,7 @@ async def test_gc_deletes_entries_older_than_retention_and_tells_observers(tmp_p
     old = now_ms() - 2 * HOUR_MS
     store.commit([Append("old", f"k{i}", b"xx", old + i) for i in range(5)] + [Append("new", "k", b"fresh", now_ms())])
     store.close()
-    engine = QueueEngine(settings(tmp_path), publish)
-    noted = Noted()
-    engine.observers.append(noted)
-    await engine.start()
+    engine, noted = await started_engine(tmp_path)
     try:
         assert engine.totals().stored_entries == 6
         assert await engine.run_gc() == 5
@@ -147,10 +150,7 @@ async def test_each_rewind_point_on_a_queue_with_a_gap_is_stored_and_tells_obser
     store.commit([Append("r", "a", b"a1", t), Append("r", "b", b"b", t + 1000), Append("r", "a", b"a2", t + 2000),
                   Append("r", "c", b"c", t + 3000)])  # a1 (seqno 1) compacted away: stored 2 (b), 3 (a2), 4 (c)
     store.close()
-    engine = QueueEngine(settings(tmp_path), publish)
-    noted = Noted()
-    engine.observers.append(noted)
-    await engine.start()
+    engine, noted = await started_engine(tmp_path)
     try:
         for point, acked in [(RewindPoint("latest"), 4), (RewindPoint("earliest"), 1), (RewindPoint("seqno", 3), 3),
                              (RewindPoint("since", t), 1), (RewindPoint("since", t + 2000), 2),
