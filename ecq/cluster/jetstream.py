@@ -46,11 +46,11 @@ from nats.js.api import DiscardPolicy, RePublish, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError
 
 from ecq.cluster.jsapi import (REQUEST_TIMEOUT_S, RETRY_PAUSE_S, TS_HEADER, JetStreamApi, Retry, index_entry_of,
-                              message_of, token, until, untoken)
+                              message_of, queue_subject_parts, token, until, untoken)
 from ecq.cluster.link import NatsLink
 from ecq.config import EcqSettings
 from ecq.queue.store import (AckState, Append, Appended, CommitResult, Expire, ExpiredRow, IndexEntry, Message, Op,
-                             SaveAck, StoreError)
+                             SaveAck, StoreError, stored_pages)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -182,8 +182,8 @@ class JetStreamStore:
         if self._notify is None or not msg.headers:
             return
         try:
-            _ns, _q, _shard, cid, key = msg.headers["Nats-Subject"].split(".", 4)
-            self._notify(untoken(cid), int(msg.headers["Nats-Sequence"]), untoken(key))
+            clientid, key = queue_subject_parts(msg.headers["Nats-Subject"])
+            self._notify(clientid, int(msg.headers["Nats-Sequence"]), key)
         except (KeyError, ValueError) as exc:
             log.warning("ECQ: ignored a malformed append notice on %s: %s", msg.subject, exc)
 
@@ -275,15 +275,15 @@ class JetStreamStore:
     async def _last_of_key(self, op: Append) -> tuple[int, int] | None:
         """(seqno, payload bytes) of the value ``op`` will replace, or None (compaction events and counts)."""
         reply = await self._js.direct(self.stream(self.shard(op.clientid)),
-                                   {"last_by_subj": self._queue_subject(op.clientid, op.key)})
+                                      {"last_by_subj": self._queue_subject(op.clientid, op.key)})
         if not reply:
             return None
         return int(reply[0].headers["Nats-Sequence"]), len(reply[0].data)
 
     async def _expire(self, op: Expire) -> tuple[ExpiredRow, ...]:
         stream = self.stream(self.shard(op.clientid))
-        answers = await asyncio.gather(*(self._js.api(f"STREAM.MSG.DELETE.{stream}", {"seq": row.seqno, "no_erase": True})
-                                         for row in op.rows))
+        answers = await asyncio.gather(*(self._js.api(f"STREAM.MSG.DELETE.{stream}",
+                                                      {"seq": row.seqno, "no_erase": True}) for row in op.rows))
         return tuple(row for row, answer in zip(op.rows, answers, strict=True) if answer.get("success"))
 
     # --- reads --------------------------------------------------------------------------------------
@@ -298,13 +298,13 @@ class JetStreamStore:
     async def _read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0,
                           known_last: int | None = None) -> list[Message]:
         stream, subject = self.stream(self.shard(clientid)), self._queue_subject(clientid)
-        replies = await self._js.direct(stream, {"seq": after + 1, "next_by_subj": subject, "batch": limit})
+        request = {"seq": after + 1, "next_by_subj": subject, "batch": limit}
+        replies = await self._js.direct(stream, request)
         last = int(replies[-1].headers["Nats-Sequence"]) if replies else after
         if len(replies) < limit and (known_last is None or known_last > last):  # the replica may lag the leader
             answer = await self._js.api(f"STREAM.MSG.GET.{stream}", {"seq": last + 1, "next_by_subj": subject})
             if "message" in answer:
-                replies = await self._js.direct(stream, {"seq": after + 1, "next_by_subj": subject, "batch": limit},
-                                             leader_seq=answer["message"]["seq"])
+                replies = await self._js.direct(stream, request, leader_seq=answer["message"]["seq"])
         messages = [message_of(reply) for reply in replies]
         return [m for m in messages if m.ts_ms >= min_ts_ms]
 
@@ -315,7 +315,7 @@ class JetStreamStore:
     async def _ack_state(self, clientid: str) -> AckState:
         request = {"last_by_subj": self._ack_subject(clientid)}
         answer = await until(time.monotonic() + self._settings.read_timeout - 0.2,
-                              lambda: self._js.api(f"STREAM.MSG.GET.{self._ns}_ACKS", request))
+                             lambda: self._js.api(f"STREAM.MSG.GET.{self._ns}_ACKS", request))
         if "message" not in answer:
             if answer.get("error", {}).get("code") == 404:
                 return AckState()
@@ -334,16 +334,15 @@ class JetStreamStore:
         """One GC step over the shards in order: up to ``limit`` entries published before ``cutoff_ms``.
         ``start`` is ``b"<shard>:<seqno>"``."""
         shard, seq = map(int, start.split(b":")) if start else (0, 1)
-        replies = self._call(self._js.direct(self.stream(shard), {"seq": seq, "next_by_subj": f"{self._ns}.q.{shard}.>",
-                                                               "batch": limit}), self._settings.read_timeout)
+        request = {"seq": seq, "next_by_subj": f"{self._ns}.q.{shard}.>", "batch": limit}
+        replies = self._call(self._js.direct(self.stream(shard), request), self._settings.read_timeout)
         found: dict[str, list[ExpiredRow]] = {}
         for reply in replies:
-            message = message_of(reply)
-            if message.ts_ms >= cutoff_ms:  # the stream is in time order: the rest of this shard is fresh
+            entry = index_entry_of(reply)
+            if entry.ts_ms >= cutoff_ms:  # the stream is in time order: the rest of this shard is fresh
                 return found, _next_shard(shard, self._shards)
-            clientid = untoken(reply.headers["Nats-Subject"].split(".")[3])
-            found.setdefault(clientid, []).append(ExpiredRow(message.seqno, message.key, message.ts_ms,
-                                                             len(message.payload)))
+            found.setdefault(entry.clientid, []).append(ExpiredRow(entry.seqno, entry.key, entry.ts_ms,
+                                                                   len(reply.data)))
         if len(replies) < limit:
             return found, _next_shard(shard, self._shards)
         return found, f"{shard}:{int(replies[-1].headers['Nats-Sequence']) + 1}".encode()
@@ -370,15 +369,13 @@ class JetStreamStore:
     def last_seqno(self, clientid: str) -> int:
         """Seqno of the newest stored entry of ``clientid``, 0 when it holds none."""
         answer = self._call(self._js.api(f"STREAM.MSG.GET.{self.stream(self.shard(clientid))}",
-                                      {"last_by_subj": self._queue_subject(clientid)}), self._settings.read_timeout)
+                                         {"last_by_subj": self._queue_subject(clientid)}), self._settings.read_timeout)
         return answer["message"]["seq"] if "message" in answer else 0
 
     def seqnos(self, clientid: str) -> Iterator[int]:
         """Seqnos of the stored entries of ``clientid``, ascending."""
-        after = 0
-        while batch := self.read_after(clientid, after, 256):
-            yield from (m.seqno for m in batch)
-            after = batch[-1].seqno
+        for page in stored_pages(self, clientid, 256):
+            yield from (m.seqno for m in page)
 
     def queue_range(self, clientid: str) -> tuple[int, int, int] | None:
         """(first seqno, last seqno, entry count) of the stored queue of ``clientid``, or None when empty."""

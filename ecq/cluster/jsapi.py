@@ -80,10 +80,17 @@ def stored_messages(messages: list[Any]) -> list[Any]:
     return messages[:-1] if status else messages
 
 
+def queue_subject_parts(subject: str) -> tuple[str, str]:
+    """(clientid, key) of a queue entry's subject ``NS.q.<shard>.T(clientid).T(key)``. Raises ValueError for
+    another subject."""
+    _ns, _q, _shard, clientid, key = subject.split(".", 4)
+    return untoken(clientid), untoken(key)
+
+
 def message_of(reply: Any) -> Message:
     """The queue entry in a direct get answer (subject ``NS.q.<shard>.T(clientid).T(key)``)."""
     headers = reply.headers
-    key = untoken(headers["Nats-Subject"].split(".")[4])
+    _clientid, key = queue_subject_parts(headers["Nats-Subject"])
     ts_ms = int(headers[TS_HEADER]) if TS_HEADER in headers else stream_ms(headers["Nats-Time-Stamp"])
     return Message(int(headers["Nats-Sequence"]), key, reply.data, ts_ms)
 
@@ -91,7 +98,8 @@ def message_of(reply: Any) -> Message:
 def index_entry_of(reply: Any) -> IndexEntry:
     """Where a direct get answer sits: clientid, seqno, key, publish ms."""
     message = message_of(reply)
-    return IndexEntry(untoken(reply.headers["Nats-Subject"].split(".")[3]), message.seqno, message.key, message.ts_ms)
+    clientid, _key = queue_subject_parts(reply.headers["Nats-Subject"])
+    return IndexEntry(clientid, message.seqno, message.key, message.ts_ms)
 
 
 def stream_ms(rfc3339: str) -> int:

@@ -7,12 +7,11 @@ Timestamps are RFC 3339 strings in UTC (or null); counts are entries; bytes are 
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from collections.abc import Iterator
 from typing import Any
 
 from ecq.queue.clock import now_ms
 from ecq.queue.snapshots import ConsumerSnapshot, EngineSnapshot
-from ecq.queue.store import AckState, IndexEntry, Message, QueueStore
+from ecq.queue.store import AckState, IndexEntry, QueueStore, stored_pages
 
 CONSUMERS_LISTED = 100
 
@@ -43,7 +42,7 @@ def queue_info(store: QueueStore, clientid: str, consumer: ConsumerSnapshot | No
     last_seqno = store.last_seqno(clientid)
     if last_seqno == 0 and state == AckState():
         return None
-    entries = list(_stored(store, clientid))
+    entries = [message for page in stored_pages(store, clientid, 256) for message in page]
     seqnos = [m.seqno for m in entries]
     pending = [m for m in entries if m.seqno > state.acked and m.seqno not in state.above]
     return {
@@ -59,13 +58,6 @@ def queue_info(store: QueueStore, clientid: str, consumer: ConsumerSnapshot | No
         "inflight": consumer.inflight if consumer else 0,
         "online": bool(consumer and consumer.online),
     }
-
-
-def _stored(store: QueueStore, clientid: str, page: int = 256) -> Iterator[Message]:
-    after = 0
-    while batch := store.read_after(clientid, after, page):
-        yield from batch
-        after = batch[-1].seqno
 
 
 def broker_status(store: QueueStore, snapshot: EngineSnapshot | None = None) -> dict[str, Any]:

@@ -7,7 +7,7 @@ assumed contiguous (on JetStream they are stream sequence numbers shared by the 
 
 from __future__ import annotations
 
-from ecq.queue.store import QueueStore
+from ecq.queue.store import QueueStore, stored_pages
 from ecq.queue.topics import RewindPoint
 
 PAGE = 256  # entries per read while looking for the first entry published at or after a time
@@ -30,10 +30,8 @@ def rewind_seqno(store: QueueStore, clientid: str, point: RewindPoint) -> int:
         first = store.read_after(clientid, 0, 1)
         return first[0].seqno - 1 if first else 0
     if point.kind == "since":
-        after = 0
-        while page := store.read_after(clientid, after, PAGE):
+        for page in stored_pages(store, clientid, PAGE):
             for message in page:
                 if message.ts_ms >= point.value:
                     return message.seqno - 1
-            after = page[-1].seqno
     return store.last_seqno(clientid)

@@ -200,3 +200,12 @@ class QueueStore(Protocol):
 
     def close(self) -> None:
         """Close the store; committed writes are kept."""
+
+
+def stored_pages(store: QueueStore, clientid: str, size: int) -> Iterator[list[Message]]:
+    """Every stored entry of ``clientid`` in seqno order, as pages of at most ``size`` entries (one
+    :meth:`QueueStore.read_after` each, a blocking read; raises what it raises)."""
+    after = 0
+    while page := store.read_after(clientid, after, size):
+        yield page
+        after = page[-1].seqno

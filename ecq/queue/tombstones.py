@@ -9,7 +9,7 @@ seqno counter and the ack state are left alone, so nothing acked is ever deliver
 
 from __future__ import annotations
 
-from ecq.queue.store import ExpiredRow, QueueStore
+from ecq.queue.store import ExpiredRow, QueueStore, stored_pages
 
 PURGE_PAGE = 512  # entries read, and deleted in one Expire op, at a time
 
@@ -21,8 +21,5 @@ class TombstonesOff(ValueError):
 def stored_rows(store: QueueStore, clientid: str) -> list[tuple[ExpiredRow, ...]]:
     """Every stored entry of ``clientid`` as GC rows (seqno, key, publish ms, payload bytes), in pages of at most
     PURGE_PAGE, oldest first (a blocking read; raises what ``store.read_after`` raises)."""
-    pages, after = [], 0
-    while page := store.read_after(clientid, after, PURGE_PAGE):
-        pages.append(tuple(ExpiredRow(m.seqno, m.key, m.ts_ms, len(m.payload)) for m in page))
-        after = page[-1].seqno
-    return pages
+    return [tuple(ExpiredRow(m.seqno, m.key, m.ts_ms, len(m.payload)) for m in page)
+            for page in stored_pages(store, clientid, PURGE_PAGE)]
