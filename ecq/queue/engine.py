@@ -11,9 +11,10 @@ MQTT events into one engine call each and hands the engine opaque connection obj
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ecq.config import EcqSettings
@@ -74,7 +75,7 @@ class QueueEngine:
         await self.count_stored()
         if self.store.shared:
             loop = asyncio.get_running_loop()
-            self.store.watch(lambda *notice: loop.call_soon_threadsafe(self._appended_elsewhere, *notice),
+            self.store.watch(lambda *notice: loop.call_soon_threadsafe(self._tell_consumer, *notice),
                              lambda: loop.call_soon_threadsafe(self._wake_online))
         self.pool.start()
         self._tasks = [asyncio.create_task(_every(self.settings.gc_interval, self.run_gc), name="ecq-gc"),
@@ -95,15 +96,17 @@ class QueueEngine:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._settle_ack_saves()
+        await self._settle_ack_saves(self.consumers.values())
         await self.pool.close()
         self._reader.shutdown()  # reads still running in threads must end before the store closes
         self.store.close()
 
-    async def _settle_ack_saves(self) -> None:
+    @staticmethod
+    async def _settle_ack_saves(consumers: Iterable[Consumer]) -> None:
+        """Return once no consumer of ``consumers`` has an ack-state save in flight or due (at most ACK_SETTLE_S)."""
         deadline = asyncio.get_running_loop().time() + ACK_SETTLE_S
-        while any(c.saving for c in self.consumers.values()) and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.01)
+        while any(c.saving for c in consumers) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.005)
 
     # --- writes -------------------------------------------------------------------------------------
 
@@ -154,10 +157,10 @@ class QueueEngine:
         self._traffic += 1
         self._stored_entries += 1 - len(result.replaced)
         self._stored_bytes += len(op.payload) - result.replaced_bytes
-        if (consumer := self.consumers.get(op.clientid)) and consumer.online:
-            consumer.appended(result.seqno, op.key)
+        self._tell_consumer(op.clientid, result.seqno, op.key)
 
-    def _appended_elsewhere(self, clientid: str, seqno: int, key: str) -> None:
+    def _tell_consumer(self, clientid: str, seqno: int, key: str) -> None:
+        """Entry ``seqno`` was stored under ``key`` (by this broker, or another one of a cluster)."""
         if (consumer := self.consumers.get(clientid)) and consumer.online:
             consumer.appended(seqno, key)
 
@@ -196,8 +199,8 @@ class QueueEngine:
         if self.closing:
             return
         if self.store.shared and (cached := self.consumers.get(clientid)) and not cached.online \
-                and not cached.saving:
-            del self.consumers[clientid]  # another broker may have moved its acks on (or rewound it): read them
+                and not cached.saving:  # another broker may have moved its acks on (or rewound it): read them
+            del self.consumers[clientid]
         if clientid not in self.consumers:
             state = await self._load_ack_state(clientid, still_current)
             if state is None:
@@ -256,18 +259,12 @@ class QueueEngine:
 
     async def release(self, clientid: str) -> None:
         """Stop delivering to ``clientid`` and return once the acks it sent are saved (at most ACK_SETTLE_S):
-        another broker of the cluster is taking the queue over and reads the saved position next. On a shared
-        store the consumer, once saved and still offline, is forgotten: the other broker advances its acks, so
-        an attach here later must read them again rather than resume from what this broker remembers."""
+        another broker of the cluster is taking the queue over and reads the saved position next (and an attach
+        here later reads it again too, see :meth:`attach`)."""
         if (consumer := self.consumers.get(clientid)) is None:
             return
         consumer.detach()
-        deadline = asyncio.get_running_loop().time() + ACK_SETTLE_S
-        while consumer.saving and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.005)
-        if self.store.shared and not consumer.online and not consumer.saving \
-                and self.consumers.get(clientid) is consumer:
-            del self.consumers[clientid]
+        await self._settle_ack_saves([consumer])
 
     def connection_of(self, clientid: str) -> Any:
         """The connection ``clientid``'s queue is delivered to, or None."""
@@ -292,10 +289,11 @@ class QueueEngine:
         is polled, since another broker's append notice travels over the network and may be lost (the read
         then runs in a thread and on NATS, not on this loop)."""
         for clientid, consumer in list(self.consumers.items()):
-            if consumer.online and not consumer.inflight and self.store.shared:
-                consumer.poll()
-            elif consumer.online and not consumer.inflight and consumer.behind:
-                consumer.wake()
+            if consumer.online and not consumer.inflight:
+                if self.store.shared:
+                    consumer.poll()
+                elif consumer.behind:
+                    consumer.wake()
             elif not consumer.online and not consumer.saving and not consumer.attempts:
                 del self.consumers[clientid]
         if self.store.shared:
@@ -313,14 +311,13 @@ class QueueEngine:
         async with self._gc_lock:
             for observer in self.observers:
                 observer.gc_started()
+            gc_pass = functools.partial(run_gc, self.store, self.read, self.pool, traffic=lambda: self._traffic,
+                                        running=lambda: not self.closing, lagging=self._gc_lagging)
             cutoff_ms = retention_cutoff_ms(self.settings.data_retention)
-            deleted = await run_gc(self.store, self.read, self.pool, cutoff_ms, traffic=lambda: self._traffic,
-                                   running=lambda: not self.closing, lagging=self._gc_lagging)
+            deleted = await gc_pass(cutoff_ms)
             if self.settings.tombstones and self.settings.tombstone_retention < self.settings.data_retention:
-                deleted += await run_gc(self.store, self.read, self.pool,
-                                        retention_cutoff_ms(self.settings.tombstone_retention),
-                                        traffic=lambda: self._traffic, running=lambda: not self.closing,
-                                        lagging=self._gc_lagging, select=_is_tombstone, reason="tombstone_retention")
+                deleted += await gc_pass(retention_cutoff_ms(self.settings.tombstone_retention),
+                                         select=_is_tombstone, reason="tombstone_retention")
             if deleted:
                 log.info("ECQ GC deleted %d entries published before %d ms", deleted, cutoff_ms)
             return deleted
