@@ -77,6 +77,16 @@ class EcqSettings(BaseModel):
     tombstones: StrictBool = Field(default=True, description="an empty payload deletes its key: delivered once as an "
                                    "empty PUBLISH, then removed on its PUBACK or after tombstone_retention")
     tombstone_retention: Retention = Field(default=86400.0, description="age after which GC deletes a tombstone")
+    max_queue_messages: Int = Field(default=0, ge=0, description="entries one queue may store, acked or not; "
+                                    "0 = unlimited (a rewrite of a stored key is not a new entry)")
+    max_queue_bytes: Int = Field(default=0, ge=0, description="payload bytes one queue may store; 0 = unlimited")
+    quota_policy: Literal["drop_oldest", "refuse"] = Field(
+        default="drop_oldest", description="a write over a queue quota deletes the queue's oldest entries "
+                                           "(drop_oldest) or is refused with reason quota_exceeded (refuse)")
+    max_store_bytes: Int = Field(default=0, ge=0, description="payload bytes all queues may store; above it writes "
+                                                              "are refused with reason store_full; 0 = unlimited")
+    state_retention: Retention = Field(default=30 * 86400.0, description="age after which GC forgets an empty "
+                                       "queue's seqno and ack state (no consumer online, no write or ack since)")
     gc_interval: GcInterval = Field(default=3600.0, description="time between GC passes")
     reader_batch_size: Int = Field(default=5, ge=1, le=31, description="inflight window per consumer")
     write_timeout: Timer = Field(default=5.0, description="an append not committed in time fails")
@@ -151,6 +161,14 @@ class EcqSettings(BaseModel):
             raise ValueError(f"max_packet_bytes {self.max_packet_bytes} is below max_payload_bytes + "
                              f"{PUBLISH_HEADER_ROOM} ({self._write_packet_bytes()}): a write of max_payload_bytes "
                              "would close its publisher's connection instead of being refused")
+        return self
+
+    @model_validator(mode="after")
+    def _queue_quotas_on_leveldb(self) -> EcqSettings:
+        if self.backend == "jetstream" and (self.max_queue_messages or self.max_queue_bytes):
+            raise ValueError("max_queue_messages and max_queue_bytes need backend leveldb: JetStream keeps no "
+                             "per-queue counts to check a quota in the write's own commit (max_store_bytes works "
+                             "on both backends)")
         return self
 
     def effective_pool_size(self) -> int:

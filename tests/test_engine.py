@@ -33,6 +33,9 @@ class Noted:
     def expired(self, clientid, rows, reason="retention"):
         self.events.append(("expired", clientid, tuple(row.seqno for row in rows)))
 
+    def forgotten(self, clientid):
+        self.events.append(("forgotten", clientid))
+
     def delivered(self, clientid, message, attempt):
         self.events.append(("delivered", clientid, message.seqno, attempt))
 

@@ -70,11 +70,12 @@ class QueueEvents:
                    publish_ts_ms=op.ts_ms, replaced_seqno=old)
 
     def expired(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str = "retention") -> None:
-        """One ``expired`` event per row, ``reason`` saying why (see ecq.queue.store.Expire); GC makes them by
-        the million, so with the least per-row work."""
-        record, ts_ms = self.recorder.record, now_ms()
+        """One ``expired`` event per row, ``reason`` saying why (see ecq.queue.store.Expire), or ``evicted`` for
+        rows the queue quota deleted (reason ``quota``); GC makes them by the million, so with the least per-row
+        work."""
+        record, ts_ms, kind = self.recorder.record, now_ms(), "evicted" if reason == "quota" else "expired"
         for seqno, key, publish_ts_ms, size in rows:
-            record("expired", ts_ms=ts_ms, clientid=clientid, key=key, seqno=seqno, publish_ts_ms=publish_ts_ms,
+            record(kind, ts_ms=ts_ms, clientid=clientid, key=key, seqno=seqno, publish_ts_ms=publish_ts_ms,
                    payload_bytes=size, reason=reason)
 
     def delivered(self, clientid: str, message: Message, attempt: int) -> None:
@@ -93,6 +94,9 @@ class QueueEvents:
 
     def store_error(self, op: str, exc: Exception) -> None:
         """Not an event."""
+
+    def forgotten(self, clientid: str) -> None:
+        """Not an event: state GC deletes no entry."""
 
     def gc_started(self) -> None:
         """Not an event."""

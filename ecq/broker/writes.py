@@ -36,6 +36,8 @@ class EcqWrites:
         self._max_payload_bytes = settings.max_payload_bytes
         self._engine, self._access, self._metrics, self._events = engine, access, metrics, events
         self._failure_log = LogThrottle(FAILURE_LOG_INTERVAL_S)
+        # a full queue or store refuses every write until it drains: one line per interval, not one per write
+        self._full_log = {reason: LogThrottle(FAILURE_LOG_INTERVAL_S) for reason in ("quota_exceeded", "store_full")}
         self._order = ArrivalOrder()
 
     async def publish(self, handler: BrokerProtocolHandler, packet: PublishPacket) -> None:
@@ -77,6 +79,8 @@ class EcqWrites:
             await future
             if not is_ctl_topic(topic):
                 self._metrics.append_latency.observe(time.monotonic() - received)
+        except BadWrite as exc:  # the queue quota refused it in its commit (QuotaExceeded)
+            self._refuse(handler, topic, exc)
         except Exception as exc:
             if (held_back := self._failure_log.due()) is not None:
                 log.error("ECQ write to %r failed (%s); closing publisher %s so it resends (%d more failed "
@@ -101,7 +105,12 @@ class EcqWrites:
 
     def _refuse(self, handler: BrokerProtocolHandler, topic: str, exc: BadWrite) -> None:
         self._metrics.writes_refused.labels(exc.reason).inc()
-        log.warning("ECQ %s (publisher %s, reason %s)", exc, hooks.client_id(handler), exc.reason)
+        throttle = self._full_log.get(exc.reason)
+        if throttle is None:
+            log.warning("ECQ %s (publisher %s, reason %s)", exc, hooks.client_id(handler), exc.reason)
+        elif (held_back := throttle.due()) is not None:
+            log.warning("ECQ %s (publisher %s, reason %s; %d more such refusals since the last such line)", exc,
+                        hooks.client_id(handler), exc.reason, held_back)
         if events := self._events():
             events.refused(parse_target(topic), exc.reason, topic)
 

@@ -46,11 +46,11 @@ from nats.js.api import DiscardPolicy, RePublish, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError
 
 from ecq.cluster.jsapi import (REQUEST_TIMEOUT_S, RETRY_PAUSE_S, TS_HEADER, JetStreamApi, Retry, index_entry_of,
-                              message_of, queue_subject_parts, token, until, untoken)
+                              message_of, queue_subject_parts, stream_ms, token, until, untoken)
 from ecq.cluster.link import NatsLink
 from ecq.config import EcqSettings
-from ecq.queue.store import (AckState, Append, Appended, CommitResult, Expire, ExpiredRow, IndexEntry, Message, Op,
-                             SaveAck, StoreError, stored_pages)
+from ecq.queue.store import (AckState, Append, Appended, CommitResult, Expire, ExpiredRow, ForgetQueue, IndexEntry,
+                             Message, Op, SaveAck, StoreError, stored_pages)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -253,6 +253,8 @@ class JetStreamStore:
             await self._publish(self._ack_subject(op.clientid), body.encode(),
                                 {"Nats-Msg-Id": self._msg_id_prefix + str(next(self._msg_ids))}, deadline)
             return None
+        if isinstance(op, ForgetQueue):
+            return await self._forget(op)
         return await self._expire(op)
 
     async def _publish(self, subject: str, payload: bytes, headers: dict[str, str], deadline: float) -> dict:
@@ -285,6 +287,26 @@ class JetStreamStore:
         answers = await asyncio.gather(*(self._js.api(f"STREAM.MSG.DELETE.{stream}",
                                                       {"seq": row.seqno, "no_erase": True}) for row in op.rows))
         return tuple(row for row, answer in zip(op.rows, answers, strict=True) if answer.get("success"))
+
+    async def _forget(self, op: ForgetQueue) -> bool:
+        """Purge the ack state of an empty queue saved before ``op.cutoff_ms``: only that message (a purge of
+        the subject below the next sequence), so a state saved meanwhile stays. A queue's seqnos are stream
+        sequences, which never restart: an entry written after the purge is above anything acked before it."""
+        subject = self._ack_subject(op.clientid)
+        answer = await self._js.api(f"STREAM.MSG.GET.{self._ns}_ACKS", {"last_by_subj": subject})
+        if "message" not in answer:
+            return False
+        saved = answer["message"]
+        body = json.loads(base64.b64decode(saved["data"]))
+        if max(body["last_ack_ms"], stream_ms(saved["time"])) >= op.cutoff_ms or await self._holds_entries(op.clientid):
+            return False
+        purged = await self._js.api(f"STREAM.PURGE.{self._ns}_ACKS", {"filter": subject, "seq": saved["seq"] + 1})
+        return bool(purged.get("purged"))
+
+    async def _holds_entries(self, clientid: str) -> bool:
+        answer = await self._js.api(f"STREAM.MSG.GET.{self.stream(self.shard(clientid))}",
+                                    {"last_by_subj": self._queue_subject(clientid)})
+        return "message" in answer
 
     # --- reads --------------------------------------------------------------------------------------
 
@@ -346,6 +368,12 @@ class JetStreamStore:
         if len(replies) < limit:
             return found, _next_shard(shard, self._shards)
         return found, f"{shard}:{int(replies[-1].headers['Nats-Sequence']) + 1}".encode()
+
+    def idle_queues(self, cutoff_ms: int) -> list[str]:
+        """Clientids with an ack state saved before ``cutoff_ms`` whose queue stores no entry (state GC's
+        candidates; a queue never acked has no state here to forget)."""
+        return [clientid for clientid, state in self.ack_states() if state.last_ack_ms < cutoff_ms
+                and not self._call(self._holds_entries(clientid), self._settings.read_timeout)]
 
     def stored_totals(self) -> tuple[int, int]:
         """(entries, bytes) stored across every shard, from the streams' state: bytes are JetStream's stored

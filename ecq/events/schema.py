@@ -8,21 +8,22 @@ type is null). Times are ms since the Unix epoch (UTC), sizes are bytes.
 column         type   meaning
 ============== ====== ==================================================================================
 ts_ms          int64  when the event happened (ms); for ``acked`` the time of the PUBACK
-type           string ``appended`` | ``compacted`` | ``delivered`` | ``acked`` | ``expired`` | ``refused`` |
-                      ``rewound``
+type           string ``appended`` | ``compacted`` | ``delivered`` | ``acked`` | ``expired`` | ``evicted`` |
+                      ``refused`` | ``rewound``
 clientid       string the queue's clientid; ``refused``: the target clientid if the topic names one
 key            string the message's key
 seqno          int64  ``appended``: the new seqno; ``compacted``: the NEW seqno that replaced the old one;
-                      ``delivered``/``acked``/``expired``: the message's seqno; ``rewound``: the new acked
+                      ``delivered``/``acked``/``expired``/``evicted``: the message's seqno; ``rewound``: the new acked
                       seqno (the next delivery is the first stored entry above it)
 publish_ts_ms  int64  the message's publish (append) time in ms, for every type but ``refused`` and ``rewound``
 payload_bytes  int64  the message's payload size in bytes (``appended``, ``delivered``, ``acked``, ...)
 replaced_seqno int64  ``compacted`` only: the seqno that was deleted
 attempt        int32  ``delivered`` only: 1 for the first send, 2+ for redeliveries
 reason         string ``refused``: ``not_a_write``, ``empty_key``, ``bad_key``, ``payload_too_large``,
-                      ``acl_denied``, ``not_owner``, ``bad_rewind``, ...; ``rewound``: the point as asked
+                      ``acl_denied``, ``not_owner``, ``bad_rewind``, ``quota_exceeded``, ``store_full``, ...; ``rewound``: the point as asked
                       (``42``, ``earliest``, ``latest``, ``since:<unix ms>``); ``expired``: why the entry was deleted
-                      (``retention``, ``tombstone_retention``, ``tombstone_acked``, ``purge``)
+                      (``retention``, ``tombstone_retention``, ``tombstone_acked``, ``purge``); ``evicted``:
+                      ``quota`` (the queue quota deleted its oldest entry to make room)
 topic          string ``refused`` only: the PUBLISH topic
 ============== ====== ==================================================================================
 
@@ -37,7 +38,7 @@ from typing import Any
 
 import pyarrow as pa
 
-EVENT_TYPES = frozenset({"appended", "compacted", "delivered", "acked", "expired", "refused", "rewound"})
+EVENT_TYPES = frozenset({"appended", "compacted", "delivered", "acked", "expired", "evicted", "refused", "rewound"})
 SCHEMA = pa.schema([
     pa.field("ts_ms", pa.int64(), nullable=False),
     pa.field("type", pa.string(), nullable=False),

@@ -44,6 +44,10 @@ class EcqMetrics:
         self.tombstones_removed = Counter("ecq_tombstones_removed", "tombstones deleted, by reason (tombstone_acked: "
                                           "their PUBACK; tombstone_retention, retention: GC)", ["reason"], registry=r)
         self.purged = Counter("ecq_purged_rows", "entries deleted by ecq purge", registry=r)
+        self.quota_evictions = Counter("ecq_quota_evictions", "oldest entries deleted to keep a queue within "
+                                       "max_queue_messages / max_queue_bytes (quota_policy drop_oldest)", registry=r)
+        self.queues_forgotten = Counter("ecq_queues_forgotten", "empty idle queues whose seqno and ack state GC "
+                                        "deleted (state_retention)", registry=r)
         self.gc_deleted = Counter("ecq_gc_deleted_rows", "entries deleted by garbage collection", registry=r)
         self.append_latency = Histogram("ecq_append_latency_seconds", "PUBLISH received to write committed",
                                         buckets=_LATENCY_BUCKETS_S, registry=r)
@@ -93,8 +97,8 @@ class MetricsObserver:
 
     def expired(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str = "retention") -> None:
         """Count the rows GC, a purge or a tombstone's PUBACK deleted, and the tombstones among them."""
-        if reason == "purge":
-            self._m.purged.inc(len(rows))
+        if reason in ("purge", "quota"):
+            (self._m.purged if reason == "purge" else self._m.quota_evictions).inc(len(rows))
             return
         if reason != "tombstone_acked":
             self._m.gc_deleted.inc(len(rows))
@@ -117,6 +121,10 @@ class MetricsObserver:
     def gc_started(self) -> None:
         """Count a GC pass."""
         self._m.gc_runs.inc()
+
+    def forgotten(self, clientid: str) -> None:
+        """Count a queue whose seqno and ack state state GC deleted."""
+        self._m.queues_forgotten.inc()
 
     def rewound(self, clientid: str, point: RewindPoint, acked: int) -> None:
         """Count a rewind."""

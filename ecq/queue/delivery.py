@@ -167,7 +167,8 @@ class Consumer:
         self._wake.set()
 
     def forget(self, seqnos: set[int]) -> None:
-        """Entries ``seqnos`` were deleted (``ecq purge``): drop them from the read-ahead so they are not sent."""
+        """Entries ``seqnos`` were deleted (purge, GC, quota eviction): drop them from the read-ahead so they are
+        not sent."""
         self._ready = deque(m for m in self._ready if m.seqno not in seqnos)
 
     def appended(self, seqno: int, key: str) -> None:

@@ -27,16 +27,17 @@ from ecq.queue.readers import BatchedReader
 from ecq.queue.rewind import rewind_seqno
 from ecq.queue.snapshots import ConsumerSnapshot, EngineSnapshot, Totals, consumer_snapshot
 from ecq.queue.stores import open_store
-from ecq.queue.store import (AckState, Append, Appended, Expire, ExpiredRow, Message, Op, QueueStore, StoreError,
-                             StoreReadError)
+from ecq.queue.store import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, Message, Op, QueueStore,
+                             StoreError, StoreReadError)
 from ecq.queue.tombstones import TombstonesOff, stored_rows
-from ecq.queue.topics import RewindPoint
+from ecq.queue.topics import BadWrite, RewindPoint
 from ecq.queue.writer import WriterPool
 
 log = logging.getLogger(__name__)
 
 QUEUE_COUNT_INTERVAL_S = 60.0    # a shared store's queue count lists every stored key: re-read at most this often
 STORE_RECOVERY_INTERVAL_S = 1.0  # after a failed commit, how often to look for free space and reopen the store
+FORGET_BATCH = 512               # state GC: queues checked and forgotten per round of commits
 ACK_SETTLE_S = 5.0               # on close, how long to wait for consumers' last ack states to reach the writer
 
 
@@ -64,6 +65,8 @@ class QueueEngine:
         self._queues_counted_at = float("-inf")
         self._traffic = 0  # appends and PUBACKs so far: GC paces itself slower while it grows
         self._gc_lock = asyncio.Lock()
+        self._loading: dict[str, int] = {}  # clientid -> ack-state loads under way
+        self._forgetting: dict[str, asyncio.Future] = {}  # clientid -> its ForgetQueue, until committed
         self._tasks: list[asyncio.Task] = []
         self.closing = False
 
@@ -114,9 +117,17 @@ class QueueEngine:
         """Append ``payload`` under ``key`` to the queue of ``clientid``, stamped now.
 
         Synchronous so that writes keep their arrival order; the returned future resolves with
-        :class:`Appended` once committed, or fails with TimeoutError after ``write_timeout`` or with the
-        commit's error. Raises :class:`ecq.queue.writer.PoolClosed` once the engine is closing.
+        :class:`Appended` once committed, or fails with TimeoutError after ``write_timeout``, with
+        :class:`ecq.queue.store.QuotaExceeded` (the queue quota refused it) or with the commit's error.
+        Raises :class:`ecq.queue.writer.PoolClosed` once the engine is closing, and BadWrite ``store_full`` while
+        the stored payload bytes and this payload would exceed ``max_store_bytes`` (an empty payload, which only
+        deletes, is always taken).
         """
+        limit = self.settings.max_store_bytes
+        if limit and payload and self._stored_bytes + len(payload) > limit:
+            raise BadWrite("store_full", f"refused a write of {len(payload)} bytes to the queue of {clientid!r}: "
+                                         f"the store holds {self._stored_bytes} payload bytes "
+                                         f"(max_store_bytes {limit})")
         future = self.pool.submit(clientid, Append(clientid, key, payload, now_ms()))
         return self._write_deadline.watch(future)
 
@@ -135,22 +146,32 @@ class QueueEngine:
         pages = await self.read(stored_rows, self.store, clientid)
         deleted = await asyncio.gather(*(self._write_deadline.watch(
             self.pool.submit(clientid, Expire(clientid, rows, "purge"))) for rows in pages))
-        if consumer := self.consumers.get(clientid):
-            consumer.forget({row.seqno for rows in deleted for row in rows})
         return sum(map(len, deleted))
 
     def _on_commit(self, ops: Sequence[Op], results: Sequence[object]) -> None:
         observers = self.observers
         for op, result in zip(ops, results, strict=True):
             if isinstance(op, Append):
-                self._appended(op, result)
-                for observer in observers:
-                    observer.appended(op, result)
+                if isinstance(result, Appended):
+                    self._appended(op, result)
+                    for observer in observers:
+                        observer.appended(op, result)
+                    if result.evicted:
+                        self._deleted(op.clientid, result.evicted, "quota")
             elif isinstance(op, Expire) and result:
-                self._stored_entries -= len(result)
-                self._stored_bytes -= sum(row.size for row in result)
+                self._deleted(op.clientid, result, op.reason)
+            elif isinstance(op, ForgetQueue) and result:
+                self._queues -= 1
                 for observer in observers:
-                    observer.expired(op.clientid, result, op.reason)
+                    observer.forgotten(op.clientid)
+
+    def _deleted(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str) -> None:
+        self._stored_entries -= len(rows)
+        self._stored_bytes -= sum(row.size for row in rows)
+        if consumer := self.consumers.get(clientid):
+            consumer.forget({row.seqno for row in rows})
+        for observer in self.observers:
+            observer.expired(clientid, rows, reason)
 
     def _appended(self, op: Append, result: Appended) -> None:
         self._queues += result.seqno == 1
@@ -229,7 +250,7 @@ class QueueEngine:
         """
         acked = await self.read(rewind_seqno, self.store, clientid, point)
         if clientid not in self.consumers:
-            state = await self.read(self.store.ack_state, clientid)
+            state = await self._load_ack_state(clientid, lambda: True)
             self._consumer(clientid, state)
         await self._write_deadline.watch(self.consumers[clientid].rewind(acked))
         log.info("ECQ rewound the queue of %s to %s: acked seqno %d", clientid, point, acked)
@@ -239,7 +260,19 @@ class QueueEngine:
 
     async def _load_ack_state(self, clientid: str, still_current: Callable[[], bool]) -> AckState | None:
         """The stored ack state of ``clientid``, read again every ``read_timeout`` while the store cannot answer
-        (a NATS outage, a JetStream leader election); None once the connection is no longer current."""
+        (a NATS outage, a JetStream leader election); None once the connection is no longer current. State GC
+        leaves a queue alone while its state loads, and a load waits for a state GC of the queue already
+        under way: a consumer made from a state GC then deletes would take new seqnos as acked."""
+        self._loading[clientid] = self._loading.get(clientid, 0) + 1
+        try:
+            if forgetting := self._forgetting.get(clientid):
+                await asyncio.wait([forgetting])
+            return await self._read_ack_state(clientid, still_current)
+        finally:
+            if (loads := self._loading.pop(clientid)) > 1:
+                self._loading[clientid] = loads - 1
+
+    async def _read_ack_state(self, clientid: str, still_current: Callable[[], bool]) -> AckState | None:
         while True:
             try:
                 return await self.read(self.store.ack_state, clientid)
@@ -320,7 +353,31 @@ class QueueEngine:
                                          select=_is_tombstone, reason="tombstone_retention")
             if deleted:
                 log.info("ECQ GC deleted %d entries published before %d ms", deleted, cutoff_ms)
+            if forgotten := await self.forget_idle_queues():
+                log.info("ECQ GC forgot the seqno and ack state of %d empty queues idle for %s s", forgotten,
+                         f"{self.settings.state_retention:g}")
             return deleted
+
+    async def forget_idle_queues(self) -> int:
+        """State GC: delete the seqno counter and ack state of every queue that stores no entry, has no
+        consumer in memory (online, or offline with its state cached) and had no write and no ack for
+        ``state_retention``; returns how many. Each is checked again in its own commit (ForgetQueue), through
+        the queue's writer agent, so a write or an ack that came meanwhile keeps it. Raises what the store's
+        reads and commits raise."""
+        cutoff_ms = retention_cutoff_ms(self.settings.state_retention)
+        candidates = await self.read(self.store.idle_queues, cutoff_ms)
+        forgotten = 0
+        for start in range(0, len(candidates), FORGET_BATCH):
+            idle = [cid for cid in candidates[start:start + FORGET_BATCH]
+                    if cid not in self.consumers and cid not in self._loading and not self.closing]
+            for clientid in idle:
+                self._forgetting[clientid] = self.pool.submit(clientid, ForgetQueue(clientid, cutoff_ms))
+            try:
+                forgotten += sum(await asyncio.gather(*(self._forgetting[cid] for cid in idle)))
+            finally:
+                for clientid in idle:
+                    del self._forgetting[clientid]
+        return forgotten
 
     def health(self) -> dict[str, str]:
         """``{"status": "ok"}``, or ``{"status": "degraded", "reason": ...}`` while commits to the store fail

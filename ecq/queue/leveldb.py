@@ -7,13 +7,14 @@ scan over ``S(clientid)`` returns exactly one client's rows and ``a`` never coll
 =======  ========================================  ==================================================
 table    key                                       value
 =======  ========================================  ==================================================
-seqno    ``s`` S(clientid)                         U64 last assigned seqno (seqnos start at 1)
+seqno    ``s`` S(clientid)                         U64 last assigned seqno (seqnos start at 1), U64 its publish ms
 state    ``a`` S(clientid)                         U64 acked seqno, U64 last-ack ms, U64* acked above it
 index    ``i`` S(clientid) U64(seqno)              U64 publish ms, U32 payload bytes, key bytes
 payload  ``p`` S(clientid) S(key) U64(seqno) U64(ms)  payload bytes
 =======  ========================================  ==================================================
 
-All timestamps are milliseconds since the Unix epoch. :meth:`LevelDbStore.commit` applies a list of operations
+All timestamps are milliseconds since the Unix epoch (a seqno row written before ECQ kept the last publish time
+holds the seqno alone, read as published at 0). :meth:`LevelDbStore.commit` applies a list of operations
 as one LevelDB write batch, so a crash leaves all of it or none. The methods block (LevelDB I/O, with
 the GIL released by plyvel) and are meant to run in a thread pool, off the event loop.
 """
@@ -29,8 +30,8 @@ from pathlib import Path
 
 import plyvel
 
-from ecq.queue.store import (AckState, Append, Appended, Expire, ExpiredRow, IndexEntry, Message, Op, SaveAck, StoreError,
-                             StoreReadError)
+from ecq.queue.store import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, IndexEntry, Message, Op,
+                             QueueQuota, QuotaExceeded, SaveAck, StoreError, StoreReadError)
 from ecq.queue.leveldb_files import Gate, cut_logs, reason as _reason, space_for
 
 log = logging.getLogger(__name__)
@@ -63,17 +64,21 @@ _L0_INLINE_LIMIT = 4  # level-0 files; LevelDB slows writes at 8 and stops them 
 class LevelDbStore:
     """The ECQ LevelDB database at ``path`` (created if missing), opened with ``paranoid_checks``.
 
-    Raises StoreError when the database cannot be opened. ``sync=True`` fsyncs every commit. A broker
+    Raises StoreError when the database cannot be opened. ``sync=True`` fsyncs every commit. ``quota`` bounds
+    each queue, checked in the append's own write batch (entry and byte counts of a queue are read once, then
+    kept in memory while quotas are on). A broker
     that may call :meth:`reopen_if_space` runs its reads through :meth:`run`, so that no read uses the
     database while it is closed and opened again; :meth:`commit` takes care of itself.
     """
 
     shared = False  # one broker holds the LevelDB lock
 
-    def __init__(self, path: Path, sync: bool = False) -> None:
+    def __init__(self, path: Path, sync: bool = False, quota: QueueQuota = QueueQuota()) -> None:
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._sync = sync
+        self._quota = quota
+        self._sizes: dict[str, list[int]] = {}  # clientid -> [entries, payload bytes], while quotas are on
         self._seqnos: dict[str, int] = {}
         self._seqno_lock = threading.Lock()
         self._gate = Gate()
@@ -149,6 +154,7 @@ class LevelDbStore:
         with self._gate.exclusive():
             self._db.close()
             self._seqnos.clear()  # seqnos handed out by failed batches were never stored
+            self._sizes.clear()
             self._db = self._open()
             self.write_error = None
         return True
@@ -178,52 +184,75 @@ class LevelDbStore:
         """
         if self.write_error:
             raise StoreError(f"writes suspended until LevelDB is reopened: {self.write_error}")
-        batch_latest: dict[tuple[str, str], tuple[int, int, int]] = {}
-        expired: set[tuple[str, int]] = set()  # (clientid, seqno) deleted by an Expire earlier in this batch
-        results: list[Appended | tuple[ExpiredRow, ...] | None] = []
+        done = _BatchState()
         try:
             with self._gate:
-                self._commit(ops, batch_latest, expired, results)
-        except (plyvel.IOError, RuntimeError) as exc:  # RuntimeError: the database is closed (a reopen failed)
-            self.write_error = _reason(exc)
+                results = self._commit(ops, done)
+        except BaseException as exc:
+            for op in ops:  # the counts kept for the quota may include this batch's ops: read them again
+                self._sizes.pop(op.clientid, None)
+            if isinstance(exc, plyvel.IOError | RuntimeError):  # RuntimeError: closed (a reopen failed)
+                self.write_error = _reason(exc)
             raise
+        for clientid in done.forgotten:
+            with self._seqno_lock:
+                if self._seqnos.get(clientid) == 0:  # not written again in the same batch
+                    del self._seqnos[clientid]
         return results
 
-    def _commit(self, ops, batch_latest, expired, results) -> None:
+    def _commit(self, ops: Sequence[Op], done: _BatchState) -> list[Appended | QuotaExceeded | tuple[ExpiredRow, ...]
+                                                                     | bool | None]:
+        results: list[Appended | QuotaExceeded | tuple[ExpiredRow, ...] | bool | None] = []
         # one iterator, re-seeked per append, is several times cheaper than a new one per compaction scan
         with self._db.write_batch(transaction=True, sync=self._sync) as batch, \
                 self._db.iterator(include_value=False) as payload_keys:
             for op in ops:
                 if isinstance(op, Append):
-                    results.append(self._append(batch, payload_keys, op, batch_latest, expired))
+                    results.append(self._append(batch, payload_keys, op, done))
                 elif isinstance(op, SaveAck):
                     batch.put(_STATE + _s(op.clientid), _encode_state(op.state))
+                    done.touched.add(op.clientid)
                     results.append(None)
+                elif isinstance(op, Expire):
+                    results.append(self._expire(batch, op, done))
                 else:
-                    results.append(self._expire(batch, op, batch_latest, expired))
+                    results.append(self._forget(batch, op, done))
+        return results
 
-    def _append(self, batch, payload_keys, op: Append, batch_latest: dict[tuple[str, str], tuple[int, int, int]],
-                expired: set[tuple[str, int]]) -> Appended:
-        queue, key = _s(op.clientid), op.key.encode()
+    def _append(self, batch, payload_keys, op: Append, done: _BatchState) -> Appended | QuotaExceeded:
+        clientid, size = op.clientid, len(op.payload)
+        queue = _s(clientid)
         index_prefix, payload_prefix = _INDEX + queue, _PAYLOAD + queue + _s(op.key)
-        seqno = self._next_seqno(op.clientid)
-        batch.put(_SEQNO + queue, _U64.pack(seqno))
-        batch.put(index_prefix + _U64.pack(seqno), _INDEX_VALUE.pack(op.ts_ms, len(op.payload)) + key)
-        batch.put(payload_prefix + _U64.pack(seqno) + _U64.pack(op.ts_ms), op.payload)
-        slot = (op.clientid, op.key)
-        if slot in batch_latest:  # older rows in the database were already deleted by that earlier op
-            older = [batch_latest[slot]]
+        slot = (clientid, op.key)
+        if slot in done.latest:  # older rows in the database were already deleted by that earlier op
+            older = [done.latest[slot]]
         else:
             older = [version for version in self._live_versions(payload_keys, index_prefix, payload_prefix)
-                     if (op.clientid, version[0]) not in expired]
+                     if (clientid, version[0]) not in done.deleted]
+        replaced_bytes = sum(old[2] for old in older)
+        if self._quota and (refused := self._refusal(clientid, size, len(older), replaced_bytes, done)):
+            return refused
+        seqno = self._next_seqno(clientid)
+        batch.put(_SEQNO + queue, _U64.pack(seqno) + _U64.pack(op.ts_ms))
+        batch.put(index_prefix + _U64.pack(seqno), _INDEX_VALUE.pack(op.ts_ms, size) + op.key.encode())
+        batch.put(payload_prefix + _U64.pack(seqno) + _U64.pack(op.ts_ms), op.payload)
         for old_seqno, old_ts, _size in older:
             batch.delete(index_prefix + _U64.pack(old_seqno))
             batch.delete(payload_prefix + _U64.pack(old_seqno) + _U64.pack(old_ts))
-        batch_latest[slot] = (seqno, op.ts_ms, len(op.payload))
-        return Appended(seqno, tuple(old[0] for old in older), sum(old[2] for old in older))
+            done.deleted.add((clientid, old_seqno))
+        done.latest[slot] = (seqno, op.ts_ms, size)
+        done.touched.add(clientid)
+        evicted: tuple[ExpiredRow, ...] = ()
+        if self._quota:
+            sizes = self._sizes[clientid]
+            sizes[0] += 1 - len(older)
+            sizes[1] += size - replaced_bytes
+            done.added.setdefault(clientid, []).append(ExpiredRow(seqno, op.key, op.ts_ms, size))
+            if self._quota.over(*sizes):
+                evicted = self._evict(batch, clientid, done)
+        return Appended(seqno, tuple(old[0] for old in older), replaced_bytes, evicted)
 
-    def _expire(self, batch, op: Expire, batch_latest: dict[tuple[str, str], tuple[int, int, int]],
-                expired: set[tuple[str, int]]) -> tuple[ExpiredRow, ...]:
+    def _expire(self, batch, op: Expire, done: _BatchState) -> tuple[ExpiredRow, ...]:
         """Delete the rows of ``op`` that are still stored; returns them. A row is gone when an append of
         its key replaced it (in this batch, or committed after GC read the row) or an Expire deleted it."""
         clientid = op.clientid
@@ -234,13 +263,93 @@ class LevelDbStore:
         for row in op.rows:
             seqno_bytes = pack(row.seqno)
             index_key = index_prefix + seqno_bytes
-            if (clientid, row.key) in batch_latest or (clientid, row.seqno) in expired or get(index_key) is None:
+            if (clientid, row.seqno) in done.deleted or get(index_key) is None:
                 continue
             batch.delete(index_key)
             batch.delete(payload_prefix + _s(row.key) + seqno_bytes + pack(row.ts_ms))
-            expired.add((clientid, row.seqno))
+            done.deleted.add((clientid, row.seqno))
             deleted.append(row)
+        if deleted and (sizes := self._sizes.get(clientid)):
+            sizes[0] -= len(deleted)
+            sizes[1] -= sum(row.size for row in deleted)
         return tuple(deleted)
+
+    # --- queue quotas -------------------------------------------------------------------------------
+
+    def _refusal(self, clientid: str, size: int, replaced: int, replaced_bytes: int,
+                 done: _BatchState) -> QuotaExceeded | None:
+        """Why the quota refuses an append of ``size`` bytes replacing ``replaced`` entries, or None."""
+        quota = self._quota
+        if quota.max_bytes and size > quota.max_bytes:
+            return QuotaExceeded(f"refused a write of {size} bytes to the queue of {clientid!r}: larger than "
+                                 f"max_queue_bytes ({quota.max_bytes})")
+        entries, stored = self._queue_sizes(clientid, done)
+        if quota.policy == "refuse" and quota.over(entries + 1 - replaced, stored + size - replaced_bytes):
+            return QuotaExceeded(f"refused a write to the queue of {clientid!r}: it holds {entries} entries, "
+                                 f"{stored} bytes (max_queue_messages {quota.max_messages or 'unlimited'}, "
+                                 f"max_queue_bytes {quota.max_bytes or 'unlimited'}, quota_policy refuse)")
+        return None
+
+    def _queue_sizes(self, clientid: str, done: _BatchState) -> list[int]:
+        """[entries, payload bytes] the queue of ``clientid`` stores, this batch's ops so far included (read
+        from the index table the first time, then kept up to date by the commits)."""
+        if (sizes := self._sizes.get(clientid)) is None:
+            sizes = self._sizes[clientid] = [0, 0]
+            for _seqno, _key, _ts_ms, size in self._stored_rows(clientid, done):
+                sizes[0] += 1
+                sizes[1] += size
+        return sizes
+
+    def _stored_rows(self, clientid: str, done: _BatchState) -> Iterator[ExpiredRow]:
+        """The rows of ``clientid``'s queue in seqno order as this batch leaves them so far: the database's
+        rows this batch did not delete, then the rows it appended."""
+        prefix = _INDEX + _s(clientid)
+        for index_key, value in self._db.iterator(prefix=prefix):
+            seqno = _U64.unpack_from(index_key, len(prefix))[0]
+            if (clientid, seqno) not in done.deleted:
+                ts_ms, size = _INDEX_VALUE.unpack_from(value)
+                yield ExpiredRow(seqno, value[_INDEX_VALUE.size:].decode(), ts_ms, size)
+        yield from (row for row in done.added.get(clientid, ()) if (clientid, row.seqno) not in done.deleted)
+
+    def _evict(self, batch, clientid: str, done: _BatchState) -> tuple[ExpiredRow, ...]:
+        """Delete the oldest entries of ``clientid``'s queue until it is within the quota again (the newest
+        entry alone always fits: a larger one was refused). Returns them."""
+        sizes, evicted = self._sizes[clientid], []
+        index_prefix, payload_prefix = _INDEX + _s(clientid), _PAYLOAD + _s(clientid)
+        for row in self._stored_rows(clientid, done):
+            if not self._quota.over(*sizes):
+                break
+            batch.delete(index_prefix + _U64.pack(row.seqno))
+            batch.delete(payload_prefix + _s(row.key) + _U64.pack(row.seqno) + _U64.pack(row.ts_ms))
+            done.deleted.add((clientid, row.seqno))
+            if done.latest.get((clientid, row.key), (0,))[0] == row.seqno:
+                del done.latest[(clientid, row.key)]  # a later append of that key in this batch finds no older value
+            sizes[0] -= 1
+            sizes[1] -= row.size
+            evicted.append(row)
+        return tuple(evicted)
+
+    # --- state GC -----------------------------------------------------------------------------------
+
+    def _forget(self, batch, op: ForgetQueue, done: _BatchState) -> bool:
+        """Delete the seqno and state rows of an empty queue idle since ``op.cutoff_ms`` (see ForgetQueue)."""
+        clientid = op.clientid
+        queue = _s(clientid)
+        if clientid in done.touched or next(self._stored_rows(clientid, done), None) is not None:
+            return False
+        seqno_row, state_row = self._db.get(_SEQNO + queue), self._db.get(_STATE + queue)
+        last_write_ms = _U64.unpack_from(seqno_row, 8)[0] if seqno_row and len(seqno_row) >= 16 else 0
+        if last_write_ms >= op.cutoff_ms or state_row and _decode_state(state_row).last_ack_ms >= op.cutoff_ms:
+            return False
+        if seqno_row is None and state_row is None:
+            return False
+        batch.delete(_SEQNO + queue)
+        batch.delete(_STATE + queue)
+        with self._seqno_lock:
+            self._seqnos[clientid] = 0  # an append later in this batch starts again at seqno 1
+        self._sizes.pop(clientid, None)
+        done.forgotten.append(clientid)
+        return True
 
     def _live_versions(self, payload_keys, index_prefix: bytes, payload_prefix: bytes
                        ) -> Iterator[tuple[int, int, int]]:
@@ -258,7 +367,7 @@ class LevelDbStore:
             last = self._seqnos.get(clientid)
             if last is None:
                 raw = self._db.get(_SEQNO + _s(clientid))
-                last = _U64.unpack(raw)[0] if raw else 0
+                last = _U64.unpack_from(raw)[0] if raw else 0
             self._seqnos[clientid] = last + 1
             return last + 1
 
@@ -302,7 +411,7 @@ class LevelDbStore:
     def last_seqno(self, clientid: str) -> int:
         """Last seqno assigned in the queue of ``clientid`` (0 when it never had a write)."""
         raw = self._db.get(_SEQNO + _s(clientid))
-        return _U64.unpack(raw)[0] if raw else 0
+        return _U64.unpack_from(raw)[0] if raw else 0
 
     def clientids(self) -> Iterator[str]:
         """Every clientid that ever had a write, in key order (reads the seqno table)."""
@@ -338,6 +447,24 @@ class LevelDbStore:
                     return found, index_key + b"\x00"
         return found, None
 
+    def idle_queues(self, cutoff_ms: int) -> list[str]:
+        """Clientids whose queue stores no entry and had no write and no ack since ``cutoff_ms`` (state GC's
+        candidates): one pass over the seqno table, a state lookup and an index seek per queue."""
+        idle = []
+        with self._db.iterator(prefix=_INDEX, include_value=False) as index_keys:
+            for row, value in self._db.iterator(prefix=_SEQNO):
+                if len(value) >= 16 and _U64.unpack_from(value, 8)[0] >= cutoff_ms:
+                    continue
+                queue = row[1:]
+                state = self._db.get(_STATE + queue)
+                if state and _decode_state(state).last_ack_ms >= cutoff_ms:
+                    continue
+                index_keys.seek(_INDEX + queue)
+                if next(index_keys, b"").startswith(_INDEX + queue):
+                    continue
+                idle.append(_read_s(row, 1)[0])
+        return idle
+
     def seqnos(self, clientid: str) -> Iterator[int]:
         """Seqnos of the stored entries of ``clientid``, ascending."""
         prefix = _INDEX + _s(clientid)
@@ -371,6 +498,19 @@ class LevelDbStore:
         """Every stored consumer state as (clientid, state), in clientid key order."""
         for row, value in self._db.iterator(prefix=_STATE):
             yield _read_s(row, 1)[0], _decode_state(value)
+
+
+class _BatchState:
+    """What the earlier ops of one commit did, which the database shows only once the batch is written."""
+
+    __slots__ = ("latest", "deleted", "added", "touched", "forgotten")
+
+    def __init__(self) -> None:
+        self.latest: dict[tuple[str, str], tuple[int, int, int]] = {}  # (clientid, key) -> (seqno, ms, bytes) appended
+        self.deleted: set[tuple[str, int]] = set()  # (clientid, seqno) deleted: compaction, Expire, quota eviction
+        self.added: dict[str, list[ExpiredRow]] = {}  # clientid -> rows appended, in seqno order (quotas on only)
+        self.touched: set[str] = set()  # queues appended to or acked: state GC leaves them
+        self.forgotten: list[str] = []  # queues whose seqno and state rows were deleted (ForgetQueue)
 
 
 def _index_entry(row: tuple[bytes, bytes] | None) -> IndexEntry | None:

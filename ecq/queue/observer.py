@@ -16,7 +16,8 @@ class QueueObserver(Protocol):
 
     def expired(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str = "retention") -> None:
         """``rows`` of the queue of ``clientid`` were deleted; ``reason`` is ``retention`` or ``tombstone_retention``
-        (GC), ``tombstone_acked`` (a tombstone's PUBACK) or ``purge`` (see ecq.queue.store.Expire)."""
+        (GC), ``tombstone_acked`` (a tombstone's PUBACK), ``purge`` (see ecq.queue.store.Expire) or ``quota``
+        (evicted by the queue quota to make room for an append)."""
 
     def delivered(self, clientid: str, message: Message, attempt: int) -> None:
         """``message`` was sent; ``attempt`` is 1 for its first send, 2+ for each send again."""
@@ -29,6 +30,9 @@ class QueueObserver(Protocol):
 
     def gc_started(self) -> None:
         """A GC pass begins."""
+
+    def forgotten(self, clientid: str) -> None:
+        """State GC deleted the seqno counter and ack state of the (empty) queue of ``clientid``."""
 
     def rewound(self, clientid: str, point: RewindPoint, acked: int) -> None:
         """The queue of ``clientid`` was rewound to ``point``: its acked seqno is now ``acked`` (stored)."""

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
 
+from ecq.queue.topics import BadWrite
+
 T = TypeVar("T")
 
 
@@ -26,6 +28,32 @@ class StoreError(RuntimeError):
 class StoreReadError(StoreError):
     """A stored block cannot be read (LevelDB reports corruption or an I/O error): retrying will not help."""
 
+
+class QuotaExceeded(BadWrite):
+    """An append refused by the queue quota (``quota_policy: refuse``, or a payload larger than
+    ``max_queue_bytes``): nothing was stored. A :meth:`QueueStore.commit` returns it as that op's result."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__("quota_exceeded", detail)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueQuota:
+    """The bounds of one queue, applied by the store in the append's own write batch: at most ``max_messages``
+    stored entries and ``max_bytes`` payload bytes (0 = unlimited), acked or not. ``policy`` ``drop_oldest``
+    deletes the lowest seqnos until the append fits, ``refuse`` refuses the append (like EMQX 6 message queues'
+    ``max_messages`` / ``max_bytes`` with drop-oldest or drop-new). A rewrite of a stored key is not a new entry."""
+
+    max_messages: int = 0
+    max_bytes: int = 0
+    policy: str = "drop_oldest"
+
+    def __bool__(self) -> bool:
+        return bool(self.max_messages or self.max_bytes)
+
+    def over(self, entries: int, size: int) -> bool:
+        """True when a queue of ``entries`` entries and ``size`` payload bytes breaks a bound."""
+        return bool(self.max_messages and entries > self.max_messages or self.max_bytes and size > self.max_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,11 +87,13 @@ class Append:
 
 @dataclass(frozen=True, slots=True)
 class Appended:
-    """Result of an :class:`Append`: the new seqno, the seqnos its compaction deleted and their payload bytes."""
+    """Result of an :class:`Append`: the new seqno, the seqnos its compaction deleted and their payload bytes,
+    and the oldest entries the queue quota deleted to make room (``quota_policy: drop_oldest``)."""
 
     seqno: int
     replaced: tuple[int, ...] = ()
     replaced_bytes: int = 0
+    evicted: tuple[ExpiredRow, ...] = ()
 
 
 class ExpiredRow(NamedTuple):
@@ -99,7 +129,17 @@ class Expire:
     reason: str = "retention"
 
 
-Op = Append | SaveAck | Expire
+@dataclass(frozen=True, slots=True)
+class ForgetQueue:
+    """Write op (state GC): delete the seqno counter and ack state of ``clientid`` if, when committed, its queue
+    stores no entry and neither a write nor an ack came since ``cutoff_ms``; its result is True when it did. A
+    queue written again afterwards starts at seqno 1 with nothing acked."""
+
+    clientid: str
+    cutoff_ms: int
+
+
+Op = Append | SaveAck | Expire | ForgetQueue
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +152,7 @@ class IndexEntry:
     ts_ms: int
 
 
-CommitResult = Appended | tuple[ExpiredRow, ...] | None
+CommitResult = Appended | QuotaExceeded | tuple[ExpiredRow, ...] | bool | None
 
 
 class QueueStore(Protocol):
@@ -134,9 +174,10 @@ class QueueStore(Protocol):
         """Apply ``ops`` in order as one atomic batch (group commit); returns one result per op.
 
         An :class:`Append` gets the next seqno of its queue and deletes the older values of its key
-        (compaction): its result is :class:`Appended`. An :class:`Expire` deletes those of its rows that are
+        (compaction): its result is :class:`Appended`, or :class:`QuotaExceeded` when the store's queue quota
+        refuses it (an exception returned, not raised: the rest of the batch stands). An :class:`Expire` deletes those of its rows that are
         still stored and returns them (an append of the same key may have replaced one since GC read it).
-        A :class:`SaveAck` returns None. On failure nothing was written; after an I/O error every commit
+        A :class:`SaveAck` returns None, a :class:`ForgetQueue` whether it forgot the queue. On failure nothing was written; after an I/O error every commit
         raises :class:`StoreError` until :meth:`reopen_if_space` succeeds.
         """
 
@@ -169,6 +210,10 @@ class QueueStore(Protocol):
         """One GC step: up to ``limit`` entries published before ``cutoff_ms``, scanning from ``start`` (None:
         the beginning) across queues. Returns them by clientid, oldest first, and the opaque ``start`` of the
         next step (None once every queue was scanned)."""
+
+    def idle_queues(self, cutoff_ms: int) -> list[str]:
+        """Clientids whose queue stores no entry and had no write and no ack since ``cutoff_ms`` (ms since the
+        epoch): the candidates of state GC, each checked again by its :class:`ForgetQueue` commit."""
 
     def stored_totals(self) -> tuple[int, int]:
         """(entries, payload bytes) stored across all queues; a full scan."""

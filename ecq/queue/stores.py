@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from ecq.config import EcqSettings
-from ecq.queue.store import QueueStore
+from ecq.queue.store import QueueQuota, QueueStore
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,8 @@ def open_store(settings: EcqSettings) -> QueueStore:
                  settings.jetstream_namespace, settings.jetstream_shards, entries, seconds)
         return store
     from ecq.queue.leveldb import LevelDbStore
-    store = LevelDbStore(settings.data_dir, sync=settings.sync_writes)
+    quota = QueueQuota(settings.max_queue_messages, settings.max_queue_bytes, settings.quota_policy)
+    store = LevelDbStore(settings.data_dir, sync=settings.sync_writes, quota=quota)
     rows, seconds = store.verify()
     log.info("ECQ store checked: %d rows read with checksums in %.2f s", rows, seconds)
     return store

@@ -33,7 +33,8 @@ class PoolClosed(RuntimeError):
 
 class WriterPool:
     """``size`` agents over ``store``; ``on_commit(ops, results)`` runs on the event loop after each batch,
-    ``on_error(exc)`` after each batch that failed."""
+    ``on_error(exc)`` after each batch that failed. An op whose result is an exception (the store refused that op
+    alone) fails its own future with it."""
 
     def __init__(self, store: QueueStore, size: int, on_commit: OnCommit, max_batch: int = 1024,
                  on_error: Callable[[Exception], None] = lambda _exc: None) -> None:
@@ -102,7 +103,11 @@ class WriterPool:
                         fut.set_exception(exc)
                 continue
             for (_, fut), result in zip(live, results, strict=True):
-                if not fut.done():
+                if fut.done():
+                    continue
+                if isinstance(result, Exception):  # one op refused (a queue quota), the rest of the batch stands
+                    fut.set_exception(result)
+                else:
                     fut.set_result(result)
             self._on_commit(ops, results)
             if inline:
