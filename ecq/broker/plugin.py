@@ -21,6 +21,7 @@ from amqtt.mqtt.publish import PublishPacket
 from amqtt.plugins.base import BaseTopicPlugin
 from amqtt.session import Session
 
+from ecq import storage_layout
 from ecq.broker import amqtt_hooks as hooks
 from ecq.broker.access import AccessControl
 from ecq.broker.observers import QueueEvents
@@ -42,7 +43,8 @@ class EcqPlugin(BaseTopicPlugin):
     """amqtt broker plugin for exclusive compacted queues.
 
     Raises (through amqtt's PluginInitError) pydantic.ValidationError for a bad option,
-    ecq.queue.store.StoreError when the data directory cannot be opened, ecq.broker.acl.AclError for a bad ACL file.
+    ecq.queue.store.StoreError when the data directory cannot be opened or its old layout cannot be moved
+    (ecq.storage_layout.LayoutError), ecq.broker.acl.AclError for a bad ACL file.
     """
 
     # amqtt fills this dataclass from the YAML mapping (and refuses unknown keys); EcqSettings validates it.
@@ -53,6 +55,7 @@ class EcqPlugin(BaseTopicPlugin):
         super().__init__(context)
         self._origin = {k: v for k, v in dataclasses.asdict(self.config).items() if v is not None}
         self.settings = EcqSettings(**self._origin)
+        storage_layout.migrate(self.settings.data_dir)  # before anything opens a file there
         self.access = AccessControl(self.settings)
         self.events = QueueEvents(self.settings) if self.settings.events else None
         self.engine = QueueEngine(self.settings, hooks.publish_qos1,

@@ -11,7 +11,7 @@ log = logging.getLogger(__name__)
 
 
 def open_store(settings: EcqSettings) -> QueueStore:
-    """The store ``settings.backend`` names: LevelDB in ``data_dir`` (checked block by block first), or the
+    """The store ``settings.backend`` names: LevelDB in ``<data_dir>/queues`` (checked block by block first), or the
     JetStream streams of the NATS cluster. Raises StoreError, or NatsUnavailable (a ConnectionError)."""
     if settings.backend == "jetstream":
         from ecq.cluster.jetstream import JetStreamStore  # needs the [cluster] extra
@@ -21,7 +21,7 @@ def open_store(settings: EcqSettings) -> QueueStore:
                  settings.jetstream_namespace, settings.jetstream_shards, entries, seconds)
         return store
     from ecq.queue.leveldb import LevelDbStore
-    store = LevelDbStore(settings.data_dir, sync=settings.sync_writes)
+    store = LevelDbStore(settings.queues_dir(), sync=settings.sync_writes)
     rows, seconds = store.verify()
     log.info("ECQ store checked: %d rows read with checksums in %.2f s", rows, seconds)
     return store
