@@ -18,7 +18,7 @@ from ecq.events import EventRecorder, LakeExporter
 from ecq.queue.clock import now_ms
 from ecq.queue.leveldb import LevelDbStore
 from ecq.queue.store import AckState, Append, SaveAck
-from ecq.storage_layout import MIGRATING, leveldb_files
+from ecq.storage_layout import MIGRATING, LayoutError, leveldb_files, migrate
 from tests.harness import ECQ, BrokerProcess, drain, free_port, wait_until
 
 START_BOUND_S = 30  # `ecq broker` must have exited (or be running) within this
@@ -187,3 +187,12 @@ def test_offline_status_inspect_and_repair_read_both_layouts_in_place(broker_pro
 def test_jetstream_keeps_only_events_and_lake_in_the_data_dir(jetstream_options, broker_process):
     broker = broker_process(**jetstream_options).start()
     assert sorted(p.name for p in broker.data_dir.iterdir()) == ["events", "lake"]
+
+
+def test_a_data_dir_that_is_a_queues_directory_is_not_moved_into_itself(tmp_path):
+    queues = tmp_path / "data" / "queues"
+    LevelDbStore(queues).close()
+    before = leveldb_files(queues)
+    with pytest.raises(LayoutError, match=f"looks like the LevelDB directory of data_dir {queues.parent}"):
+        migrate(queues)
+    assert leveldb_files(queues) == before and not (queues / "queues").exists()

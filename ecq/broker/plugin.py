@@ -21,7 +21,6 @@ from amqtt.mqtt.publish import PublishPacket
 from amqtt.plugins.base import BaseTopicPlugin
 from amqtt.session import Session
 
-from ecq import storage_layout
 from ecq.broker import amqtt_hooks as hooks
 from ecq.broker.access import AccessControl
 from ecq.broker.observers import QueueEvents
@@ -55,7 +54,6 @@ class EcqPlugin(BaseTopicPlugin):
         super().__init__(context)
         self._origin = {k: v for k, v in dataclasses.asdict(self.config).items() if v is not None}
         self.settings = EcqSettings(**self._origin)
-        storage_layout.migrate(self.settings.data_dir)  # before anything opens a file there
         self.access = AccessControl(self.settings)
         self.events = QueueEvents(self.settings) if self.settings.events else None
         self.engine = QueueEngine(self.settings, hooks.publish_qos1,
