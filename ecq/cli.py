@@ -40,6 +40,7 @@ from ecq.queue.store import StoreError
 from ecq.queue.topics import BadWrite, parse_rewind_point
 from ecq.queue.leveldb import LevelDbStore
 from ecq.queue.leveldb_files import repair as repair_store
+from ecq.storage_layout import QUEUES, leveldb_dir
 
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections of Python's cyclic GC (CPython: 700)
 GIL_SWITCH_INTERVAL_S = 0.0005  # how long a thread may hold the GIL while another waits (CPython: 0.005)
@@ -113,7 +114,8 @@ def check_broker_keys(config: dict[str, Any], path: Path | None) -> None:
 
 
 def check_data_dir(path: Path) -> None:
-    """Refuse a ``data_dir`` that is a file, cannot be created or is not writable (click.UsageError)."""
+    """Refuse a ``data_dir`` that is a file, cannot be created or is not writable, or whose ``queues``
+    (LevelDB's directory, see ecq.storage_layout) is a file or not writable (click.UsageError)."""
     if path.exists() and not path.is_dir():
         raise click.UsageError(f"data_dir {path}: exists and is not a directory")
     try:
@@ -122,6 +124,11 @@ def check_data_dir(path: Path) -> None:
         raise click.UsageError(f"data_dir {path}: cannot create it: {exc.strerror or exc}") from exc
     if not os.access(path, os.W_OK | os.X_OK):
         raise click.UsageError(f"data_dir {path}: not writable")
+    queues = path / QUEUES
+    if queues.exists() and not queues.is_dir():
+        raise click.UsageError(f"data_dir {path}: {queues} exists and is not a directory")
+    if queues.exists() and not os.access(queues, os.W_OK | os.X_OK):
+        raise click.UsageError(f"data_dir {path}: {queues} is not writable")
 
 
 def _check_bind(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
@@ -158,7 +165,7 @@ def check_plugin_options(options: dict[str, Any]) -> EcqSettings:
 @click.option("--bind", callback=_check_bind,
               help="HOST:PORT of the MQTT TCP listener (overrides the config's default listener)")
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False),
-              help="LevelDB directory (overrides the plugin's data_dir)")
+              help="data directory: LevelDB in DIR/queues, events in DIR/events (overrides the plugin's data_dir)")
 @click.option("--acl", "acl_file", type=click.Path(path_type=Path, dir_okay=False),
               help="ACL file in EMQX acl.conf syntax (overrides the plugin's acl_file)")
 @click.option("--admin-bind", help="HOST:PORT of the admin API (overrides admin_bind; '' turns it off)")
@@ -237,16 +244,18 @@ def _reload_acl(plugin: EcqPlugin) -> None:
 
 @main.command("repair")
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), required=True,
-              help="the broker's LevelDB directory (the broker must be stopped)")
+              help="the broker's data_dir (the broker must be stopped)")
 def repair(data_dir: Path) -> None:
     """Rebuild a damaged store from what can still be read (LevelDB RepairDB).
 
-    Entries in damaged blocks and the tail of a cut log are dropped: queue rows and acked positions may
-    be lost or move back (a consumer then gets some messages again). Exit 1 when it cannot repair.
+    Repairs DATA_DIR/queues, or DATA_DIR itself in the old layout (in place: the broker moves it on its
+    next start). Entries in damaged blocks and the tail of a cut log are dropped: queue rows and acked
+    positions may be lost or move back (a consumer then gets some messages again). Exit 1 when it cannot repair.
     """
     try:
-        repair_store(data_dir)
-        store = LevelDbStore(data_dir)
+        queues = leveldb_dir(data_dir) or data_dir / QUEUES
+        repair_store(queues)
+        store = LevelDbStore(queues)
         try:
             rows, _seconds = store.verify()
             entries, _bytes = store.stored_totals()
@@ -255,8 +264,8 @@ def repair(data_dir: Path) -> None:
     except StoreError as exc:
         click.echo(f"ecq repair: {exc}", err=True)
         sys.exit(1)
-    click.echo(f"repaired {data_dir}: {rows} rows readable, {entries} queue entries; unreadable files, if any, "
-               f"are in {data_dir / 'lost'} and LevelDB's report in {data_dir / 'LOG'}")
+    click.echo(f"repaired {queues}: {rows} rows readable, {entries} queue entries; unreadable files, if any, "
+               f"are in {queues / 'lost'} and LevelDB's report in {queues / 'LOG'}")
 
 
 # --- operator commands: talk to the admin API --------------------------------------------------------
@@ -271,11 +280,13 @@ def admin_options(func):
 
 
 def read_data_dir(data_dir: Path, admin: str, reader):
-    """Run ``reader(store)`` on a data dir when no broker answers; raises Unreachable if it cannot be read."""
-    if not (data_dir / "CURRENT").exists():
-        raise Unreachable(f"no broker answers at {admin} and {data_dir} holds no ECQ data")
+    """Run ``reader(store)`` on the LevelDB of a data dir (either layout, read in place: see
+    ecq.storage_layout.leveldb_dir) when no broker answers; raises Unreachable if it cannot be read."""
     try:
-        store = LevelDbStore(data_dir)
+        queues = leveldb_dir(data_dir)
+        if queues is None:
+            raise Unreachable(f"no broker answers at {admin} and {data_dir} holds no ECQ data")
+        store = LevelDbStore(queues)
     except StoreError as exc:
         raise Unreachable(f"no broker answers at {admin} and {exc}") from exc
     try:

@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, StrictBool,
                       StrictInt, field_validator, model_validator)
 
+from ecq import storage_layout
+
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 MAX_REMAINING_LENGTH = 268_435_455  # the largest MQTT 3.1.1 packet body (section 2.2.3)
@@ -71,7 +73,8 @@ class EcqSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    data_dir: Path = Field(default=Path("storage"), description="LevelDB directory; created if missing")
+    data_dir: Path = Field(default=Path("storage"), description="data directory, created if missing: LevelDB in "
+                           "queues/, the event buffer in events/, the lake in lake/ (see ecq.storage_layout)")
     writer_pool_size: Int = Field(default=0, ge=0, le=10240, description="writer agents; 0 = CPU count")
     data_retention: Retention = Field(default=7 * 86400.0, description="age after which GC deletes a write")
     tombstones: StrictBool = Field(default=True, description="an empty payload deletes its key: delivered once as an "
@@ -205,7 +208,15 @@ class EcqSettings(BaseModel):
 
     def effective_lake_dir(self) -> Path:
         """Where exported events go: ``lake_dir``, or ``<data_dir>/lake``."""
-        return self.lake_dir or self.data_dir / "lake"
+        return self.lake_dir or self.data_dir / storage_layout.LAKE
+
+    def queues_dir(self) -> Path:
+        """LevelDB's directory (``backend: leveldb``): ``<data_dir>/queues``."""
+        return self.data_dir / storage_layout.QUEUES
+
+    def events_dir(self) -> Path:
+        """The event buffer's directory: ``<data_dir>/events``."""
+        return self.data_dir / storage_layout.EVENTS
 
 
 def split_host_port(value: Any) -> tuple[str, int]:

@@ -47,7 +47,8 @@ def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) -> bool:
 
 
 class BrokerProcess:
-    """`ecq broker` in a subprocess with its config, data dir (``workdir/data``) and log file under ``workdir``.
+    """`ecq broker` in a subprocess with its config, data dir (``workdir/data``, its LevelDB in ``queues_dir``,
+    see ecq.storage_layout) and log file under ``workdir``.
 
     ``plugin_options`` are ECQ plugin options (see ecq.config.EcqSettings); ``heartbeat_interval``
     defaults to 1 s here so that tests never wait long on a missed wake-up, and the admin API gets a
@@ -59,6 +60,7 @@ class BrokerProcess:
         self.workdir = workdir
         self.max_open_files = max_open_files
         self.data_dir = workdir / "data"
+        self.queues_dir = self.data_dir / "queues"
         self.port = free_port()
         self.log_path = workdir / "broker.log"
         self.config_path = workdir / "broker.yaml"

@@ -115,7 +115,7 @@ def test_default_config_with_bind_and_data_dir_and_sigint(tmp_path):
         _, stderr = proc.communicate(timeout=15)
         assert proc.returncode == 0
         assert "store closed" in stderr
-        assert (tmp_path / "d" / "CURRENT").exists()
+        assert (tmp_path / "d" / "queues" / "CURRENT").exists()
     finally:
         proc.kill()
 

@@ -21,15 +21,15 @@ from tests.harness import ECQ, BrokerProcess, Client, metrics_text, wait_until, 
 START_BOUND_S = 30  # `ecq broker` must have exited (or be running) within this
 
 
-def fill_store(data_dir: Path, clientid: str, count: int, size: int) -> None:
+def fill_store(leveldb_dir: Path, clientid: str, count: int, size: int) -> None:
     """``count`` writes of ``size`` bytes to ``clientid``'s queue, then a reopen so that LevelDB moves
     its log into .ldb table files."""
-    store = Store(data_dir)
+    store = Store(leveldb_dir)
     for start in range(0, count, 100):
         store.commit([Append(clientid, f"k{i}", os.urandom(size), 1_700_000_000_000 + i)
                       for i in range(start, min(count, start + 100))])
     store.close()
-    Store(data_dir).close()
+    Store(leveldb_dir).close()
 
 
 def run_broker(broker: BrokerProcess) -> subprocess.CompletedProcess:
@@ -37,8 +37,8 @@ def run_broker(broker: BrokerProcess) -> subprocess.CompletedProcess:
                           timeout=START_BOUND_S, cwd=broker.workdir)
 
 
-def ldb_files(data_dir: Path) -> list[Path]:
-    return sorted(data_dir.glob("*.ldb"))
+def ldb_files(leveldb_dir: Path) -> list[Path]:
+    return sorted(leveldb_dir.glob("*.ldb"))
 
 
 def overwrite(path: Path, start: int, end: int) -> None:
@@ -53,8 +53,8 @@ def repair(data_dir: Path) -> subprocess.CompletedProcess:
 
 def test_garbage_in_a_table_file_stops_start_up_until_repair(tmp_path, connect, broker_process):
     broker = broker_process(data_retention="3650d")
-    fill_store(broker.data_dir, "d1", 3000, 2000)
-    table = ldb_files(broker.data_dir)[0]
+    fill_store(broker.queues_dir, "d1", 3000, 2000)
+    table = ldb_files(broker.queues_dir)[0]
     overwrite(table, 100, 20_000)
 
     result = run_broker(broker)
@@ -65,7 +65,7 @@ def test_garbage_in_a_table_file_stops_start_up_until_repair(tmp_path, connect, 
 
     repaired = repair(broker.data_dir)
     assert repaired.returncode == 0, repaired.stderr
-    store = Store(broker.data_dir)
+    store = Store(broker.queues_dir)
     kept, _bytes = store.stored_totals()
     store.close()
     assert 0 < kept < 3000 and f"{kept} queue entries" in repaired.stdout  # the damaged block's rows are gone
@@ -77,8 +77,8 @@ def test_garbage_in_a_table_file_stops_start_up_until_repair(tmp_path, connect, 
 
 def test_truncated_table_file_is_named(tmp_path, broker_process):
     broker = broker_process()
-    fill_store(broker.data_dir, "d2", 3000, 2000)
-    table = ldb_files(broker.data_dir)[0]
+    fill_store(broker.queues_dir, "d2", 3000, 2000)
+    table = ldb_files(broker.queues_dir)[0]
     os.truncate(table, table.stat().st_size // 2)
 
     result = run_broker(broker)
@@ -91,10 +91,10 @@ def test_truncated_table_file_is_named(tmp_path, broker_process):
 
 def test_garbage_in_the_log_stops_start_up(tmp_path, broker_process):
     broker = broker_process()
-    store = Store(broker.data_dir)
+    store = Store(broker.queues_dir)
     store.commit([Append("d3", f"k{i}", b"v" * 1000, 1_700_000_000_000) for i in range(200)])
     store.close()  # the writes are in the .log only
-    log_file = next(broker.data_dir.glob("*.log"))
+    log_file = next(broker.queues_dir.glob("*.log"))
     overwrite(log_file, log_file.stat().st_size // 3, log_file.stat().st_size // 3 + 64)
 
     result = run_broker(broker)
@@ -109,11 +109,11 @@ def test_cut_log_is_reported(tmp_path, connect, broker_process):
     """LevelDB, even with paranoid_checks, opens a log that ends inside a record (it takes it for a write
     cut by a crash) and drops that record: the broker starts and names the file and the bytes cut."""
     broker = broker_process(data_retention="3650d")
-    store = Store(broker.data_dir)
+    store = Store(broker.queues_dir)
     for i in range(10):
         store.commit([Append("d4", f"k{i}", os.urandom(5000), 1_700_000_000_000 + i)])
     store.close()
-    log_file = next(broker.data_dir.glob("*.log"))
+    log_file = next(broker.queues_dir.glob("*.log"))
     os.truncate(log_file, log_file.stat().st_size - 1000)
 
     broker.start()
@@ -125,9 +125,9 @@ def test_cut_log_is_reported(tmp_path, connect, broker_process):
 
 def test_block_damaged_at_run_time_stops_that_queue_once(tmp_path, connect, broker_process):
     broker = broker_process(data_retention="3650d", read_timeout="200ms")
-    fill_store(broker.data_dir, "bad", 3000, 2000)
+    fill_store(broker.queues_dir, "bad", 3000, 2000)
     broker.start()
-    for table in ldb_files(broker.data_dir):  # the data blocks; the index blocks at the end are already loaded
+    for table in ldb_files(broker.queues_dir):  # the data blocks; the index blocks at the end are already loaded
         overwrite(table, 0, table.stat().st_size * 3 // 4)
 
     consumer = connect(broker.port, "bad")
@@ -225,7 +225,7 @@ def test_full_disk_degrades_then_recovers_when_space_is_freed(small_disk, tmp_pa
     assert wait_until(lambda: queue(broker, "full")["pending"] == 0, 20)  # every PUBACK came
     assert broker.stop() == 0  # commits the latest ack state, which must work again
     assert "saving the state of consumer full failed" not in broker.log().split("store reopened")[-1]
-    store = Store(broker.data_dir)
+    store = Store(broker.queues_dir)
     try:
         assert store.ack_state("full").acked == store.last_seqno("full")
     finally:
@@ -240,4 +240,4 @@ def queue(broker: BrokerProcess, clientid: str) -> dict:
 def test_repair_refuses_a_store_in_use(broker):
     result = repair(broker.data_dir)
     assert result.returncode == 1
-    assert f"LevelDB at {broker.data_dir} is in use (is a broker running?)" in result.stderr
+    assert f"LevelDB at {broker.queues_dir} is in use (is a broker running?)" in result.stderr

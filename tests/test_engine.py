@@ -123,7 +123,7 @@ async def test_attach_is_skipped_when_the_connection_is_no_longer_current(engine
 
 
 async def test_gc_deletes_entries_older_than_retention_and_tells_observers(tmp_path):
-    store = LevelDbStore(tmp_path / "db")
+    store = LevelDbStore(settings(tmp_path).queues_dir())
     old = now_ms() - 2 * HOUR_MS
     store.commit([Append("old", f"k{i}", b"xx", old + i) for i in range(5)] + [Append("new", "k", b"fresh", now_ms())])
     store.close()
@@ -148,7 +148,7 @@ async def test_a_closed_engine_refuses_writes(tmp_path):
 
 async def test_each_rewind_point_on_a_queue_with_a_gap_is_stored_and_tells_observers(tmp_path, monkeypatch):
     monkeypatch.setattr(ecq.queue.rewind, "PAGE", 1)  # since: reads page after page
-    store = LevelDbStore(tmp_path / "db")
+    store = LevelDbStore(settings(tmp_path).queues_dir())
     t = now_ms() - 10_000
     store.commit([Append("r", "a", b"a1", t), Append("r", "b", b"b", t + 1000), Append("r", "a", b"a2", t + 2000),
                   Append("r", "c", b"c", t + 3000)])  # a1 (seqno 1) compacted away: stored 2 (b), 3 (a2), 4 (c)

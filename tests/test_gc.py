@@ -113,7 +113,7 @@ def test_a_pass_deletes_every_expired_entry_and_records_one_expired_event_per_ro
                            export_interval="200ms")
     now = int(time.time() * 1000)
     old, fresh = expired_and_fresh(2000, now)  # 8,000 expired entries: many GC steps
-    store = Store(broker.data_dir)
+    store = Store(broker.queues_dir)
     store.commit(old)
     store.commit(fresh)
     store.close()

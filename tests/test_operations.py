@@ -213,7 +213,7 @@ def test_sigterm_during_a_long_gc_pass_stops_promptly_and_keeps_the_rest(tmp_pat
     from ecq.queue.leveldb import LevelDbStore as Store
 
     broker = BrokerProcess(tmp_path, data_retention="1s", gc_interval="1h")
-    store = Store(broker.data_dir)  # entries published in 1970: all expired
+    store = Store(broker.queues_dir)  # entries published in 1970: all expired
     for start in range(0, 60_000, 10_000):
         store.commit([Append(f"q{i % 6000}", f"k{i}", b"x", 1000 + i) for i in range(start, start + 10_000)])
     store.close()
@@ -228,7 +228,7 @@ def test_sigterm_during_a_long_gc_pass_stops_promptly_and_keeps_the_rest(tmp_pat
         assert time.monotonic() - started < 10
     finally:
         broker.kill()
-    store = Store(broker.data_dir)
+    store = Store(broker.queues_dir)
     try:
         remaining, _ = store.stored_totals()
     finally:

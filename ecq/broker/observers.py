@@ -28,7 +28,7 @@ class QueueEvents:
         from ecq.events import EventRecorder, LakeExporter  # pyarrow is imported only when events are on
 
         self._max_bytes = settings.events_max_bytes
-        self.recorder = EventRecorder(settings.data_dir / "events", max_buffer_bytes=settings.events_max_bytes)
+        self.recorder = EventRecorder(settings.events_dir(), max_buffer_bytes=settings.events_max_bytes)
         self._exporter = LakeExporter(self.recorder, settings.effective_lake_dir(), interval_s=settings.export_interval)
 
     async def start(self) -> bool:

@@ -42,7 +42,8 @@ class EcqPlugin(BaseTopicPlugin):
     """amqtt broker plugin for exclusive compacted queues.
 
     Raises (through amqtt's PluginInitError) pydantic.ValidationError for a bad option,
-    ecq.queue.store.StoreError when the data directory cannot be opened, ecq.broker.acl.AclError for a bad ACL file.
+    ecq.queue.store.StoreError when the data directory cannot be opened or its old layout cannot be moved
+    (ecq.storage_layout.LayoutError), ecq.broker.acl.AclError for a bad ACL file.
     """
 
     # amqtt fills this dataclass from the YAML mapping (and refuses unknown keys); EcqSettings validates it.

@@ -42,7 +42,7 @@ ACK_SETTLE_S = 5.0               # on close, how long to wait for consumers' las
 
 
 class QueueEngine:
-    """Queues of one broker over ``store`` (LevelDB at ``settings.data_dir`` when None).
+    """Queues of one broker over ``store`` (LevelDB in ``<data_dir>/queues`` when None).
 
     ``publish(connection, topic, payload)`` sends one QoS 1 PUBLISH on a connection given to :meth:`attach`
     and returns once its PUBACK came (raising ConnectionError when the connection is gone). ``gc_lagging()``

@@ -32,7 +32,7 @@ import plyvel
 
 from ecq.queue.store import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, IndexEntry, Message, Op,
                              QueueQuota, QuotaExceeded, SaveAck, StoreError, StoreReadError)
-from ecq.queue.leveldb_files import Gate, cut_logs, reason as _reason, space_for
+from ecq.queue.leveldb_files import Gate, cut_logs, reason as _reason, repair_hint, space_for
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +99,7 @@ class LevelDbStore:
                 raise StoreError(f"cannot open LevelDB at {self.path}: {reason} (is another broker using it?)") from exc
             raise StoreError(f"cannot open LevelDB at {self.path}: {reason}") from exc
         except plyvel.CorruptionError as exc:
-            raise StoreError(f"LevelDB at {self.path} is corrupt: {_reason(exc)}; "
-                             f"`ecq repair --data-dir {self.path}` keeps what can be read") from exc
+            raise StoreError(f"LevelDB at {self.path} is corrupt: {_reason(exc)}; {repair_hint(self.path)}") from exc
 
     def verify(self) -> tuple[int, float]:
         """Read every stored row with checksums on (not filling the block cache): LevelDB opens table files
@@ -119,7 +118,7 @@ class LevelDbStore:
         except (plyvel.CorruptionError, plyvel.IOError) as exc:
             where = f"after {rows} intact rows, the last with key {last[:40]!r}" if rows else "before any intact row"
             raise StoreError(f"LevelDB at {self.path} is corrupt: {_reason(exc)} (start-up check, {where}); "
-                             f"`ecq repair --data-dir {self.path}` keeps what can be read") from exc
+                             f"{repair_hint(self.path)}") from exc
         return rows, time.monotonic() - started
 
     def watch(self, notify: Callable[[str, int, str], None], on_reconnect: Callable[[], None]) -> None:

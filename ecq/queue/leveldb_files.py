@@ -11,9 +11,17 @@ from pathlib import Path
 
 import plyvel
 
+from ecq import storage_layout
 from ecq.queue.store import StoreError
 
 _REOPEN_SPARE_BYTES = 8 << 20  # free space beyond twice the log before a failed store is reopened (2 memtables)
+
+
+def repair_hint(path: Path) -> str:
+    """The command that repairs the LevelDB at ``path``: ``ecq repair`` takes the broker's data_dir, which is
+    the parent of ``<data_dir>/queues`` (ecq.storage_layout), or ``path`` itself in the old layout."""
+    data_dir = path.parent if path.name == storage_layout.QUEUES else path
+    return f"`ecq repair --data-dir {data_dir}` keeps what can be read"
 
 
 def repair(path: Path) -> None:

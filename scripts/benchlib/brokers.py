@@ -63,6 +63,7 @@ class EcqBroker:
         self.process = BrokerProcess(workdir, **{**ECQ_BENCH_OPTIONS, **options})
         self.endpoint = Endpoint("127.0.0.1", self.process.port)
         self.data_dir = self.process.data_dir
+        self.queues_dir = self.process.queues_dir
         self.log_path = self.process.log_path
         self.admin_url = f"http://127.0.0.1:{self.process.admin_port}"
         self.pid: int | None = None

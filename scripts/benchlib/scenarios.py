@@ -321,11 +321,11 @@ def flow(bench: Bench, broker, phase: str, cids: tuple[str, ...], subscribe_form
     return flow_summary(bench, broker, phase, results)
 
 
-def store_check(data_dir: Path, cids: tuple[str, ...], missing_idents: list[str]) -> dict[str, int]:
-    """From a stopped broker's data dir: how many of ``cids`` have every stored entry acked, how many entries
+def store_check(queues_dir: Path, cids: tuple[str, ...], missing_idents: list[str]) -> dict[str, int]:
+    """From a stopped broker's LevelDB (``<data_dir>/queues``): how many of ``cids`` have every stored entry acked, how many entries
     are still pending (stored, above the acked seqno, not acked out of order), and how many of the
     ``<clientid>/<key>`` identities a consumer never received are NOT pending: those are lost."""
-    store = Store(data_dir)
+    store = Store(queues_dir)
     try:
         pending: dict[str, set[str]] = {}
         for cid in cids:
@@ -418,7 +418,7 @@ def reads(bench: Bench, out: ScenarioResult) -> None:
                 then_publish=PublishTask(plain.endpoint, Messages("bench/r/{cid}", part, key_names, size),
                                          f"{bench.tag}reads-plain-p", args.connections, args.window)), cids)
     if isinstance(ecq, EcqBroker):
-        out.details["acks_in_store"] = store_check(ecq.data_dir, tuple(all_cids), missing)
+        out.details["acks_in_store"] = store_check(ecq.queues_dir, tuple(all_cids), missing)
     ecq_rate = statistics.median(r["ecq"]["per_s"] for r in rounds)
     plain_rate = statistics.median(r["baseline"]["per_s"] for r in rounds)
     missing_total = sum(r["ecq"]["missing"] for r in rounds)
@@ -470,7 +470,7 @@ def storm(bench: Bench, out: ScenarioResult) -> None:
             ecq.endpoint, part, key_names, ECQ_QUEUE, connect_after_start=True, deadline_s=deadline), cids, missing)
         out.details["ecq"]["acks_counted_after_s"] = wait_acks(ecq, len(cids) * len(key_names))
     if isinstance(ecq, EcqBroker):
-        out.details["ecq"]["acks_in_store"] = store_check(ecq.data_dir, cids, missing)
+        out.details["ecq"]["acks_in_store"] = store_check(ecq.queues_dir, cids, missing)
     with bench.baseline("storm") as plain:
         out.details["baseline_sessions"] = consume(bench, plain, "storm-sessions-plain", lambda part: ConsumeTask(
             plain.endpoint, part, (), "bench/s/{cid}", clean_session=False, deadline_s=deadline), cids)
@@ -525,7 +525,7 @@ def scale(bench: Bench, out: ScenarioResult) -> None:
     workdir = bench.workdir / "ecq-scale"
     try:
         out.details["small"] = scale_checkpoint(bench, workdir, "small", cids, cids[:drainers], ("k0",))
-        out.details["preload_direct"] = preload_store(workdir / "data", cids, keys(SCALE_KEYS)[1:], args.scale_size)
+        out.details["preload_direct"] = preload_store(workdir / "data" / "queues", cids, keys(SCALE_KEYS)[1:], args.scale_size)
         out.details["large"] = scale_checkpoint(bench, workdir, "large", cids, cids[drainers:2 * drainers],
                                                 keys(SCALE_KEYS))
         scale_rows(out, args.scale_size)
@@ -557,9 +557,10 @@ def scale_checkpoint(bench: Bench, workdir: Path, label: str, cids: tuple[str, .
         result["rss_mb"] = _mb(bench.sampler.rss_bytes(broker.pid))
         result["rss_split_mb"] = _split_mb(rss_split_bytes(broker.pid))
         result["peak_rss_mb"] = _mb(bench.sampler.peak_rss_bytes(broker.pid, started, time.monotonic()))
-    result["disk_bytes"] = leveldb_bytes(workdir / "data")
+    result["disk_bytes"] = dir_bytes(workdir / "data" / "queues")
     result["disk_bytes_per_entry"] = round(result["disk_bytes"] / max(1, result["stored_entries"]), 1)
-    result["other_data_dir_bytes"] = {sub.name: dir_bytes(sub) for sub in (workdir / "data").iterdir() if sub.is_dir()}
+    result["other_data_dir_bytes"] = {sub.name: dir_bytes(sub) for sub in (workdir / "data").iterdir()
+                                      if sub.is_dir() and sub.name != "queues"}
     result["seconds"] = elapsed_s(started)
     return result
 
@@ -569,18 +570,12 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def leveldb_bytes(data_dir: Path) -> int:
-    """Bytes of the LevelDB files (the files directly in the data dir; the event buffer and lake live in
-    subdirectories and are reported apart)."""
-    return sum(f.stat().st_size for f in data_dir.iterdir() if f.is_file())
-
-
-def preload_store(data_dir: Path, cids: tuple[str, ...], key_names: tuple[str, ...], size: int) -> dict[str, Any]:
+def preload_store(queues_dir: Path, cids: tuple[str, ...], key_names: tuple[str, ...], size: int) -> dict[str, Any]:
     """Append every clientid x key (``size``-byte payloads ``<clientid>/<key>|<random bytes>``, published a
     day ago, so GC may delete them) straight into the stopped broker's LevelDB, PRELOAD_BATCH per write batch. Bypasses MQTT."""
     started = time.monotonic()
     day_ago_ms = int(time.time() * 1000) - 86_400_000
-    store = Store(data_dir)
+    store = Store(queues_dir)
     try:
         for key in key_names:
             for part in range(0, len(cids), PRELOAD_BATCH):
