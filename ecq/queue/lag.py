@@ -35,6 +35,7 @@ RESCAN_INTERVAL_S = 60.0  # a shared store: how often the whole index is read ag
 OLDEST_CANDIDATES = 64    # pending entries one dirty-queue read returns: acks arriving meanwhile may use up some
 ABOVE_LIMIT = 256         # acks above a queue's floor kept before its oldest pending entry is read again
 TOP_ORDERS = ("pending", "age", "bytes")
+TOP_MAX = 1000            # most queues one top answer lists
 _NOTHING: frozenset[int] = frozenset()
 
 
@@ -166,13 +167,11 @@ class LagIndex:
 
     # --- answers ------------------------------------------------------------------------------------
 
-    async def top(self, n: int, by: str = "pending") -> list[dict[str, Any]]:
-        """The ``n`` most lagging queues by ``by`` (``pending``, ``age`` or ``bytes``), after a refresh; shapes
-        as :func:`top_rows`. Raises ValueError for another ``by``."""
-        if by not in TOP_ORDERS:
-            raise ValueError(f"by must be one of {', '.join(TOP_ORDERS)}, not {by!r}")
+    async def report(self, n: int, by: str = "pending") -> dict[str, Any]:
+        """:func:`top_report` of the index, after a refresh. Raises ValueError for a bad ``n`` or ``by``."""
+        check_top(n, by)
         await self.refresh()
-        return top_rows(self.queues, n, by, now_ms())
+        return top_report(self.queues, n, by, now_ms())
 
     def totals(self) -> tuple[int, float]:
         """(pending entries over every queue, age in seconds of the oldest pending entry, 0 when none)."""
@@ -378,13 +377,30 @@ def read_queue(store: QueueStore, clientid: str, floor: int, skipped: frozenset[
     return QueueRead(pending, size, candidates, last_read, complete)
 
 
-def top_rows(queues: Mapping[str, QueueLag], n: int, by: str, at_ms: int) -> list[dict[str, Any]]:
-    """The ``n`` queues of ``queues`` with the most pending entries (``by="pending"``), the oldest pending entry
-    (``age``) or the most pending payload bytes (``bytes``), ties by clientid. Each row: clientid, pending,
-    pending_bytes, oldest_pending_age_s (seconds at ``at_ms``, as ``ecq inspect`` gives it)."""
+def check_top(n: int, by: str) -> None:
+    """Raise ValueError unless 1 <= ``n`` <= TOP_MAX and ``by`` is one of TOP_ORDERS."""
+    if not 1 <= n <= TOP_MAX:
+        raise ValueError(f"n must be from 1 to {TOP_MAX}, not {n}")
+    if by not in TOP_ORDERS:
+        raise ValueError(f"by must be one of {', '.join(TOP_ORDERS)}, not {by!r}")
+
+
+def top_report(queues: Mapping[str, QueueLag], n: int, by: str, at_ms: int) -> dict[str, Any]:
+    """What ``ecq top`` shows: ``by``, ``pending`` (entries over every queue), ``lagging`` (queues with pending
+    entries), ``oldest_pending_age_s`` (seconds at ``at_ms``, null when none) and ``queues``: the ``n`` queues
+    with the most pending entries (``by="pending"``), the oldest pending entry (``age``) or the most pending
+    payload bytes (``bytes``), ties by clientid, each as clientid, pending, pending_bytes, oldest_pending_age_s
+    (the keys of ``ecq inspect``)."""
     order = {"pending": lambda item: (item[1].pending, -item[1].oldest_ms),
              "age": lambda item: (-item[1].oldest_ms, item[1].pending),
              "bytes": lambda item: (item[1].bytes, item[1].pending)}[by]
     ranked = heapq.nlargest(n, sorted(queues.items()), key=order)
-    return [{"clientid": clientid, "pending": lag.pending, "pending_bytes": lag.bytes,
-             "oldest_pending_age_s": round((at_ms - lag.oldest_ms) / 1000, 3)} for clientid, lag in ranked]
+    oldest = min((lag.oldest_ms for lag in queues.values()), default=0)
+    return {"by": by, "pending": sum(lag.pending for lag in queues.values()), "lagging": len(queues),
+            "oldest_pending_age_s": _age_s(at_ms, oldest) if oldest else None,
+            "queues": [{"clientid": clientid, "pending": lag.pending, "pending_bytes": lag.bytes,
+                        "oldest_pending_age_s": _age_s(at_ms, lag.oldest_ms)} for clientid, lag in ranked]}
+
+
+def _age_s(at_ms: int, ts_ms: int) -> float:
+    return round((at_ms - ts_ms) / 1000, 3)
