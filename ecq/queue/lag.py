@@ -80,6 +80,7 @@ class QueueRead(NamedTuple):
     candidates: list[tuple[int, int]]
     last_read: int
     complete: bool
+    ahead: bool = False  # a whole read found the floor above the queue's last seqno (a rewind past its end)
 
 
 class _Reading:
@@ -109,6 +110,7 @@ class LagIndex:
         self._dirty: dict[str, bool] = {}  # clientid -> True: recount the queue; False: find its oldest pending
         self._reading: dict[str, _Reading] = {}
         self._touched: set[str] | None = None  # queues changed during a rescan
+        self._ahead: dict[str, int] = {}  # queues whose acked seqno is past their last seqno: that acked seqno
         self._lock = asyncio.Lock()
         self._soon: asyncio.Task | None = None
 
@@ -122,7 +124,8 @@ class LagIndex:
             live = {cid: (c.state.acked, frozenset(c.state.above)) for cid, c in self._consumers.items()}
             self._touched = set()
         try:
-            scanned = await self._read(scan_lag, self._store, live)
+            ahead: dict[str, int] = {}
+            scanned = await self._read(scan_lag, self._store, live, ahead)
         finally:
             touched, self._touched = self._touched, None
         for clientid in touched:
@@ -130,7 +133,7 @@ class LagIndex:
                 scanned[clientid] = self.queues[clientid]
             if clientid in scanned:
                 self._dirty[clientid] = True
-        self.queues = scanned
+        self.queues, self._ahead = scanned, ahead
 
     async def rescan(self) -> None:
         """:meth:`rebuild`, logging instead of raising (the periodic rescan of a shared store)."""
@@ -189,6 +192,10 @@ class LagIndex:
         """A write: one more pending entry; the values compaction deleted are pending no more."""
         clientid, seqno, size = op.clientid, result.seqno, len(op.payload)
         self._note(clientid)
+        if (ahead := self._ahead.get(clientid)) is not None:
+            if seqno <= ahead:  # already "acked" by a rewind past the queue's end: never delivered
+                return
+            del self._ahead[clientid]
         if reading := self._reading.get(clientid):
             reading.appended.append((seqno, size, op.ts_ms))
             reading.removed.update(result.replaced)
@@ -197,7 +204,7 @@ class LagIndex:
             lag = self.queues[clientid] = QueueLag(seqno - 1)
         if result.replaced:
             self._compacted(clientid, lag, result)
-        if lag.pending <= 0:
+        if lag.pending <= 0 and not self._recount_due(clientid):
             lag.oldest_seqno, lag.oldest_ms = seqno, op.ts_ms
             if self._dirty.get(clientid) is False:
                 del self._dirty[clientid]
@@ -255,6 +262,8 @@ class LagIndex:
         self._forget_if_idle(clientid)
 
     def _oldest_gone(self, clientid: str, lag: QueueLag, seqno: int) -> None:
+        if self._recount_due(clientid):  # the count and the oldest are the recount's to find
+            return
         lag.raise_floor(seqno)  # below the next pending entry, wherever it is
         if lag.pending > 0:
             self._dirty.setdefault(clientid, False)
@@ -270,8 +279,10 @@ class LagIndex:
         self._note(clientid)
         if reading := self._reading.get(clientid):
             reading.void = True
+        self._ahead.pop(clientid, None)
         lag = self.queues.setdefault(clientid, QueueLag(acked))
         lag.floor, lag.above, lag.gone = acked, None, None
+        lag.oldest_seqno = lag.oldest_ms = 0  # unknown until the recount: no event may take it for the oldest
         self._dirty[clientid] = True
 
     def delivered(self, clientid: str, message: Message, attempt: int) -> None:
@@ -298,6 +309,8 @@ class LagIndex:
             self._dirty[clientid] = True
 
     def _apply_recount(self, clientid: str, lag: QueueLag, read: QueueRead, reading: _Reading) -> None:
+        if read.ahead and not reading.appended:
+            self._ahead[clientid] = lag.floor
         counted = [(size, seqno) for seqno, size, _ts in reading.appended if seqno <= read.last_read]
         lag.pending = read.pending + (lag.pending - reading.pending) - len(counted)
         lag.bytes = read.bytes + (lag.bytes - reading.bytes) - sum(size for size, _seqno in counted)
@@ -323,25 +336,37 @@ class LagIndex:
                 return seqno, ts
         return None
 
+    def _recount_due(self, clientid: str) -> bool:
+        reading = self._reading.get(clientid)
+        return self._dirty.get(clientid) is True or (reading is not None and reading.recount)
+
     def _note(self, clientid: str) -> None:
         if self._touched is not None:
             self._touched.add(clientid)
 
     def _forget_if_idle(self, clientid: str) -> None:
+        """Drop a queue with nothing pending (and nothing left to read for it)."""
         lag = self.queues.get(clientid)
-        if lag is not None and lag.pending <= 0 and clientid not in self._dirty and clientid not in self._reading:
-            del self.queues[clientid]
+        if lag is None or lag.pending > 0 or clientid in self._reading or self._recount_due(clientid):
+            return
+        self._dirty.pop(clientid, None)
+        del self.queues[clientid]
 
 
 # --- reads (reader threads) and answers ---------------------------------------------------------------
 
-def scan_lag(store: QueueStore, live: Mapping[str, tuple[int, frozenset[int]]]) -> dict[str, QueueLag]:
+def scan_lag(store: QueueStore, live: Mapping[str, tuple[int, frozenset[int]]],
+             ahead: dict[str, int] | None = None) -> dict[str, QueueLag]:
     """The lag of every queue from one pass over the stored entries, judged by the stored ack states or, for the
-    clientids in ``live``, by (acked seqno, seqnos acked above it) given there. Blocking; O(stored entries)."""
+    clientids in ``live``, by (acked seqno, seqnos acked above it) given there. Blocking; O(stored entries).
+    Fills ``ahead`` with the queues whose acked seqno is past their last seqno (a rewind to a seqno N past the
+    end): their next writes up to it are never delivered, so not pending."""
     states: dict[str, tuple[int, Any]] = {cid: (state.acked, state.above) for cid, state in store.ack_states()}
     states.update(live)
     queues: dict[str, QueueLag] = {}
+    last_stored: dict[str, int] = {}
     for clientid, seqno, ts_ms, size in store.stored_entries():
+        last_stored[clientid] = seqno
         acked, above = states.get(clientid, (0, _NOTHING))
         if seqno <= acked or seqno in above:
             continue
@@ -351,6 +376,9 @@ def scan_lag(store: QueueStore, live: Mapping[str, tuple[int, frozenset[int]]]) 
             lag.oldest_seqno, lag.oldest_ms = seqno, ts_ms
         lag.pending += 1
         lag.bytes += size
+    if ahead is not None:
+        ahead.update((cid, acked) for cid, (acked, _above) in states.items()
+                     if acked > last_stored.get(cid, 0) and acked > store.last_seqno(cid))
     return queues
 
 
@@ -374,7 +402,8 @@ def read_queue(store: QueueStore, clientid: str, floor: int, skipped: frozenset[
             if len(candidates) < OLDEST_CANDIDATES:
                 candidates.append((seqno, ts_ms))
         last_read = seqno
-    return QueueRead(pending, size, candidates, last_read, complete)
+    ahead = whole and last_read == floor and floor > store.last_seqno(clientid)
+    return QueueRead(pending, size, candidates, last_read, complete, ahead)
 
 
 def check_top(n: int, by: str) -> None:
