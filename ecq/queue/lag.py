@@ -262,8 +262,6 @@ class LagIndex:
         self._forget_if_idle(clientid)
 
     def _oldest_gone(self, clientid: str, lag: QueueLag, seqno: int) -> None:
-        if self._recount_due(clientid):  # the count and the oldest are the recount's to find
-            return
         lag.raise_floor(seqno)  # below the next pending entry, wherever it is
         if lag.pending > 0:
             self._dirty.setdefault(clientid, False)
