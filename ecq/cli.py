@@ -1,8 +1,8 @@
 """The ``ecq`` command line (console script).
 
-``ecq broker`` runs amqtt with the ECQ plugin in the foreground. ``ecq status``, ``ecq inspect``,
+``ecq broker`` runs amqtt with the ECQ plugin in the foreground. ``ecq status``, ``ecq inspect``, ``ecq top``,
 ``ecq gc``, ``ecq rewind``, ``ecq delete``, ``ecq purge`` and ``ecq show-config`` talk to a running broker
-through its admin API (ecq.ops.client); when no broker answers, ``status`` and ``inspect`` read the data directory directly. ``ecq repair`` rebuilds a
+through its admin API (ecq.ops.client); when no broker answers, ``status``, ``inspect`` and ``top`` read the data directory directly. ``ecq repair`` rebuilds a
 damaged store.
 
 Exit codes: 0 ok, 1 not found (or, for ``broker``, a runtime failure such as a port in use, a locked or
@@ -34,8 +34,10 @@ from ecq.config import EcqSettings, split_host_port
 from ecq.pipeline.cli import pipeline
 from ecq.broker.plugin import PLUGIN_PATH, EcqPlugin
 from ecq.ops.client import (EXIT_NOT_FOUND, Unreachable, call_admin, check_answer, emit, render_queue,
-                            render_status)
+                            render_status, render_top)
 from ecq.ops.status import broker_status, queue_info
+from ecq.queue.clock import now_ms
+from ecq.queue.lag import TOP_MAX, TOP_ORDERS, scan_lag, top_report
 from ecq.queue.store import StoreError
 from ecq.queue.topics import BadWrite, parse_rewind_point
 from ecq.queue.leveldb import LevelDbStore
@@ -324,6 +326,24 @@ def inspect(clientid: str, admin: str, token: str | None, as_json: bool, data_di
             click.echo(f"no queue for clientid {clientid!r}", err=True)
             sys.exit(EXIT_NOT_FOUND)
     emit(data, as_json, render_queue)
+
+
+@main.command()
+@click.option("-n", "count", type=click.IntRange(1, TOP_MAX), default=20, show_default=True,
+              help="how many queues to list")
+@click.option("--by", type=click.Choice(TOP_ORDERS), default="pending", show_default=True,
+              help="rank by pending entries, age of the oldest pending entry, or pending payload bytes")
+@admin_options
+@click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=Path("storage"),
+              show_default=True, help="read this data dir when no broker answers")
+def top(count: int, by: str, admin: str, token: str | None, as_json: bool, data_dir: Path) -> None:
+    """The most lagging queues: pending entries (stored, not acked), their payload bytes, the oldest one's age."""
+    try:
+        data = check_answer(*call_admin(admin, f"/api/v1/top?n={count}&by={by}", token))
+    except Unreachable:
+        data = read_data_dir(data_dir, admin, lambda store: top_report(scan_lag(store, {}), count, by, now_ms()))
+        data["source"] = f"data dir {data_dir} (no broker running)"
+    emit(data, as_json, render_top)
 
 
 @main.command()

@@ -74,6 +74,7 @@ class EcqPlugin(BaseTopicPlugin):
         if cluster:
             self.engine.store.observe_publish = self.metrics.jetstream_publish_latency.observe
         self.engine.observers.append(MetricsObserver(self.metrics, self.settings.tombstones))
+        self.metrics.watch_lag(self.engine.lag, lambda: totals().queues)
         self.sessions = QueueSessions(context, self.engine)
         self.writes = EcqWrites(self.settings, self.engine, self.access, self.metrics, lambda: self.events)
         self._admin: Any = None

@@ -57,6 +57,7 @@ T = TypeVar("T")
 
 DUPLICATE_WINDOW_S = 120.0   # JetStream's de-duplication of a retried publish by Nats-Msg-Id
 META_TIMEOUT_S = 30.0        # creating or checking the streams at start-up
+SCAN_PAGE = 256              # entries per direct get of stored_entries
 
 
 class JetStreamStore:
@@ -422,6 +423,27 @@ class JetStreamStore:
         if not entries:
             return None, None
         return min(entries, key=lambda e: e.ts_ms), max(entries, key=lambda e: e.ts_ms)
+
+    def stored_entries(self, clientid: str | None = None, after: int = 0) -> Iterator[tuple[str, int, int, int]]:
+        """(clientid, seqno, publish ms, payload bytes) of every stored entry, shard by shard in stream order (so
+        each queue's in seqno order); with ``clientid``, that queue's entries with seqno > ``after``. Direct gets
+        answer whole messages: this reads every stored payload, O(stored bytes), in pages of SCAN_PAGE."""
+        if clientid is not None:
+            while page := self.read_after(clientid, after, SCAN_PAGE):
+                yield from ((clientid, m.seqno, m.ts_ms, len(m.payload)) for m in page)
+                after = page[-1].seqno
+            return
+        for shard in range(self._shards):
+            seq = 1
+            while True:
+                request = {"seq": seq, "next_by_subj": f"{self._ns}.q.{shard}.>", "batch": SCAN_PAGE}
+                replies = self._call(self._js.direct(self.stream(shard), request), self._settings.read_timeout)
+                for reply in replies:
+                    entry = index_entry_of(reply)
+                    yield entry.clientid, entry.seqno, entry.ts_ms, len(reply.data)
+                if len(replies) < SCAN_PAGE:
+                    break
+                seq = int(replies[-1].headers["Nats-Sequence"]) + 1
 
     # --- lifecycle ----------------------------------------------------------------------------------
 

@@ -27,6 +27,10 @@ POST   /api/v1/queues/{clientid}/   write a tombstone for KEY through the normal
                                     key, 409 with ``tombstones: false``, 503 when it cannot be stored now
 POST   /api/v1/queues/{clientid}/   delete every stored entry of the queue (seqno counter and acked position
        purge                        stay): ``{"clientid": ..., "purged": n}``; 503 when it cannot be done now
+GET    /api/v1/top?n=N&by=K         the N (1..1000, default 20) queues with the most pending entries (K
+                                    ``pending``, the default), the oldest pending entry (``age``) or the most
+                                    pending payload bytes (``bytes``), from the engine's lag index (see
+                                    ecq.queue.lag.top_report); 400 for a bad N or K
 GET    /api/v1/config?which=W       plugin options, ``origin`` (as given) or ``inuse`` (as parsed)
 POST   /api/v1/acl/reload           reload the ACL file: ``{"reloaded": true, "rules": n}``; 400 and the
                                     parse error when the file is bad (the old rules stay)
@@ -47,6 +51,7 @@ from ecq.config import is_loopback
 from ecq.ops.metrics import EcqMetrics
 from ecq.ops.status import broker_status, queue_info
 from ecq.queue.engine import QueueEngine
+from ecq.queue.lag import check_top
 from ecq.queue.store import StoreError
 from ecq.queue.tombstones import TombstonesOff
 from ecq.queue.topics import RESERVED_CLIENTIDS, BadWrite, parse_rewind_point, parse_write
@@ -91,6 +96,7 @@ def build_app(engine: QueueEngine, controls: BrokerControls, metrics: EcqMetrics
         web.post("/api/v1/queues/{clientid}/rewind", _rewind),
         web.post("/api/v1/queues/{clientid}/delete", _delete),
         web.post("/api/v1/queues/{clientid}/purge", _purge),
+        web.get("/api/v1/top", _top),
         web.get("/api/v1/config", _config),
         web.post("/api/v1/acl/reload", _acl_reload),
         web.get("/metrics", _metrics),
@@ -231,6 +237,16 @@ async def _purge(request: web.Request) -> web.Response:
     return web.json_response({"clientid": clientid, "purged": purged})
 
 
+async def _top(request: web.Request) -> web.Response:
+    by = request.query.get("by", "pending")
+    try:
+        n = int(request.query.get("n", "20"))
+        check_top(n, by)
+    except ValueError as exc:
+        return web.json_response({"error": f"bad top request: {exc}"}, status=400)
+    return web.json_response(await request.app[_ENGINE].lag.report(n, by))
+
+
 async def _config(request: web.Request) -> web.Response:
     which = request.query.get("which", "inuse")
     if which not in ("origin", "inuse"):
@@ -247,5 +263,6 @@ async def _acl_reload(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
+    await request.app[_ENGINE].lag.refresh()  # the oldest pending entries of dirty queues, for the age gauge
     body = request.app[_METRICS].exposition()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})

@@ -1,5 +1,5 @@
 """The operator side of the admin API: one HTTP call, the answer checked, and the text renderings of
-``ecq status`` and ``ecq inspect`` (the JSON shapes come from ecq.ops.status). Used by ecq.cli.
+``ecq status``, ``ecq inspect`` and ``ecq top`` (the JSON shapes come from ecq.ops.status and ecq.queue.lag). Used by ecq.cli.
 """
 
 from __future__ import annotations
@@ -86,6 +86,20 @@ def render_queue(d: dict[str, Any]) -> str:
                       f"pending:     {d['pending']} ({d['pending_bytes']} bytes, oldest "
                       f"{_age(d['oldest_pending_age_s'])})", f"inflight:    {d['inflight']}",
                       f"online:      {'yes' if d['online'] else 'no'}"])
+
+
+def render_top(d: dict[str, Any]) -> str:
+    """Human-readable `ecq top`: a summary line, then one line per queue."""
+    lines = [f"pending: {d['pending']} entries in {d['lagging']} queues, oldest {_age(d['oldest_pending_age_s'])}"
+             f" (by {d['by']})"]
+    if "source" in d:
+        lines.append(f"source:  {d['source']}")
+    width = max([len("CLIENTID"), *(len(q["clientid"]) for q in d["queues"])])
+    lines.append(f"{'CLIENTID':<{width}}  {'PENDING':>10}  {'BYTES':>12}  {'OLDEST AGE S':>14}")
+    for q in d["queues"]:
+        lines.append(f"{q['clientid']:<{width}}  {q['pending']:>10}  {q['pending_bytes']:>12}  "
+                     f"{q['oldest_pending_age_s']:>14.1f}")
+    return "\n".join(lines)
 
 
 def _age(seconds: float | None) -> str:

@@ -10,11 +10,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from ecq.queue.lag import LagIndex
 from ecq.queue.store import Append, Appended, ExpiredRow, Message
 from ecq.queue.topics import RewindPoint
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
+_PENDING_BUCKETS = (0, 1, 10, 100, 1000, 10000)  # per-queue pending entries; +Inf follows
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -60,6 +63,11 @@ class EcqMetrics:
         for name, (help_text, read) in _gauge_help(gauges).items():
             Gauge(name, help_text, registry=r).set_function(read)
 
+    def watch_lag(self, lag: LagIndex, queues: Callable[[], int]) -> None:
+        """Serve the lag metrics from ``lag`` (read at each scrape); ``queues()`` is how many queues there are,
+        lagging or not (the histogram's count)."""
+        self.registry.register(LagCollector(lag, queues))
+
     def exposition(self) -> bytes:
         """The Prometheus text exposition format (version 0.0.4) of every metric."""
         return generate_latest(self.registry)
@@ -78,6 +86,34 @@ _GAUGE_HELP = {
 
 def _gauge_help(gauges: dict[str, Callable[[], float]]) -> dict[str, tuple[str, Callable[[], float]]]:
     return {name: (_GAUGE_HELP[name], read) for name, read in gauges.items()}
+
+
+class LagCollector:
+    """A prometheus_client collector over the lag index: ``ecq_pending_messages`` (pending entries, all queues),
+    ``ecq_oldest_pending_age_seconds`` (the oldest pending entry's age, 0 when none) and the histogram
+    ``ecq_queue_pending_messages`` of pending entries per queue (buckets 0, 1, 10, ..., 10000, +Inf; its count is
+    ``queues()``, every queue of the broker). No per-clientid labels: a fleet has 100,000+ queues."""
+
+    def __init__(self, lag: LagIndex, queues: Callable[[], int]) -> None:
+        self._lag, self._queues = lag, queues
+
+    def collect(self):
+        """The three metric families, computed now (on the event loop, from the index in memory)."""
+        pending, age_s = self._lag.totals()
+        yield GaugeMetricFamily("ecq_pending_messages", "entries stored and not yet acked, over every queue",
+                                value=pending)
+        yield GaugeMetricFamily("ecq_oldest_pending_age_seconds", "age of the oldest entry not yet acked, over "
+                                "every queue (0 when none)", value=age_s)
+        counts = [0] * len(_PENDING_BUCKETS)
+        lagging = 0
+        for count in self._lag.pending_counts():
+            lagging += 1
+            for index, bound in enumerate(_PENDING_BUCKETS):
+                counts[index] += count <= bound
+        total = max(self._queues(), lagging)
+        cumulative = [(str(float(bound)), n + total - lagging) for bound, n in zip(_PENDING_BUCKETS, counts)]
+        yield HistogramMetricFamily("ecq_queue_pending_messages", "queues by their count of entries not yet acked",
+                                    buckets=[*cumulative, ("+Inf", total)], sum_value=pending)
 
 
 class MetricsObserver:

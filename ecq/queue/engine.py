@@ -22,6 +22,7 @@ from ecq.queue.clock import now_ms, retention_cutoff_ms
 from ecq.queue.deadlines import SharedDeadline
 from ecq.queue.delivery import Consumer, Publish
 from ecq.queue.gc import run_gc
+from ecq.queue.lag import RESCAN_INTERVAL_S, LagIndex
 from ecq.queue.observer import QueueObserver
 from ecq.queue.readers import BatchedReader
 from ecq.queue.rewind import rewind_seqno
@@ -69,6 +70,8 @@ class QueueEngine:
         self._forgetting: dict[str, asyncio.Future] = {}  # clientid -> its ForgetQueue, until committed
         self._tasks: list[asyncio.Task] = []
         self.closing = False
+        self.lag = LagIndex(store, self.read, self.consumers)  # pending entries per queue (ecq top, metrics)
+        self.observers.append(self.lag)
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
@@ -76,6 +79,7 @@ class QueueEngine:
         """Count what is stored, start the writer agents and the GC, heartbeat and store-recovery loops; on a
         shared store, listen to the appends other brokers make."""
         await self.count_stored()
+        await self.lag.rebuild()  # before any commit: nothing changes under the scan
         if self.store.shared:
             loop = asyncio.get_running_loop()
             self.store.watch(lambda *notice: loop.call_soon_threadsafe(self._tell_consumer, *notice),
@@ -86,6 +90,8 @@ class QueueEngine:
                                            name="ecq-heartbeat"),
                        asyncio.create_task(_every(STORE_RECOVERY_INTERVAL_S, self.recover_store),
                                            name="ecq-store-recovery")]
+        if self.store.shared:  # other brokers' appends and acks reach no observer here
+            self._tasks.append(asyncio.create_task(_every(RESCAN_INTERVAL_S, self.lag.rescan), name="ecq-lag-rescan"))
 
     def stop_delivering(self) -> None:
         """Detach every consumer and end a running GC pass; unacked messages stay stored for the next run."""
@@ -320,7 +326,7 @@ class QueueEngine:
         and forget idle offline ones. Waking every idle consumer cost one store read each: with 1,000
         consumers that stalled delivery for ~400 ms every heartbeat. On a shared store every idle consumer
         is polled, since another broker's append notice travels over the network and may be lost (the read
-        then runs in a thread and on NATS, not on this loop)."""
+        then runs in a thread and on NATS, not on this loop). Last, the lag index re-reads its dirty queues."""
         for clientid, consumer in list(self.consumers.items()):
             if consumer.online and not consumer.inflight:
                 if self.store.shared:
@@ -331,6 +337,7 @@ class QueueEngine:
                 del self.consumers[clientid]
         if self.store.shared:
             await self.count_stored(refresh=True)
+        await self.lag.refresh()
 
     # --- garbage collection and store health --------------------------------------------------------
 

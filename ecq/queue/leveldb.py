@@ -498,6 +498,25 @@ class LevelDbStore:
         for row, value in self._db.iterator(prefix=_STATE):
             yield _read_s(row, 1)[0], _decode_state(value)
 
+    def stored_entries(self, clientid: str | None = None, after: int = 0) -> Iterator[tuple[str, int, int, int]]:
+        """(clientid, seqno, publish ms, payload bytes) of every stored entry in (clientid, seqno) key order, one
+        pass over the index table; with ``clientid``, only that queue's entries with seqno > ``after``."""
+        if clientid is not None:
+            prefix = _INDEX + _s(clientid)
+            start = prefix + _U64.pack(after + 1)
+            for index_key, value in self._db.iterator(start=start, stop=prefix + _MAX_U64, include_stop=True):
+                ts_ms, size = _INDEX_VALUE.unpack_from(value)
+                yield clientid, _U64.unpack_from(index_key, len(prefix))[0], ts_ms, size
+            return
+        queue, name = b"", ""  # rows of one queue are adjacent: decode each clientid once
+        for index_key, value in self._db.iterator(prefix=_INDEX):
+            seqno_at = len(index_key) - 8
+            if index_key[:seqno_at] != queue:
+                queue = index_key[:seqno_at]
+                name = _read_s(queue, 1)[0]
+            ts_ms, size = _INDEX_VALUE.unpack_from(value)
+            yield name, _U64.unpack_from(index_key, seqno_at)[0], ts_ms, size
+
 
 class _BatchState:
     """What the earlier ops of one commit did, which the database shows only once the batch is written."""

@@ -233,6 +233,11 @@ class QueueStore(Protocol):
     def edge_index_entries(self) -> tuple[IndexEntry | None, IndexEntry | None]:
         """The first and the last stored entry, by (clientid, seqno) order."""
 
+    def stored_entries(self, clientid: str | None = None, after: int = 0) -> Iterator[tuple[str, int, int, int]]:
+        """(clientid, seqno, publish ms, payload bytes) of every stored entry, each queue's in seqno order (the lag
+        index's scan); with ``clientid``, only that queue's entries with seqno > ``after``. Run it inside
+        :meth:`run` (it iterates)."""
+
     def run(self, func: Callable[..., T], *args: Any) -> T:
         """``func(*args)`` while the store cannot be reopened under it: every read goes through here."""
 

@@ -1,0 +1,441 @@
+"""The lag index: per queue, what its consumer has not acked yet, kept up to date as the engine works.
+
+A stored entry is *pending* while its consumer has not acked it (seqno above the acked seqno and not acked out
+of order), as ``ecq inspect`` counts it. :class:`LagIndex` holds, for each queue with pending entries only, their
+count, payload bytes and the oldest one (seqno, publish ms), plus what it needs to tell whether an entry it hears
+about was pending: a *floor* (every stored seqno at or below it is not pending: the acked seqno, or just below
+the oldest pending entry), the seqnos acked above the floor, and the seqnos deleted while a PUBACK for them may
+still come. A few ints per lagging queue, never one per entry.
+
+It is built by one scan of the store at engine start (:meth:`LagIndex.rebuild`), then kept by the engine's
+observer calls. When the oldest pending entry of a queue is acked or deleted the queue is marked *dirty* and
+its new oldest entry is read from the store later, by :meth:`LagIndex.refresh` (the heartbeat, and before each
+answer), in one reader-thread call for every dirty queue; a rewind marks its queue for a recount, read the same
+way. What happens to a queue while it is being read is noted and applied on top of what the read found.
+
+On a shared store (a cluster) other brokers' appends and acks reach no observer here: the engine re-scans every
+RESCAN_INTERVAL_S, and between two scans the figures are the last scan's plus this broker's own changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+from ecq.queue.clock import now_ms
+from ecq.queue.store import Append, Appended, ExpiredRow, Message, QueueStore
+from ecq.queue.topics import RewindPoint
+
+log = logging.getLogger(__name__)
+
+RESCAN_INTERVAL_S = 60.0  # a shared store: how often the whole index is read again
+OLDEST_CANDIDATES = 64    # pending entries one dirty-queue read returns: acks arriving meanwhile may use up some
+ABOVE_LIMIT = 256         # acks above a queue's floor kept before its oldest pending entry is read again
+TOP_ORDERS = ("pending", "age", "bytes")
+TOP_MAX = 1000            # most queues one top answer lists
+_NOTHING: frozenset[int] = frozenset()
+
+
+class QueueLag:
+    """The pending entries of one queue: ``pending`` (count), ``bytes`` (payload), the oldest one's ``oldest_seqno``
+    and ``oldest_ms`` (publish time, ms since the epoch); ``floor``, ``above`` and ``gone`` decide whether a seqno
+    is pending (see :meth:`is_pending`)."""
+
+    __slots__ = ("pending", "bytes", "oldest_seqno", "oldest_ms", "floor", "above", "gone")
+
+    def __init__(self, floor: int, above: set[int] | None = None) -> None:
+        self.pending = self.bytes = self.oldest_seqno = self.oldest_ms = 0
+        self.floor, self.above, self.gone = floor, above, None
+
+    def is_pending(self, seqno: int) -> bool:
+        """True when stored entry ``seqno`` is pending: above the floor, not acked out of order, not deleted."""
+        return seqno > self.floor and not (self.above and seqno in self.above) \
+            and not (self.gone and seqno in self.gone)
+
+    def skipped(self) -> frozenset[int]:
+        """The seqnos above the floor that are not pending (acked out of order, or deleted)."""
+        return frozenset(self.above or ()) | frozenset(self.gone or ())
+
+    def raise_floor(self, floor: int) -> None:
+        """Every stored seqno at or below ``floor`` is not pending: forget what is known of those."""
+        if floor > self.floor:
+            self.floor = floor
+            self.above = {s for s in self.above if s > floor} or None if self.above else None
+            self.gone = {s for s in self.gone if s > floor} or None if self.gone else None
+
+    def as_tuple(self) -> tuple[int, int, int, int]:
+        """(pending, bytes, oldest seqno, oldest publish ms), e.g. to compare two indexes."""
+        return self.pending, self.bytes, self.oldest_seqno, self.oldest_ms
+
+
+class QueueRead(NamedTuple):
+    """What one read of a queue found above its floor: pending entries and bytes (a whole read only), the first
+    pending ones as (seqno, publish ms), the last seqno read, and whether it read to the queue's end."""
+
+    pending: int
+    bytes: int
+    candidates: list[tuple[int, int]]
+    last_read: int
+    complete: bool
+    ahead: bool = False  # a whole read found the floor above the queue's last seqno (a rewind past its end)
+
+
+class _Reading:
+    """A queue being read in a thread, and what happened to it meanwhile."""
+
+    __slots__ = ("recount", "pending", "bytes", "appended", "removed", "void")
+
+    def __init__(self, recount: bool, lag: QueueLag) -> None:
+        self.recount, self.pending, self.bytes = recount, lag.pending, lag.bytes
+        self.appended: list[tuple[int, int, int]] = []  # (seqno, payload bytes, publish ms)
+        self.removed: set[int] = set()
+        self.void = False  # a rewind came: a recount is due anyway
+
+
+class LagIndex:
+    """The lag of every queue of ``store`` (a :class:`ecq.queue.observer.QueueObserver`; call on the event loop).
+
+    ``read(func, *args)`` runs a blocking store read in a reader thread (QueueEngine.read); ``consumers`` is the
+    engine's live mapping of clientid to :class:`ecq.queue.delivery.Consumer` (a rescan reads their ack states,
+    a deletion their inflight seqnos). One difference from ``ecq inspect``: an entry past ``data_retention``
+    that delivery skipped (never sent, so never acked) stays pending here until GC deletes it.
+    """
+
+    def __init__(self, store: QueueStore, read: Callable[..., Any], consumers: Mapping[str, Any]) -> None:
+        self._store, self._read, self._consumers = store, read, consumers
+        self.queues: dict[str, QueueLag] = {}
+        self._dirty: dict[str, bool] = {}  # clientid -> True: recount the queue; False: find its oldest pending
+        self._reading: dict[str, _Reading] = {}
+        self._touched: set[str] | None = None  # queues changed during a rescan
+        self._ahead: dict[str, int] = {}  # queues whose acked seqno is past their last seqno: that acked seqno
+        self._lock = asyncio.Lock()
+        self._soon: asyncio.Task | None = None
+
+    # --- building -----------------------------------------------------------------------------------
+
+    async def rebuild(self) -> None:
+        """Read the whole index from the store (engine start; a shared store's periodic rescan). Queues changed
+        while it reads keep what this broker saw and are recounted; no refresh runs meanwhile. Raises what the
+        store's reads raise."""
+        async with self._lock:  # a refresh running now ends first
+            live = {cid: (c.state.acked, frozenset(c.state.above)) for cid, c in self._consumers.items()}
+            self._touched = set()
+        try:
+            ahead: dict[str, int] = {}
+            scanned = await self._read(scan_lag, self._store, live, ahead)
+        finally:
+            touched, self._touched = self._touched, None
+        for clientid in touched:
+            if clientid in self.queues:
+                scanned[clientid] = self.queues[clientid]
+            if clientid in scanned:
+                self._dirty[clientid] = True
+        self.queues, self._ahead = scanned, ahead
+
+    async def rescan(self) -> None:
+        """:meth:`rebuild`, logging instead of raising (the periodic rescan of a shared store)."""
+        try:
+            await self.rebuild()
+        except Exception as exc:
+            log.warning("ECQ lag index not re-scanned: %s", exc or type(exc).__name__)
+
+    async def refresh(self) -> None:
+        """Read the dirty queues (new oldest pending entry, or a recount) in one reader-thread call. A failed read
+        leaves them dirty, for the next call."""
+        async with self._lock:
+            if not self._dirty or self._touched is not None:  # nothing to do, or a rescan reads everything
+                return
+            jobs = [(cid, recount) for cid, recount in self._dirty.items() if cid in self.queues]
+            self._dirty = {}
+            requests = []
+            for cid, recount in jobs:
+                lag = self.queues[cid]
+                self._reading[cid] = _Reading(recount, lag)
+                requests.append((cid, lag.floor, lag.skipped(), recount))
+            try:
+                found = await self._read(read_queues, self._store, requests)
+            except Exception as exc:
+                log.warning("ECQ lag index: %d queues not re-read: %s", len(jobs), exc or type(exc).__name__)
+                found = [None] * len(jobs)
+            for (cid, recount), read in zip(jobs, found, strict=True):
+                reading = self._reading.pop(cid)
+                if read is None or reading.void:
+                    self._dirty[cid] = self._dirty.get(cid, False) or recount or reading.void
+                elif cid in self.queues:
+                    (self._apply_recount if recount else self._apply_oldest)(cid, self.queues[cid], read, reading)
+                self._forget_if_idle(cid)
+
+    # --- answers ------------------------------------------------------------------------------------
+
+    async def report(self, n: int, by: str = "pending") -> dict[str, Any]:
+        """:func:`top_report` of the index, after a refresh. Raises ValueError for a bad ``n`` or ``by``."""
+        check_top(n, by)
+        await self.refresh()
+        return top_report(self.queues, n, by, now_ms())
+
+    def totals(self) -> tuple[int, float]:
+        """(pending entries over every queue, age in seconds of the oldest pending entry, 0 when none)."""
+        pending = sum(lag.pending for lag in self.queues.values())
+        oldest = min((lag.oldest_ms for lag in self.queues.values()), default=0)
+        return pending, max(0.0, (now_ms() - oldest) / 1000) if oldest else 0.0
+
+    def pending_counts(self) -> Iterator[int]:
+        """The pending count of every lagging queue (queues not listed have none)."""
+        return (lag.pending for lag in self.queues.values())
+
+    # --- observer calls -----------------------------------------------------------------------------
+
+    def appended(self, op: Append, result: Appended) -> None:
+        """A write: one more pending entry; the values compaction deleted are pending no more."""
+        clientid, seqno, size = op.clientid, result.seqno, len(op.payload)
+        self._note(clientid)
+        if (ahead := self._ahead.get(clientid)) is not None:
+            if seqno <= ahead:  # already "acked" by a rewind past the queue's end: never delivered
+                return
+            del self._ahead[clientid]
+        if reading := self._reading.get(clientid):
+            reading.appended.append((seqno, size, op.ts_ms))
+            reading.removed.update(result.replaced)
+        lag = self.queues.get(clientid)
+        if lag is None:
+            lag = self.queues[clientid] = QueueLag(seqno - 1)
+        if result.replaced:
+            self._compacted(clientid, lag, result)
+        if lag.pending <= 0 and not self._recount_due(clientid):
+            lag.oldest_seqno, lag.oldest_ms = seqno, op.ts_ms
+            if self._dirty.get(clientid) is False:
+                del self._dirty[clientid]
+        lag.pending += 1
+        lag.bytes += size
+
+    def _compacted(self, clientid: str, lag: QueueLag, result: Appended) -> None:
+        pending = [seqno for seqno in result.replaced if lag.is_pending(seqno)]
+        whole = len(pending) == len(result.replaced)
+        if pending and not whole:  # the replaced sizes are known only as a sum: recount
+            self._dirty[clientid] = True
+        for index, seqno in enumerate(pending):
+            self._removed(clientid, lag, seqno, result.replaced_bytes if whole and index == 0 else 0)
+
+    def expired(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str = "retention") -> None:
+        """Deleted entries (GC, purge, an acked tombstone, a quota eviction) are pending no more."""
+        self._note(clientid)
+        if reading := self._reading.get(clientid):
+            reading.removed.update(row.seqno for row in rows)
+        if (lag := self.queues.get(clientid)) is None:
+            return
+        for row in rows:
+            if lag.is_pending(row.seqno):
+                self._removed(clientid, lag, row.seqno, row.size)
+        self._forget_if_idle(clientid)
+
+    def _removed(self, clientid: str, lag: QueueLag, seqno: int, size: int) -> None:
+        lag.pending -= 1
+        lag.bytes -= size
+        consumer = self._consumers.get(clientid)
+        if seqno == lag.oldest_seqno:
+            self._oldest_gone(clientid, lag, seqno)
+        elif consumer is not None and seqno in consumer.inflight:  # its PUBACK may still come
+            lag.gone = (lag.gone or set()) | {seqno}
+
+    def acked(self, clientid: str, message: Message, sent_monotonic: float) -> None:
+        """A PUBACK: that entry is pending no more, unless it was deleted meanwhile."""
+        self._note(clientid)
+        if (lag := self.queues.get(clientid)) is None:
+            return
+        seqno = message.seqno
+        if not lag.is_pending(seqno):
+            if lag.gone and seqno in lag.gone:
+                lag.gone.discard(seqno)
+            return
+        lag.pending -= 1
+        lag.bytes -= len(message.payload)
+        if seqno == lag.oldest_seqno:
+            self._oldest_gone(clientid, lag, seqno)
+        else:
+            lag.above = (lag.above or set()) | {seqno}
+            if len(lag.above) > ABOVE_LIMIT:  # acks beyond a stale oldest: find the real one, which prunes them
+                self._dirty.setdefault(clientid, False)
+                self._refresh_soon()
+        self._forget_if_idle(clientid)
+
+    def _oldest_gone(self, clientid: str, lag: QueueLag, seqno: int) -> None:
+        lag.raise_floor(seqno)  # below the next pending entry, wherever it is
+        if lag.pending > 0:
+            self._dirty.setdefault(clientid, False)
+        else:
+            lag.oldest_seqno = lag.oldest_ms = 0
+
+    def _refresh_soon(self) -> None:
+        if self._soon is None or self._soon.done():
+            self._soon = asyncio.get_running_loop().create_task(self.refresh(), name="ecq-lag-refresh")
+
+    def rewound(self, clientid: str, point: RewindPoint, acked: int) -> None:
+        """A rewind: the queue is recounted from its new acked seqno."""
+        self._note(clientid)
+        if reading := self._reading.get(clientid):
+            reading.void = True
+        self._ahead.pop(clientid, None)
+        lag = self.queues.setdefault(clientid, QueueLag(acked))
+        lag.floor, lag.above, lag.gone = acked, None, None
+        lag.oldest_seqno = lag.oldest_ms = 0  # unknown until the recount: no event may take it for the oldest
+        self._dirty[clientid] = True
+
+    def forgotten(self, clientid: str) -> None:
+        """State GC forgot an empty queue: it starts again at seqno 1 with nothing acked."""
+        self._note(clientid)
+        self._ahead.pop(clientid, None)
+        if clientid not in self._reading:
+            self._dirty.pop(clientid, None)
+            self.queues.pop(clientid, None)
+
+    def delivered(self, clientid: str, message: Message, attempt: int) -> None:
+        """Nothing to do: a send changes no lag."""
+
+    def store_error(self, op: str, exc: Exception) -> None:
+        """Nothing to do."""
+
+    def gc_started(self) -> None:
+        """Nothing to do."""
+
+    # --- applying reads -----------------------------------------------------------------------------
+
+    def _apply_oldest(self, clientid: str, lag: QueueLag, read: QueueRead, reading: _Reading) -> None:
+        if lag.pending <= 0:
+            return
+        if oldest := self._first_pending(lag, read.candidates, reading, read.last_read):
+            lag.oldest_seqno, lag.oldest_ms = oldest
+            lag.raise_floor(oldest[0] - 1)
+        elif not read.complete:  # every entry read is acked or deleted by now: go on from there
+            lag.raise_floor(read.last_read)
+            self._dirty.setdefault(clientid, False)
+        else:  # the count says pending, the store holds none: the count drifted
+            self._dirty[clientid] = True
+
+    def _apply_recount(self, clientid: str, lag: QueueLag, read: QueueRead, reading: _Reading) -> None:
+        if read.ahead and not reading.appended:
+            self._ahead[clientid] = lag.floor
+        counted = [(size, seqno) for seqno, size, _ts in reading.appended if seqno <= read.last_read]
+        lag.pending = read.pending + (lag.pending - reading.pending) - len(counted)
+        lag.bytes = read.bytes + (lag.bytes - reading.bytes) - sum(size for size, _seqno in counted)
+        if any(seqno <= read.last_read for seqno in reading.removed) or lag.pending < 0 or lag.bytes < 0:
+            self._dirty[clientid] = True  # deleted before or after the read saw it? read again
+        if oldest := self._first_pending(lag, read.candidates, reading, read.last_read):
+            lag.oldest_seqno, lag.oldest_ms = oldest
+            lag.raise_floor(oldest[0] - 1)
+        elif lag.pending > 0:
+            cut = len(read.candidates) == OLDEST_CANDIDATES  # more pending entries were read than kept
+            lag.raise_floor(read.candidates[-1][0] if cut else read.last_read)
+            self._dirty.setdefault(clientid, False)
+        else:
+            lag.oldest_seqno = lag.oldest_ms = 0
+
+    @staticmethod
+    def _first_pending(lag: QueueLag, candidates: Iterable[tuple[int, int]], reading: _Reading,
+                       last_read: int) -> tuple[int, int] | None:
+        """The first of ``candidates`` or of the entries appended during the read that is still pending."""
+        later = [(seqno, ts) for seqno, _size, ts in reading.appended if seqno > last_read]
+        for seqno, ts in (*candidates, *later):
+            if lag.is_pending(seqno) and seqno not in reading.removed:
+                return seqno, ts
+        return None
+
+    def _recount_due(self, clientid: str) -> bool:
+        reading = self._reading.get(clientid)
+        return self._dirty.get(clientid) is True or (reading is not None and reading.recount)
+
+    def _note(self, clientid: str) -> None:
+        if self._touched is not None:
+            self._touched.add(clientid)
+
+    def _forget_if_idle(self, clientid: str) -> None:
+        """Drop a queue with nothing pending (and nothing left to read for it)."""
+        lag = self.queues.get(clientid)
+        if lag is None or lag.pending > 0 or clientid in self._reading or self._recount_due(clientid):
+            return
+        self._dirty.pop(clientid, None)
+        del self.queues[clientid]
+
+
+# --- reads (reader threads) and answers ---------------------------------------------------------------
+
+def scan_lag(store: QueueStore, live: Mapping[str, tuple[int, frozenset[int]]],
+             ahead: dict[str, int] | None = None) -> dict[str, QueueLag]:
+    """The lag of every queue from one pass over the stored entries, judged by the stored ack states or, for the
+    clientids in ``live``, by (acked seqno, seqnos acked above it) given there. Blocking; O(stored entries).
+    Fills ``ahead`` with the queues whose acked seqno is past their last seqno (a rewind to a seqno N past the
+    end): their next writes up to it are never delivered, so not pending."""
+    states: dict[str, tuple[int, Any]] = {cid: (state.acked, state.above) for cid, state in store.ack_states()}
+    states.update(live)
+    queues: dict[str, QueueLag] = {}
+    last_stored: dict[str, int] = {}
+    for clientid, seqno, ts_ms, size in store.stored_entries():
+        last_stored[clientid] = seqno
+        acked, above = states.get(clientid, (0, _NOTHING))
+        if seqno <= acked or seqno in above:
+            continue
+        lag = queues.get(clientid)
+        if lag is None:  # each queue's entries come in seqno order: this is its oldest pending one
+            lag = queues[clientid] = QueueLag(seqno - 1, {s for s in above if s > seqno} or None)
+            lag.oldest_seqno, lag.oldest_ms = seqno, ts_ms
+        lag.pending += 1
+        lag.bytes += size
+    if ahead is not None:
+        ahead.update((cid, acked) for cid, (acked, _above) in states.items()
+                     if acked > last_stored.get(cid, 0) and acked > store.last_seqno(cid))
+    return queues
+
+
+def read_queues(store: QueueStore, requests: list[tuple[str, int, frozenset[int], bool]]) -> list[QueueRead]:
+    """For each (clientid, floor, seqnos not pending, whole) the :class:`QueueRead` of that queue above its floor:
+    with ``whole`` every entry (a recount), otherwise up to OLDEST_CANDIDATES pending ones. Blocking."""
+    return [read_queue(store, *request) for request in requests]
+
+
+def read_queue(store: QueueStore, clientid: str, floor: int, skipped: frozenset[int], whole: bool) -> QueueRead:
+    """One queue's :class:`QueueRead` (see :func:`read_queues`)."""
+    pending = size = 0
+    candidates: list[tuple[int, int]] = []
+    last_read, complete = floor, True
+    for _clientid, seqno, ts_ms, entry_size in store.stored_entries(clientid, floor):
+        if seqno not in skipped:
+            if not whole and len(candidates) == OLDEST_CANDIDATES:
+                complete = False
+                break
+            pending, size = pending + 1, size + entry_size
+            if len(candidates) < OLDEST_CANDIDATES:
+                candidates.append((seqno, ts_ms))
+        last_read = seqno
+    ahead = whole and last_read == floor and floor > store.last_seqno(clientid)
+    return QueueRead(pending, size, candidates, last_read, complete, ahead)
+
+
+def check_top(n: int, by: str) -> None:
+    """Raise ValueError unless 1 <= ``n`` <= TOP_MAX and ``by`` is one of TOP_ORDERS."""
+    if not 1 <= n <= TOP_MAX:
+        raise ValueError(f"n must be from 1 to {TOP_MAX}, not {n}")
+    if by not in TOP_ORDERS:
+        raise ValueError(f"by must be one of {', '.join(TOP_ORDERS)}, not {by!r}")
+
+
+def top_report(queues: Mapping[str, QueueLag], n: int, by: str, at_ms: int) -> dict[str, Any]:
+    """What ``ecq top`` shows: ``by``, ``pending`` (entries over every queue), ``lagging`` (queues with pending
+    entries), ``oldest_pending_age_s`` (seconds at ``at_ms``, null when none) and ``queues``: the ``n`` queues
+    with the most pending entries (``by="pending"``), the oldest pending entry (``age``) or the most pending
+    payload bytes (``bytes``), ties by clientid, each as clientid, pending, pending_bytes, oldest_pending_age_s
+    (the keys of ``ecq inspect``)."""
+    order = {"pending": lambda item: (item[1].pending, -item[1].oldest_ms),
+             "age": lambda item: (-item[1].oldest_ms, item[1].pending),
+             "bytes": lambda item: (item[1].bytes, item[1].pending)}[by]
+    ranked = heapq.nlargest(n, sorted(queues.items()), key=order)
+    oldest = min((lag.oldest_ms for lag in queues.values()), default=0)
+    return {"by": by, "pending": sum(lag.pending for lag in queues.values()), "lagging": len(queues),
+            "oldest_pending_age_s": _age_s(at_ms, oldest) if oldest else None,
+            "queues": [{"clientid": clientid, "pending": lag.pending, "pending_bytes": lag.bytes,
+                        "oldest_pending_age_s": _age_s(at_ms, lag.oldest_ms)} for clientid, lag in ranked]}
+
+
+def _age_s(at_ms: int, ts_ms: int) -> float:
+    return round((at_ms - ts_ms) / 1000, 3)
