@@ -15,7 +15,7 @@ from ecq.ops.status import queue_info
 from ecq.queue.engine import QueueEngine
 from ecq.queue.lag import LagIndex, read_queues, scan_lag, top_report
 from ecq.queue.leveldb import LevelDbStore
-from ecq.queue.store import AckState, Append, Expire, ExpiredRow, Message, SaveAck, stored_pages
+from ecq.queue.store import AckState, Append, Expire, ExpiredRow, ForgetQueue, Message, SaveAck, stored_pages
 from ecq.queue.topics import RewindPoint
 from tests.fake_connection import FakeConnection, publish, settle
 
@@ -146,6 +146,25 @@ async def test_acks_of_deleted_inflight_entries_are_not_counted_twice(tmp_path):
         assert index.queues["c"].as_tuple() == (3, 11, 1, 1000)
     finally:
         store.close()
+
+
+async def test_a_queue_state_gc_forgot_counts_its_new_entries_from_seqno_1(tmp_path):
+    engine = QueueEngine(settings(tmp_path), publish)
+    await engine.start()
+    try:
+        await engine.write("f", "k", b"old")
+        await engine.rewind("f", RewindPoint("seqno", 5))  # past the queue's end: seqnos up to 5 count as acked
+        await engine.lag.refresh()
+        await engine.write("f", "k2", b"x")  # seqno 2: never pending
+        assert indexed(engine.lag, "f") == (0, 0, 0)
+        await engine.purge("f")
+        engine.consumers.pop("f")
+        forgotten = await engine.pool.submit("f", ForgetQueue("f", 2**62))
+        assert forgotten is True
+        await engine.write("f", "k", b"new")  # seqno 1 of a new life: pending
+        assert indexed(engine.lag, "f")[:2] == (1, 3) == inspected(engine, "f")
+    finally:
+        await engine.close()
 
 
 def settings(tmp_path) -> EcqSettings:
