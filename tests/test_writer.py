@@ -4,11 +4,12 @@ commit fails its futures (on a real LevelDB store)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from ecq.queue.leveldb import LevelDbStore
-from ecq.queue.store import Append, Appended, StoreError
+from ecq.queue.store import Append, Appended, Expire, ExpiredRow, StoreError
 from ecq.queue.writer import PoolClosed, WriterPool
 
 
@@ -18,9 +19,11 @@ class CountingStore(LevelDbStore):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.batches: list[int] = []
+        self.threads: list[str] = []  # the thread of each commit
 
     def commit(self, ops):
         self.batches.append(len(ops))
+        self.threads.append(threading.current_thread().name)
         return super().commit(ops)
 
 
@@ -80,3 +83,19 @@ async def test_a_failing_commit_fails_its_futures_and_the_agent_goes_on(store):
     store.write_error = None
     assert await pool.submit("q", append("q", "after")) == Appended(1)
     await pool.close()
+
+
+async def test_small_batches_commit_on_the_event_loop_and_a_gc_step_in_a_thread(store):
+    pool = WriterPool(store, 1, lambda ops, results: None)
+    pool.start()
+    try:
+        await asyncio.gather(*(pool.submit("c", append("c", f"k{i}")) for i in range(100)))
+        rows = tuple(ExpiredRow(seqno, f"k{seqno - 1}", 1_000, 1) for seqno in range(1, 65))
+        assert len(await pool.submit("c", Expire("c", rows))) == 64
+        assert len(await pool.submit("c", Expire("c", rows[:1] + (ExpiredRow(65, "k64", 1_000, 1),)))) == 1
+    finally:
+        await pool.close()
+    loop_thread = threading.current_thread().name
+    assert store.threads[0] == loop_thread  # appends: inline, cheaper than a thread hop
+    assert store.threads[-2] != loop_thread  # 64 rows deleted: off the loop
+    assert store.threads[-1] == loop_thread
