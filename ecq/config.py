@@ -42,6 +42,7 @@ def parse_duration(value: Any) -> float:
     return float(number) * _UNIT_SECONDS[unit]
 
 
+LEVELDB_MAX_OPEN_FILES = 1000  # LevelDB's own default
 MAX_DURATION_S = 10 * 365 * 86400.0  # ten years: anything longer is a typo, and timers need finite values
 
 
@@ -99,6 +100,10 @@ class EcqSettings(BaseModel):
     max_packet_bytes: Int | None = Field(default=None, ge=0, le=MAX_REMAINING_LENGTH,
                                          description="largest MQTT packet body; None = max_payload_bytes + 65539")
     connect_timeout: Timer = Field(default=10.0, description="a connection without CONNECT in time is closed")
+    leveldb_max_open_files: Int = Field(default=LEVELDB_MAX_OPEN_FILES, ge=20, le=65535,
+                                        description="LevelDB table files kept open, and so memory-mapped (RSS)")
+    leveldb_cache_bytes: Int = Field(default=8 * 1024 * 1024, ge=1024 * 1024,
+                                     description="LevelDB block cache, bytes (uncompressed blocks read recently)")
     sync_writes: StrictBool = Field(default=False, description="fsync each commit (survives power loss, slower)")
     acl_file: Path | None = Field(default=None, description="EMQX-syntax ACL file; None = no ACL")
     acl_nomatch: Literal["allow", "deny"] = Field(default="allow", description="decision when no ACL rule matches")

@@ -66,18 +66,22 @@ class LevelDbStore:
 
     Raises StoreError when the database cannot be opened. ``sync=True`` fsyncs every commit. ``quota`` bounds
     each queue, checked in the append's own write batch (entry and byte counts of a queue are read once, then
-    kept in memory while quotas are on). A broker
+    kept in memory while quotas are on). ``max_open_files`` and ``cache_bytes`` are LevelDB's table cache size
+    (its open table files are memory-mapped: this bounds the store's file-backed RSS) and block cache size in
+    bytes; None keeps LevelDB's defaults (1000 files, 8 MiB). A broker
     that may call :meth:`reopen_if_space` runs its reads through :meth:`run`, so that no read uses the
     database while it is closed and opened again; :meth:`commit` takes care of itself.
     """
 
     shared = False  # one broker holds the LevelDB lock
 
-    def __init__(self, path: Path, sync: bool = False, quota: QueueQuota = QueueQuota()) -> None:
+    def __init__(self, path: Path, sync: bool = False, quota: QueueQuota = QueueQuota(),
+                 max_open_files: int | None = None, cache_bytes: int | None = None) -> None:
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._sync = sync
         self._quota = quota
+        self._tuning = {"max_open_files": max_open_files, "lru_cache_size": cache_bytes or None}
         self._sizes: dict[str, list[int]] = {}  # clientid -> [entries, payload bytes], while quotas are on
         self._seqnos: dict[str, int] = {}
         self._seqno_lock = threading.Lock()
@@ -92,7 +96,7 @@ class LevelDbStore:
         """Open with ``paranoid_checks``: LevelDB then fails the open on a damaged log or table metadata
         instead of skipping what it cannot read. Raises StoreError naming the directory and LevelDB's reason."""
         try:
-            return plyvel.DB(str(self.path), create_if_missing=True, paranoid_checks=True)
+            return plyvel.DB(str(self.path), create_if_missing=True, paranoid_checks=True, **self._tuning)
         except plyvel.IOError as exc:
             reason = _reason(exc)
             if "lock" in reason.lower():

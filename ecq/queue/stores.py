@@ -26,7 +26,8 @@ def open_store(settings: EcqSettings) -> QueueStore:
     from ecq.queue.leveldb import LevelDbStore
     storage_layout.migrate(settings.data_dir)
     quota = QueueQuota(settings.max_queue_messages, settings.max_queue_bytes, settings.quota_policy)
-    store = LevelDbStore(settings.queues_dir(), sync=settings.sync_writes, quota=quota)
+    store = LevelDbStore(settings.queues_dir(), sync=settings.sync_writes, quota=quota,
+                         max_open_files=settings.leveldb_max_open_files, cache_bytes=settings.leveldb_cache_bytes)
     rows, seconds = store.verify()
     log.info("ECQ store checked: %d rows read with checksums in %.2f s", rows, seconds)
     return store
