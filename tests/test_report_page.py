@@ -35,6 +35,7 @@ OFFLINE_MESSAGES = 20
 BACK_ONLINE_MS = T + 12 * SECOND  # the offline consumer's writes are all at least 10 s old by then
 ACK_AFTER_MS = 5
 BROWSER_TIMEOUT_S = 90
+SPARK = pytest.mark.timeout(600)  # a test that starts the module's Spark session and first report pays for both
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,7 @@ def truth_report(spark, tmp_path_factory) -> tuple[Path, str]:
     return out, run_report(write_lake(base / "lake", truth_events()), out, "local[2]")
 
 
+@SPARK
 def test_latency_buckets_have_exact_integer_edges(truth_report):
     out, _ = truth_report
     histogram = read_table(out, "latency_histogram").to_pylist()
@@ -101,6 +103,7 @@ def test_latency_buckets_have_exact_integer_edges(truth_report):
     assert end_to_end == {1: 1, 10: 1, 500: 1, 1000: 1, 10000: OFFLINE_MESSAGES}
 
 
+@SPARK
 def test_delivery_latency_leaves_out_the_time_offline(truth_report):
     out, text = truth_report
     consumers = {row["clientid"]: row for row in read_table(out, "consumers").to_pylist()}
@@ -128,6 +131,7 @@ def span_lake(base: Path, span_ms: int) -> Path:
     return write_lake(base / "lake", events)
 
 
+@SPARK
 @pytest.mark.parametrize(("span_ms", "bucket_s"), [(2 * MINUTE, 1), (3 * HOUR, 60), (3 * DAY, 3600)],
                          ids=["2-minutes-in-seconds", "3-hours-in-minutes", "3-days-in-hours"])
 def test_the_time_bucket_follows_the_span_of_the_data(spark, tmp_path, span_ms, bucket_s):
@@ -186,7 +190,8 @@ def run_chromium(chromium: str, profile: Path, *args: str) -> str:
     return done.stdout
 
 
-def test_the_page_shows_its_charts_in_a_browser(truth_report, chromium, tmp_path):
+@SPARK
+def test_the_page_shows_its_charts_in_a_browser(chromium, truth_report, tmp_path):
     out, _ = truth_report
     measuring = out / "measure.html"
     measuring.write_text((out / "report.html").read_text().replace("</body>", MEASURE + "</body>"))

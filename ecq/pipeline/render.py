@@ -152,11 +152,11 @@ def _coarsen(over_time: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]],
 
 def _duration(seconds: int) -> str:
     """``second``, ``minute``, ``hour`` for one of them, else ``2 seconds``, ``15 minutes``, ..."""
-    for unit, size in (("hour", 3600), ("minute", 60), ("second", 1)):
+    for unit, size in (("hour", 3600), ("minute", 60)):
         if seconds % size == 0:
             count = seconds // size
             return unit if count == 1 else f"{count} {unit}s"
-    raise ValueError(f"not a whole number of seconds: {seconds}")
+    return "second" if seconds == 1 else f"{seconds} seconds"
 
 
 def _steps(series: Sequence[dict[str, Any]], column: str, seconds_per_step: int) -> tuple[list[datetime], list[Any]]:
