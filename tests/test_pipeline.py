@@ -116,42 +116,48 @@ def test_report_per_consumer(known_report):
                                  "expired", "refused", "backlog")} == dict(
         appended=10, compacted=0, compaction_ratio=0.0, delivered=11, redeliveries=1, acked=10, expired=0,
         refused=1, backlog=0)
-    # latencies 100, 200, ..., 1000 ms (the repeated ack of k2 does not count)
-    assert (fast["latency_p50_ms"], fast["latency_p95_ms"], fast["latency_p99_ms"], fast["latency_max_ms"]) == (
-        500, 1000, 1000, 1000)
+    # end to end 100, 200, ..., 1000 ms (the repeated ack of k2 does not count); delivery 10 ms less, but k9's
+    # acked send was its second one, 50 ms after the write: 90, 190, ..., 890, 950
+    assert (fast["end_to_end_p50_ms"], fast["end_to_end_p95_ms"], fast["end_to_end_p99_ms"],
+            fast["end_to_end_max_ms"]) == (500, 1000, 1000, 1000)
+    assert (fast["delivery_p50_ms"], fast["delivery_p95_ms"], fast["delivery_p99_ms"], fast["delivery_max_ms"]) == (
+        490, 950, 950, 950)
     assert (slow["appended"], slow["compacted"], slow["compaction_ratio"], slow["backlog"], slow["acked"]) == (
         5, 4, 0.8, 1, 0)
-    assert slow["latency_p50_ms"] is None and slow["delivered"] == 0
+    assert slow["end_to_end_p50_ms"] is None and slow["delivery_p50_ms"] is None and slow["delivered"] == 0
     assert (gc["appended"], gc["expired"], gc["backlog"]) == (3, 2, 1)
     assert (fast["first_event_ms"], fast["last_event_ms"]) == (T, T + 3 * MINUTE + 5000)
 
 
-def test_report_per_minute_and_fleet(known_report):
+def test_report_over_time_and_fleet(known_report):
     out, _ = known_report
-    per_minute = read_table(out, "per_minute").to_pylist()
-    assert [(r["minute_ms"] - T) // MINUTE for r in per_minute] == [0, 1, 2, 3]  # the quiet minute 3 included
-    assert [(r["writes"], r["deliveries"], r["acks"], r["backlog"]) for r in per_minute] == [
-        (10, 11, 10, 0), (5, 0, 0, 1), (3, 0, 0, 2), (0, 0, 0, 2)]
+    over_time = read_table(out, "over_time").to_pylist()
+    assert {r["bucket_s"] for r in over_time} == {1}  # 3 minutes of events: one bucket per second
+    assert [r["start_ms"] for r in over_time] == list(range(T, T + 3 * MINUTE + 5001, 1000))  # quiet ones too
+    minutes = [[r for r in over_time if (r["start_ms"] - T) // MINUTE == m] for m in range(4)]
+    assert [(sum(r["writes"] for r in rows), sum(r["deliveries"] for r in rows), sum(r["acks"] for r in rows),
+             rows[-1]["backlog"]) for rows in minutes] == [(10, 11, 10, 0), (5, 0, 0, 1), (3, 0, 0, 2), (0, 0, 0, 2)]
     (fleet,) = read_table(out, "fleet").to_pylist()
     assert fleet == dict(
         consumers=3, consumers_with_backlog=2, events=len(known_events()), appended=18, compacted=4,
         compaction_ratio=4 / 18, delivered=11, redeliveries=1, acked=10, expired=2, refused=2, backlog=2,
-        latency_p50_ms=500, latency_p95_ms=1000, latency_p99_ms=1000, latency_max_ms=1000, first_event_ms=T,
+        delivery_p50_ms=490, delivery_p95_ms=950, delivery_p99_ms=950, delivery_max_ms=950, end_to_end_p50_ms=500,
+        end_to_end_p95_ms=1000, end_to_end_p99_ms=1000, end_to_end_max_ms=1000, first_event_ms=T,
         last_event_ms=T + 3 * MINUTE + 5000)
     assert read_table(out, "refused_reasons").to_pylist() == [
         {"reason": "bad_key", "refused": 1}, {"reason": "not_a_write", "refused": 1}]
     histogram = read_table(out, "latency_histogram").to_pylist()
-    assert sum(h["acks"] for h in histogram) == 10
+    assert sum(h["end_to_end_acks"] for h in histogram) == sum(h["delivery_acks"] for h in histogram) == 10
     for latency in range(100, 1001, 100):  # each latency falls in exactly one bucket, and buckets tile the axis
         assert sum(1 for h in histogram if h["lower_ms"] <= latency < h["upper_ms"]) == 1
-    assert all(a["upper_ms"] <= b["lower_ms"] for a, b in zip(histogram, histogram[1:], strict=False))
+    assert all(a["upper_ms"] == b["lower_ms"] for a, b in zip(histogram, histogram[1:], strict=False))
 
 
 def test_report_summary_and_self_contained_page(known_report):
     out, text = known_report
     assert "backlog 2 messages" in text and "p50 500 ms" in text and "largest backlog: gc 1, slow 1" in text
     page = (out / "report.html").read_text()
-    assert page.count("<svg") == 3  # latency distribution, backlog over time, traffic
+    assert page.count("<svg") == 4  # delivery and end-to-end latency, backlog over time, traffic
     for external in ("<script", "<link", "<img", "src=", "@import"):
         assert external not in page
     references = re.findall(r'href="([^"]*)"', page) + re.findall(r"url\(([^)]*)\)", page)
@@ -334,6 +340,6 @@ def test_the_same_report_runs_on_a_standalone_cluster(known_lake, known_report, 
         stopped = subprocess.run([*script, "stop"], capture_output=True, text=True, timeout=60)
     assert stopped.stdout.startswith("stopped master, worker-1, worker-2")
     local_out, _ = known_report
-    for table in ("fleet", "per_minute", "refused_reasons", "latency_histogram"):
+    for table in ("fleet", "over_time", "refused_reasons", "latency_histogram"):
         assert read_table(tmp_path / "out", table).to_pylist() == read_table(local_out, table).to_pylist()
     assert by_clientid(tmp_path / "out") == by_clientid(local_out)

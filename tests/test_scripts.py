@@ -87,7 +87,7 @@ def break_by_a_failing_python(venv: Path) -> None:
     (venv / "bin" / "python").chmod(0o755)
 
 
-@pytest.mark.skipif(not all(map(shutil.which, ("mosquitto_pub", "ss", "curl"))) or java_major() < 17,
+@pytest.mark.skipif(not all(map(shutil.which, ("mosquitto_pub", "ss", "curl", "chromium"))) or java_major() < 17,
                     reason="scripts/setup would install Debian packages here")
 @pytest.mark.parametrize("breakage", [break_by_removing_pip, break_by_a_failing_python])
 def test_setup_rebuilds_a_broken_venv_then_does_nothing(tmp_path, breakage):

@@ -55,7 +55,7 @@ VERBOSE = click.option("-v", "--verbose", is_flag=True, help="show Spark's own l
               help="where the Parquet tables and report.html go (replaced)")
 @VERBOSE
 def report(lake: Path, master: str, out: Path, verbose: bool) -> None:
-    """Per-consumer backlog, latency, redeliveries and compaction; per-minute traffic; fleet summary.
+    """Per-consumer backlog, delivery and end-to-end latency, redeliveries, compaction; traffic; fleet summary.
 
     Writes the tables as Parquet under OUT, renders OUT/report.html and prints a summary.
     """

@@ -1,8 +1,9 @@
 """The report as one self-contained HTML page: inline SVG charts drawn by matplotlib
 (glyphs as paths, so no font, script, stylesheet or image is fetched), and the main tables.
 
-Charts: delivery latency distribution (acks per latency bucket, log scale, with p50/p95/p99 marked),
-fleet backlog over time, and writes/deliveries/acks per minute.
+Charts: delivery latency (sent to ack) and end-to-end latency (append to ack) distributions (acks per
+latency bucket on the same log-scale axis, each with its p50/p95/p99 marked), fleet backlog over time,
+and writes/deliveries/acks per time bucket (the over_time table's ``bucket_s``, named in the headings).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import matplotlib.dates as mdates  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-MAX_POINTS = 2_000  # per-minute series longer than this are merged into coarser steps for the charts
+MAX_POINTS = 2_000  # over_time series longer than this are merged into coarser steps for the charts
 TABLE_ROWS = 50
 plt.rcParams.update({"svg.fonttype": "path", "font.size": 9, "axes.spines.top": False, "axes.spines.right": False})
 
@@ -40,21 +41,26 @@ svg { max-width: 100%; height: auto; }
 """
 
 
-def render_html(fleet: dict[str, Any], consumers: Sequence[dict[str, Any]], per_minute: Sequence[dict[str, Any]],
+def render_html(fleet: dict[str, Any], consumers: Sequence[dict[str, Any]], over_time: Sequence[dict[str, Any]],
                 histogram: Sequence[dict[str, Any]], refused: Sequence[dict[str, Any]], source: str) -> str:
     """The page for one report: ``fleet`` (the fleet row), ``consumers`` (the rows to list, e.g. the top
-    by backlog), ``per_minute``, ``histogram`` (latency_histogram rows) and ``refused`` (refused_reasons
+    by backlog), ``over_time``, ``histogram`` (latency_histogram rows) and ``refused`` (refused_reasons
     rows), as dicts with the columns of ecq.pipeline.report.Report; ``source`` names the lake."""
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    series, seconds = _coarsen(over_time)
+    step = _duration(seconds)
     sections = [
         f"<h1>ECQ queue report</h1><p class=muted>Lake {html.escape(source)}; events from "
         f"{utc(fleet['first_event_ms'])} to {utc(fleet['last_event_ms'])}; generated {generated}. "
-        "Times in UTC, latencies from append to ack in ms.</p>",
+        "Times in UTC, latencies in ms.</p>",
         _cards(fleet),
-        "<h2>Delivery latency (append to ack)</h2>", _latency_chart(histogram, fleet),
-        "<h2>Backlog over time</h2><p class=muted>Messages appended and not yet acked, expired or compacted "
-        "away, at the end of each step.</p>", _backlog_chart(per_minute),
-        "<h2>Traffic</h2>", _traffic_chart(per_minute),
+        "<h2>Delivery latency (sent to ack)</h2><p class=muted>From the send that was acked to its ack: what "
+        "the consumer and the network took.</p>", _latency_chart(histogram, fleet, "delivery", "sent to ack"),
+        "<h2>End-to-end latency (append to ack)</h2><p class=muted>From the write to its ack, including any "
+        "time the consumer was offline.</p>", _latency_chart(histogram, fleet, "end_to_end", "append to ack"),
+        f"<h2>Backlog over time (per {step})</h2><p class=muted>Messages appended and not yet acked, expired "
+        f"or compacted away, at the end of each {step}.</p>", _backlog_chart(series, seconds),
+        f"<h2>Traffic per {step}</h2>", _traffic_chart(series, seconds),
         f"<h2>Consumers (top {min(len(consumers), TABLE_ROWS)} by backlog)</h2>", _consumer_table(consumers),
         "<h2>Refused writes</h2>", _refused_table(refused),
     ]
@@ -79,8 +85,9 @@ def write_html(page: str, path: Path) -> Path:
 def _cards(fleet: dict[str, Any]) -> str:
     ratio = fleet["compaction_ratio"]
     cards = [("backlog", fleet["backlog"], f"{fleet['consumers_with_backlog']} of {fleet['consumers']} consumers"),
-             ("latency p50", _ms(fleet["latency_p50_ms"]), "append to ack"),
-             ("latency p99", _ms(fleet["latency_p99_ms"]), f"p95 {_ms(fleet['latency_p95_ms'])}"),
+             ("delivery p99", _ms(fleet["delivery_p99_ms"]), f"sent to ack; p50 {_ms(fleet['delivery_p50_ms'])}"),
+             ("end-to-end p99", _ms(fleet["end_to_end_p99_ms"]),
+              f"append to ack; p50 {_ms(fleet['end_to_end_p50_ms'])}"),
              ("writes", fleet["appended"], f"compaction ratio {'-' if ratio is None else f'{ratio:.2f}'}"),
              ("deliveries", fleet["delivered"], f"{fleet['redeliveries']} redeliveries"),
              ("acks", fleet["acked"], f"{fleet['expired']} expired, {fleet['refused']} refused")]
@@ -101,18 +108,19 @@ def _svg(fig: plt.Figure) -> str:
     return text[text.index("<svg"):]  # drop the XML prolog and DOCTYPE: inline SVG needs neither
 
 
-def _latency_chart(histogram: Sequence[dict[str, Any]], fleet: dict[str, Any]) -> str:
-    if not histogram:
-        return "<p class=muted>No acks in the lake yet.</p>"
+def _latency_chart(histogram: Sequence[dict[str, Any]], fleet: dict[str, Any], name: str, measured: str) -> str:
+    """Acks per bucket of the ``name`` latency (``delivery`` or ``end_to_end``), percentiles marked."""
+    if not any(h[f"{name}_acks"] for h in histogram):
+        return "<p class=muted>No acks with this latency in the lake yet.</p>"
     fig, ax = plt.subplots(figsize=(9, 3.2))
     positions = [h["bucket"] for h in histogram]
-    ax.bar(positions, [h["acks"] for h in histogram], width=0.9, align="edge", color="#4c78a8")
+    ax.bar(positions, [h[f"{name}_acks"] for h in histogram], width=0.9, align="edge", color="#4c78a8")
     ax.set_xticks(positions, [f"{h['lower_ms']}" for h in histogram], rotation=45, ha="right")
-    ax.set_xlabel("latency from append to ack, ms (bucket lower bound, log scale)")
+    ax.set_xlabel(f"latency from {measured}, ms (bucket lower bound, log scale)")
     ax.set_ylabel("acks")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     for label, colour, style in (("p50", "#54a24b", "--"), ("p95", "#f58518", "-."), ("p99", "#e45756", ":")):
-        value = fleet[f"latency_{label}_ms"]
+        value = fleet[f"{name}_{label}_ms"]
         if value is not None:
             ax.axvline(_bucket_position(value, histogram), color=colour, linestyle=style, linewidth=1.5,
                        label=f"{label} {value} ms")
@@ -128,66 +136,76 @@ def _bucket_position(latency_ms: float, histogram: Sequence[dict[str, Any]]) -> 
     return histogram[-1]["bucket"] + 1.0
 
 
-def _coarsen(per_minute: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    """Merge runs of minutes so that at most MAX_POINTS remain: counts are summed per run, the backlog is
-    the one at the end of the run, the time the start of the run. Returns (rows, minutes per row)."""
-    step = max(1, -(-len(per_minute) // MAX_POINTS))
+def _coarsen(over_time: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """Merge runs of time buckets so that at most MAX_POINTS remain: counts are summed per run, the backlog
+    is the one at the end of the run, the time the start of the run. Returns (rows, seconds per row)."""
+    if not over_time:
+        return [], 1
+    step = max(1, -(-len(over_time) // MAX_POINTS))
     merged = []
-    for start in range(0, len(per_minute), step):
-        run = per_minute[start:start + step]
-        merged.append({"minute_ms": run[0]["minute_ms"], "backlog": run[-1]["backlog"],
+    for start in range(0, len(over_time), step):
+        run = over_time[start:start + step]
+        merged.append({"start_ms": run[0]["start_ms"], "backlog": run[-1]["backlog"],
                        **{k: sum(r[k] for r in run) for k in ("writes", "deliveries", "acks")}})
-    return merged, step
+    return merged, step * over_time[0]["bucket_s"]
 
 
-def _steps(series: Sequence[dict[str, Any]], column: str, minutes_per_step: int) -> tuple[list[datetime], list[Any]]:
+def _duration(seconds: int) -> str:
+    """``second``, ``minute``, ``hour`` for one of them, else ``2 seconds``, ``15 minutes``, ..."""
+    for unit, size in (("hour", 3600), ("minute", 60)):
+        if seconds % size == 0:
+            count = seconds // size
+            return unit if count == 1 else f"{count} {unit}s"
+    return "second" if seconds == 1 else f"{seconds} seconds"
+
+
+def _steps(series: Sequence[dict[str, Any]], column: str, seconds_per_step: int) -> tuple[list[datetime], list[Any]]:
     """(times, values) for a post-step line, with one more point so that the last step has its width too."""
-    times = [datetime.fromtimestamp(r["minute_ms"] / 1000, UTC) for r in series]
+    times = [datetime.fromtimestamp(r["start_ms"] / 1000, UTC) for r in series]
     values = [r[column] for r in series]
     if times:
-        times.append(times[-1] + timedelta(minutes=minutes_per_step))
+        times.append(times[-1] + timedelta(seconds=seconds_per_step))
         values.append(values[-1])
     return times, values
 
 
-def _time_axis(ax: plt.Axes) -> None:
+def _time_axis(ax: plt.Axes, seconds_per_step: int) -> None:
     locator = mdates.AutoDateLocator()
     ax.xaxis.set_major_locator(locator)
     ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, tz=UTC))
-    ax.set_xlabel("time (UTC)")
+    ax.set_xlabel(f"time (UTC), one step per {_duration(seconds_per_step)}")
 
 
-def _backlog_chart(per_minute: Sequence[dict[str, Any]]) -> str:
-    series, minutes = _coarsen(per_minute)
-    times, backlog = _steps(series, "backlog", minutes)
+def _backlog_chart(series: Sequence[dict[str, Any]], seconds: int) -> str:
+    times, backlog = _steps(series, "backlog", seconds)
     fig, ax = plt.subplots(figsize=(9, 3))
     ax.step(times, backlog, where="post", color="#e45756")
     ax.fill_between(times, backlog, step="post", alpha=0.15, color="#e45756")
     ax.set_ylabel("messages in backlog")
     ax.set_ylim(bottom=0)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    _time_axis(ax)
+    _time_axis(ax, seconds)
     return _svg(fig)
 
 
-def _traffic_chart(per_minute: Sequence[dict[str, Any]]) -> str:
-    series, minutes = _coarsen(per_minute)
+def _traffic_chart(series: Sequence[dict[str, Any]], seconds: int) -> str:
     fig, ax = plt.subplots(figsize=(9, 3))
     for name, colour in (("writes", "#4c78a8"), ("deliveries", "#f58518"), ("acks", "#54a24b")):
-        ax.plot(*_steps(series, name, minutes), label=name, color=colour, drawstyle="steps-post")
-    ax.set_ylabel("per minute" if minutes == 1 else f"per {minutes} minutes")
+        ax.plot(*_steps(series, name, seconds), label=name, color=colour, drawstyle="steps-post")
+    ax.set_ylabel(f"per {_duration(seconds)}")
     ax.set_ylim(bottom=0)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    _time_axis(ax)
+    _time_axis(ax, seconds)
     return _svg(fig)
 
 
 _CONSUMER_COLUMNS = (("clientid", "clientid"), ("backlog", "backlog"), ("appended", "writes"),
                      ("compaction_ratio", "compaction"), ("delivered", "deliveries"),
                      ("redeliveries", "redeliveries"), ("acked", "acks"), ("expired", "expired"),
-                     ("refused", "refused"), ("latency_p50_ms", "p50 ms"), ("latency_p95_ms", "p95 ms"),
-                     ("latency_p99_ms", "p99 ms"), ("last_event_ms", "last event"))
+                     ("refused", "refused"), ("delivery_p50_ms", "delivery p50 ms"),
+                     ("delivery_p99_ms", "delivery p99 ms"), ("end_to_end_p50_ms", "end-to-end p50 ms"),
+                     ("end_to_end_p99_ms", "end-to-end p99 ms"), ("last_event_ms", "last event"))
 
 
 def _cell(column: str, value: Any) -> str:

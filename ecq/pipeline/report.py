@@ -6,15 +6,23 @@ Definitions (times in ms since the epoch, latencies in ms, per clientid = per co
   compaction (the ``replaced_seqno`` of a ``compacted`` event). Only what the lake saw counts: a message
   appended before events were recorded, or whose event was dropped by the buffer, is not in the backlog.
 - acks: the first ``acked`` event of each (clientid, seqno); a repeated ack is not counted again.
-- delivery latency: ``ack ts_ms - publish_ts_ms`` over those acks; p50/p95/p99 come from Spark's
-  ``percentile_approx`` with accuracy 10,000 (rank error at most 1/10,000 of the count; each is a
-  latency that occurred), max is exact.
+- delivery latency (``delivery_*_ms``): from the send that was acked to the ack: ``ack ts_ms`` minus the
+  ``ts_ms`` of the last ``delivered`` event of the same (clientid, seqno) at or before the ack. What the
+  consumer and the network took; null for an ack whose send the lake did not see.
+- end-to-end latency (``end_to_end_*_ms``): from the append to the ack, ``ack ts_ms - publish_ts_ms``,
+  including any time the consumer was offline or the message waited behind others.
+- p50/p95/p99 come from Spark's ``percentile_approx`` with accuracy 10,000 (rank error at most 1/10,000
+  of the count; each is a latency that occurred); max is exact.
+- latency histogram: integer bucket edges 0, 1, 2, 5, 10, 20, 50, 100, ... ms (1-2-5 per decade, up to
+  10^12 ms); a latency L is in the bucket with lower_ms <= L < upper_ms (negative ones count as 0).
 - redeliveries: ``delivered`` events with ``attempt >= 2``.
 - compaction ratio: ``compacted / appended``, the share of writes that replaced an older value.
-- per minute (UTC minutes, every minute from the first event to the last): writes (``appended``),
-  deliveries (all attempts), acks, and the fleet backlog at the end of the minute.
+- over time: every time bucket (UTC-aligned) from the first event to the last: writes (``appended``),
+  deliveries (all attempts), acks, and the fleet backlog at the end of the bucket. The bucket is the finest
+  of 1 s, 1 min and 1 h that gives at most 1,800 buckets (`time_bucket_s`): seconds for up to about 30
+  minutes of data, minutes for up to about 30 hours, hours beyond.
 
-Output tables under ``--out`` (Parquet, one directory each): consumers, per_minute, fleet (one row),
+Output tables under ``--out`` (Parquet, one directory each): consumers, over_time, fleet (one row),
 refused_reasons, latency_histogram; plus report.html (ecq.pipeline.render).
 """
 
@@ -35,8 +43,12 @@ from ecq.pipeline.spark import SPARK_ERRORS, check_lake, read_events, spark_erro
 
 PERCENTILES = (0.5, 0.95, 0.99)
 PERCENTILE_ACCURACY = 10_000
-MS_PER_MINUTE = 60_000
-HISTOGRAM_BUCKETS_PER_DECADE = 4  # latency histogram: 4 buckets per power of ten (1, 1.8, 3.2, 5.6, 10 ...)
+LATENCIES = {"delivery": "delivery_ms", "end_to_end": "end_to_end_ms"}  # column prefix -> per-ack column
+LATENCY_COLUMNS = tuple(f"{name}_{stat}_ms" for name in LATENCIES
+                        for stat in [f"p{round(p * 100)}" for p in PERCENTILES] + ["max"])
+LATENCY_EDGES_MS = (0, *(m * 10**e for e in range(12) for m in (1, 2, 5)), 10**12)  # 0, 1, 2, 5, 10, 20, ...
+TIME_BUCKETS_S = (1, 60, 3600)
+MAX_TIME_BUCKETS = 1_800
 HTML_NAME = "report.html"
 
 
@@ -45,17 +57,21 @@ class Report:
     """The report's tables (Spark DataFrames computed from the cached ``events``; call `unpersist` when done).
 
     - consumers: clientid, appended, compacted, compaction_ratio, delivered, redeliveries, acked, expired,
-      refused, backlog, latency_p50_ms, latency_p95_ms, latency_p99_ms, latency_max_ms, first_event_ms,
+      refused, backlog, delivery_{p50,p95,p99,max}_ms, end_to_end_{p50,p95,p99,max}_ms, first_event_ms,
       last_event_ms. One row per clientid seen in any event (refused writes included).
-    - per_minute: minute_ms, writes, deliveries, acks, backlog.
+    - over_time: start_ms (UTC-aligned start of the bucket), bucket_s (its length in seconds, the same in
+      every row, see `time_bucket_s`), writes, deliveries, acks, backlog (at the end of the bucket).
     - fleet: one row: consumers, consumers_with_backlog, events, appended, compacted, compaction_ratio,
-      delivered, redeliveries, acked, expired, refused, backlog, latency_*_ms, first_event_ms, last_event_ms.
+      delivered, redeliveries, acked, expired, refused, backlog, delivery_*_ms, end_to_end_*_ms,
+      first_event_ms, last_event_ms.
     - refused_reasons: reason, refused.
-    - latency_histogram: bucket, lower_ms, upper_ms, acks (latencies in [lower_ms, upper_ms)).
+    - latency_histogram: bucket (index into LATENCY_EDGES_MS), lower_ms, upper_ms, delivery_acks,
+      end_to_end_acks (acks whose latency L has lower_ms <= L < upper_ms); every bucket from the lowest to
+      the highest one holding an ack of either kind, empty ones with 0.
     """
 
     consumers: DataFrame
-    per_minute: DataFrame
+    over_time: DataFrame
     fleet: DataFrame
     refused_reasons: DataFrame
     latency_histogram: DataFrame
@@ -63,7 +79,7 @@ class Report:
 
     def tables(self) -> dict[str, DataFrame]:
         """Table name -> DataFrame, in output order."""
-        return {"consumers": self.consumers, "per_minute": self.per_minute, "fleet": self.fleet,
+        return {"consumers": self.consumers, "over_time": self.over_time, "fleet": self.fleet,
                 "refused_reasons": self.refused_reasons, "latency_histogram": self.latency_histogram}
 
     def unpersist(self) -> None:
@@ -72,20 +88,38 @@ class Report:
 
 
 def compute_report(events: DataFrame) -> Report:
-    """All report tables from ``events`` (the columns of ecq.events.schema.SCHEMA, e.g. from read_events)."""
+    """All report tables from ``events`` (the columns of ecq.events.schema.SCHEMA, e.g. from read_events).
+
+    Runs one Spark job at once (the time span of the events, to choose the over_time bucket); the tables
+    are computed when read.
+    """
     events = events.cache()
+    first_ms, last_ms = events.agg(F.min("ts_ms"), F.max("ts_ms")).first()
     lifetimes = _lifetimes(events)
-    acks = _first_acks(events)
+    acks = _acks(events)
     consumers = _consumers(events, lifetimes, acks)
     return Report(
         consumers=consumers,
-        per_minute=_per_minute(events, lifetimes, acks),
+        over_time=_over_time(events, lifetimes, acks, time_bucket_s(first_ms, last_ms)),
         fleet=_fleet(events, consumers, acks),
         refused_reasons=(events.where(_is("refused")).groupBy("reason").agg(F.count("*").alias("refused"))
                          .orderBy(F.desc("refused"), "reason")),
         latency_histogram=_latency_histogram(acks),
         events=events,
     )
+
+
+def time_bucket_s(first_ms: int | None, last_ms: int | None) -> int:
+    """The over_time bucket length in seconds for events from ``first_ms`` to ``last_ms`` (ms since the
+    epoch): the first of TIME_BUCKETS_S (1 s, 1 min, 1 h) giving at most MAX_TIME_BUCKETS (1,800) UTC-aligned
+    buckets, else 1 h. So 2 minutes of data get seconds, 3 hours minutes, 3 days hours. 1 s without events."""
+    if first_ms is None or last_ms is None:
+        return TIME_BUCKETS_S[0]
+    for bucket_s in TIME_BUCKETS_S:
+        bucket_ms = bucket_s * 1000
+        if last_ms // bucket_ms - first_ms // bucket_ms + 1 <= MAX_TIME_BUCKETS:
+            return bucket_s
+    return TIME_BUCKETS_S[-1]
 
 
 def _is(event_type: str) -> Column:
@@ -106,21 +140,33 @@ def _lifetimes(events: DataFrame) -> DataFrame:
     return appended.join(removed, ["clientid", "seqno"], "left")
 
 
-def _first_acks(events: DataFrame) -> DataFrame:
-    """(clientid, seqno, ack_ms, latency_ms) for the first ack of each message."""
-    return (events.where(_is("acked")).groupBy("clientid", "seqno")
-            .agg(F.min("ts_ms").alias("ack_ms"), F.min("publish_ts_ms").alias("publish_ts_ms"))
-            .select("clientid", "seqno", "ack_ms", (F.col("ack_ms") - F.col("publish_ts_ms")).alias("latency_ms")))
+def _acks(events: DataFrame) -> DataFrame:
+    """(clientid, seqno, ack_ms, delivery_ms, end_to_end_ms) for the first ack of each message; delivery_ms
+    is null when no send of it at or before the ack is in the lake."""
+    first = (events.where(_is("acked")).groupBy("clientid", "seqno")
+             .agg(F.min("ts_ms").alias("ack_ms"), F.min("publish_ts_ms").alias("publish_ts_ms")))
+    sends = events.where(_is("delivered")).select("clientid", "seqno", F.col("ts_ms").alias("sent_ms"))
+    acked_send = (first.join(sends, ["clientid", "seqno"]).where(F.col("sent_ms") <= F.col("ack_ms"))
+                  .groupBy("clientid", "seqno").agg(F.max("sent_ms").alias("sent_ms")))
+    return (first.join(acked_send, ["clientid", "seqno"], "left")
+            .select("clientid", "seqno", "ack_ms", (F.col("ack_ms") - F.col("sent_ms")).alias("delivery_ms"),
+                    (F.col("ack_ms") - F.col("publish_ts_ms")).alias("end_to_end_ms")))
 
 
 def _latency_aggregates() -> list[Column]:
-    return [F.percentile_approx("latency_ms", list(PERCENTILES), PERCENTILE_ACCURACY).alias("_p"),
-            F.max("latency_ms").alias("latency_max_ms")]
+    aggregates = []
+    for name, column in LATENCIES.items():
+        aggregates += [F.percentile_approx(column, list(PERCENTILES), PERCENTILE_ACCURACY).alias(f"_{name}_p"),
+                       F.max(column).alias(f"{name}_max_ms")]
+    return aggregates
 
 
 def _latency_columns() -> list[Column]:
-    names = [f"latency_p{round(p * 100)}_ms" for p in PERCENTILES]
-    return [F.col("_p")[i].alias(name) for i, name in enumerate(names)] + [F.col("latency_max_ms")]
+    columns = []
+    for name in LATENCIES:
+        columns += [F.col(f"_{name}_p")[i].alias(f"{name}_p{round(p * 100)}_ms") for i, p in enumerate(PERCENTILES)]
+        columns.append(F.col(f"{name}_max_ms"))
+    return columns
 
 
 def _consumers(events: DataFrame, lifetimes: DataFrame, acks: DataFrame) -> DataFrame:
@@ -140,26 +186,24 @@ def _consumers(events: DataFrame, lifetimes: DataFrame, acks: DataFrame) -> Data
             .fillna(0, ["backlog", "acked"])
             .withColumn("compaction_ratio", _ratio("compacted", "appended"))
             .select("clientid", "appended", "compacted", "compaction_ratio", "delivered", "redeliveries", "acked",
-                    "expired", "refused", "backlog", "latency_p50_ms", "latency_p95_ms", "latency_p99_ms",
-                    "latency_max_ms", "first_event_ms", "last_event_ms"))
+                    "expired", "refused", "backlog", *LATENCY_COLUMNS, "first_event_ms", "last_event_ms"))
 
 
 def _ratio(numerator: str, denominator: str) -> Column:
     return F.when(F.col(denominator) > 0, F.col(numerator) / F.col(denominator))
 
 
-def _minute(ts: str | Column) -> Column:
-    """The start of the UTC minute of ``ts`` (ms), named minute_ms."""
-    ts = F.col(ts) if isinstance(ts, str) else ts
-    return (F.floor(ts / MS_PER_MINUTE) * MS_PER_MINUTE).cast("long").alias("minute_ms")
-
-
-def _per_minute(events: DataFrame, lifetimes: DataFrame, acks: DataFrame) -> DataFrame:
+def _over_time(events: DataFrame, lifetimes: DataFrame, acks: DataFrame, bucket_s: int) -> DataFrame:
     measures = ("writes", "deliveries", "acks", "backlog_delta")
+    bucket_ms = bucket_s * 1000
+
+    def start(ts: Column) -> Column:
+        return (F.floor(ts / bucket_ms) * bucket_ms).cast("long").alias("start_ms")
 
     def counted(frame: DataFrame, ts: str, measure: str, sign: int = 1) -> DataFrame:
         zeros = [F.lit(0).cast("long").alias(m) for m in measures if m != measure]
-        return frame.select(_minute(ts), F.lit(sign).cast("long").alias(measure), *zeros).select("minute_ms", *measures)
+        return frame.select(start(F.col(ts)), F.lit(sign).cast("long").alias(measure), *zeros).select(
+            "start_ms", *measures)
 
     parts = [counted(events.where(_is("appended")), "ts_ms", "writes"),
              counted(events.where(_is("delivered")), "ts_ms", "deliveries"),
@@ -169,14 +213,14 @@ def _per_minute(events: DataFrame, lifetimes: DataFrame, acks: DataFrame) -> Dat
     combined = parts[0]
     for part in parts[1:]:
         combined = combined.unionByName(part)
-    sums = combined.groupBy("minute_ms").agg(*(F.sum(m).alias(m) for m in measures))
-    every_minute = (events.agg(_minute(F.min("ts_ms")).alias("lo"), _minute(F.max("ts_ms")).alias("hi"))
-                    .select(F.explode(F.sequence("lo", "hi", F.lit(MS_PER_MINUTE).cast("long"))).alias("minute_ms")))
-    running = Window.orderBy("minute_ms").rowsBetween(Window.unboundedPreceding, Window.currentRow)
-    return (every_minute.join(sums, "minute_ms", "left").fillna(0, list(measures))
+    sums = combined.groupBy("start_ms").agg(*(F.sum(m).alias(m) for m in measures))
+    every_bucket = (events.agg(start(F.min("ts_ms")).alias("lo"), start(F.max("ts_ms")).alias("hi"))
+                    .select(F.explode(F.sequence("lo", "hi", F.lit(bucket_ms).cast("long"))).alias("start_ms")))
+    running = Window.orderBy("start_ms").rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    return (every_bucket.join(sums, "start_ms", "left").fillna(0, list(measures))
             .withColumn("backlog", F.sum("backlog_delta").over(running))
-            .select("minute_ms", "writes", "deliveries", "acks", "backlog")
-            .orderBy("minute_ms"))
+            .select("start_ms", F.lit(bucket_s).alias("bucket_s"), "writes", "deliveries", "acks", "backlog")
+            .orderBy("start_ms"))
 
 
 def _fleet(events: DataFrame, consumers: DataFrame, acks: DataFrame) -> DataFrame:
@@ -191,21 +235,29 @@ def _fleet(events: DataFrame, consumers: DataFrame, acks: DataFrame) -> DataFram
     return (sums.crossJoin(totals).crossJoin(latency)
             .withColumn("compaction_ratio", _ratio("compacted", "appended"))
             .select("consumers", "consumers_with_backlog", "events", "appended", "compacted", "compaction_ratio",
-                    "delivered", "redeliveries", "acked", "expired", "refused", "backlog", "latency_p50_ms",
-                    "latency_p95_ms", "latency_p99_ms", "latency_max_ms", "first_event_ms", "last_event_ms"))
+                    "delivered", "redeliveries", "acked", "expired", "refused", "backlog", *LATENCY_COLUMNS,
+                    "first_event_ms", "last_event_ms"))
 
 
 def _latency_histogram(acks: DataFrame) -> DataFrame:
-    """Acks per latency bucket; bucket b holds latencies L with floor(log10(L + 1) * 4) == b."""
-    per_decade = float(HISTOGRAM_BUCKETS_PER_DECADE)
-    bucket = F.floor(F.log10(F.greatest(F.col("latency_ms"), F.lit(0)) + 1) * per_decade).cast("int")
+    """Acks per latency bucket of LATENCY_EDGES_MS, both kinds; the bucket index is found by comparing
+    integers with the edges (no logarithm, so 10 ms is in the bucket starting at 10, not 9)."""
+    edges = F.array(*(F.lit(edge).cast("long") for edge in LATENCY_EDGES_MS))
 
-    def edge(b: Column) -> Column:
-        return F.ceil(F.pow(F.lit(10.0), b / per_decade) - 1).cast("long")
+    def bucket(column: str) -> Column:
+        latency = F.least(F.greatest(F.col(column), F.lit(0)), F.lit(LATENCY_EDGES_MS[-1] - 1))
+        return (F.size(F.filter(edges, lambda edge: edge <= latency)) - 1).alias("bucket")
 
-    return (acks.groupBy(bucket.alias("bucket")).agg(F.count("*").alias("acks"))
-            .select("bucket", edge(F.col("bucket")).alias("lower_ms"), edge(F.col("bucket") + 1).alias("upper_ms"),
-                    "acks")
+    kinds = [f"{name}_acks" for name in LATENCIES]
+    per_kind = [acks.where(F.col(column).isNotNull())
+                .select(bucket(column), *(F.lit(int(kind == mine)).alias(kind) for kind in kinds))
+                for mine, column in zip(kinds, LATENCIES.values(), strict=True)]
+    counts = per_kind[0].unionByName(per_kind[1]).groupBy("bucket").agg(*(F.sum(k).cast("long").alias(k)
+                                                                          for k in kinds))
+    every_bucket = counts.agg(F.explode(F.sequence(F.min("bucket"), F.max("bucket"))).alias("bucket"))
+    return (every_bucket.join(counts, "bucket", "left").fillna(0, kinds)
+            .select("bucket", F.element_at(edges, F.col("bucket") + 1).alias("lower_ms"),
+                    F.element_at(edges, F.col("bucket") + 2).alias("upper_ms"), *kinds)
             .orderBy("bucket"))
 
 
@@ -232,17 +284,15 @@ def read_table(out: Path, name: str) -> pa.Table:
 
 
 def top_consumers(out: Path, limit: int) -> list[dict[str, Any]]:
-    """The ``limit`` consumers with the largest backlog (then the slowest p99, then by clientid), as dicts."""
+    """The ``limit`` consumers with the largest backlog (then the slowest end-to-end p99, then by
+    clientid), as dicts."""
     consumers = read_table(out, "consumers").sort_by(
-        [("backlog", "descending"), ("latency_p99_ms", "descending"), ("clientid", "ascending")])
+        [("backlog", "descending"), ("end_to_end_p99_ms", "descending"), ("clientid", "ascending")])
     return consumers.slice(0, limit).to_pylist()
 
 
 def summary(fleet: dict[str, Any], top_backlog: list[dict[str, Any]]) -> str:
     """A few lines for the terminal: volumes, backlog, latency, the consumers with the largest backlog."""
-    def ms(value: Any) -> str:
-        return "-" if value is None else f"{value} ms"
-
     ratio = "-" if fleet["compaction_ratio"] is None else f"{fleet['compaction_ratio']:.2f}"
     lines = [
         f"events {fleet['events']} from {utc(fleet['first_event_ms'])} to {utc(fleet['last_event_ms'])}",
@@ -251,13 +301,21 @@ def summary(fleet: dict[str, Any], top_backlog: list[dict[str, Any]]) -> str:
         f"writes {fleet['appended']}, compactions {fleet['compacted']} (ratio {ratio}), deliveries "
         f"{fleet['delivered']} ({fleet['redeliveries']} redeliveries), acks {fleet['acked']}, expired "
         f"{fleet['expired']}, refused {fleet['refused']}",
-        f"latency append->ack p50 {ms(fleet['latency_p50_ms'])}, p95 {ms(fleet['latency_p95_ms'])}, "
-        f"p99 {ms(fleet['latency_p99_ms'])}, max {ms(fleet['latency_max_ms'])}",
+        _latency_line("delivery latency (sent->ack)", "delivery", fleet),
+        _latency_line("end-to-end latency (append->ack, including time offline)", "end_to_end", fleet),
     ]
     backlogged = [c for c in top_backlog if c["backlog"]]
     if backlogged:
         lines.append("largest backlog: " + ", ".join(f"{c['clientid']} {c['backlog']}" for c in backlogged[:5]))
     return "\n".join(lines)
+
+
+def _latency_line(label: str, name: str, fleet: dict[str, Any]) -> str:
+    def ms(stat: str) -> str:
+        value = fleet[f"{name}_{stat}_ms"]
+        return "-" if value is None else f"{value} ms"
+
+    return f"{label} p50 {ms('p50')}, p95 {ms('p95')}, p99 {ms('p99')}, max {ms('max')}"
 
 
 def run_report(lake: Path, out: Path, master: str, verbose: bool = False) -> str:
@@ -281,7 +339,7 @@ def run_report(lake: Path, out: Path, master: str, verbose: bool = False) -> str
                 report.unpersist()
     fleet = read_table(out, "fleet").to_pylist()[0]
     top = top_consumers(out, TABLE_ROWS)
-    page = render_html(fleet, top, read_table(out, "per_minute").to_pylist(),
+    page = render_html(fleet, top, read_table(out, "over_time").to_pylist(),
                        read_table(out, "latency_histogram").to_pylist(),
                        read_table(out, "refused_reasons").to_pylist(), str(lake))
     html_path = write_html(page, out / HTML_NAME)
