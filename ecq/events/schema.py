@@ -27,7 +27,8 @@ reason         string ``refused``: ``not_a_write``, ``empty_key``, ``bad_key``, 
 topic          string ``refused`` only: the PUBLISH topic
 ============== ====== ==================================================================================
 
-Delivery latency from append to ack is ``acked.ts_ms - acked.publish_ts_ms`` (ms).
+End-to-end latency (append to ack, including time offline) is ``acked.ts_ms - acked.publish_ts_ms`` (ms); delivery
+latency (sent to ack) is the ack time minus the last ``delivered`` event of that seqno at or before it.
 """
 
 from __future__ import annotations
