@@ -66,6 +66,8 @@ def known_events() -> list[tuple[str, dict]]:
         if i < 2:
             events.append(("expired", dict(ts_ms=T + 150_000, clientid="gc", key=f"g{i}", seqno=i + 1,
                                            publish_ts_ms=ts, payload_bytes=30)))
+    events.append(("evicted", dict(ts_ms=T + 3 * MINUTE + 1000, clientid="gc", key="g2", seqno=3,
+                                   publish_ts_ms=T + 2 * MINUTE + 2000, payload_bytes=30, reason="quota")))
     events.append(("refused", dict(ts_ms=T + 30_000, clientid="fast", reason="bad_key", topic="$ECQ/w/fast/+")))
     events.append(("refused", dict(ts_ms=T + 90_000, clientid=None, reason="not_a_write", topic="$ECQ/x")))
     events.append(("acked", dict(ts_ms=T + 3 * MINUTE + 5000, clientid="fast", key="k2", seqno=3,
@@ -125,7 +127,7 @@ def test_report_per_consumer(known_report):
     assert (slow["appended"], slow["compacted"], slow["compaction_ratio"], slow["backlog"], slow["acked"]) == (
         5, 4, 0.8, 1, 0)
     assert slow["end_to_end_p50_ms"] is None and slow["delivery_p50_ms"] is None and slow["delivered"] == 0
-    assert (gc["appended"], gc["expired"], gc["backlog"]) == (3, 2, 1)
+    assert (gc["appended"], gc["expired"], gc["backlog"]) == (3, 2, 0)  # the third was evicted by a quota
     assert (fast["first_event_ms"], fast["last_event_ms"]) == (T, T + 3 * MINUTE + 5000)
 
 
@@ -136,11 +138,11 @@ def test_report_over_time_and_fleet(known_report):
     assert [r["start_ms"] for r in over_time] == list(range(T, T + 3 * MINUTE + 5001, 1000))  # quiet ones too
     minutes = [[r for r in over_time if (r["start_ms"] - T) // MINUTE == m] for m in range(4)]
     assert [(sum(r["writes"] for r in rows), sum(r["deliveries"] for r in rows), sum(r["acks"] for r in rows),
-             rows[-1]["backlog"]) for rows in minutes] == [(10, 11, 10, 0), (5, 0, 0, 1), (3, 0, 0, 2), (0, 0, 0, 2)]
+             rows[-1]["backlog"]) for rows in minutes] == [(10, 11, 10, 0), (5, 0, 0, 1), (3, 0, 0, 2), (0, 0, 0, 1)]
     (fleet,) = read_table(out, "fleet").to_pylist()
     assert fleet == dict(
-        consumers=3, consumers_with_backlog=2, events=len(known_events()), appended=18, compacted=4,
-        compaction_ratio=4 / 18, delivered=11, redeliveries=1, acked=10, expired=2, refused=2, backlog=2,
+        consumers=3, consumers_with_backlog=1, events=len(known_events()), appended=18, compacted=4,
+        compaction_ratio=4 / 18, delivered=11, redeliveries=1, acked=10, expired=2, refused=2, backlog=1,
         delivery_p50_ms=490, delivery_p95_ms=950, delivery_p99_ms=950, delivery_max_ms=950, end_to_end_p50_ms=500,
         end_to_end_p95_ms=1000, end_to_end_p99_ms=1000, end_to_end_max_ms=1000, first_event_ms=T,
         last_event_ms=T + 3 * MINUTE + 5000)
@@ -155,7 +157,7 @@ def test_report_over_time_and_fleet(known_report):
 
 def test_report_summary_and_self_contained_page(known_report):
     out, text = known_report
-    assert "backlog 2 messages" in text and "p50 500 ms" in text and "largest backlog: gc 1, slow 1" in text
+    assert "backlog 1 messages" in text and "p50 500 ms" in text and "largest backlog: slow 1" in text
     page = (out / "report.html").read_text()
     assert page.count("<svg") == 4  # delivery and end-to-end latency, backlog over time, traffic
     for external in ("<script", "<link", "<img", "src=", "@import"):
@@ -169,7 +171,7 @@ def test_report_cli_prints_the_summary(spark, known_lake, tmp_path):
     result = CliRunner().invoke(pipeline, ["report", "--lake", str(known_lake), "--out", str(tmp_path / "r"),
                                            "--master", "local[2]"])
     assert result.exit_code == 0, result.output
-    assert "consumers 3 (2 with backlog), backlog 2 messages" in result.output
+    assert "consumers 3 (1 with backlog), backlog 1 messages" in result.output
     assert (tmp_path / "r" / "report.html").is_file()
 
 

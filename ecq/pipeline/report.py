@@ -2,8 +2,8 @@
 
 Definitions (times in ms since the epoch, latencies in ms, per clientid = per consumer queue):
 
-- backlog: messages appended and not yet removed, where removed means acked, expired, or deleted by
-  compaction (the ``replaced_seqno`` of a ``compacted`` event). Only what the lake saw counts: a message
+- backlog: messages appended and not yet removed, where removed means acked, expired, evicted by a queue
+  quota, or deleted by compaction (the ``replaced_seqno`` of a ``compacted`` event). Only what the lake saw counts: a message
   appended before events were recorded, or whose event was dropped by the buffer, is not in the backlog.
 - acks: the first ``acked`` event of each (clientid, seqno); a repeated ack is not counted again.
 - delivery latency (``delivery_*_ms``): from the send that was acked to the ack: ``ack ts_ms`` minus the
@@ -133,7 +133,7 @@ def _count_if(condition: Column) -> Column:
 def _lifetimes(events: DataFrame) -> DataFrame:
     """(clientid, seqno, appended_ms, removed_ms) per appended message; removed_ms null while queued."""
     appended = events.where(_is("appended")).groupBy("clientid", "seqno").agg(F.min("ts_ms").alias("appended_ms"))
-    removals = (events.where(_is("acked") | _is("expired")).select("clientid", "seqno", "ts_ms")
+    removals = (events.where(_is("acked") | _is("expired") | _is("evicted")).select("clientid", "seqno", "ts_ms")
                 .unionByName(events.where(_is("compacted"))
                              .select("clientid", F.col("replaced_seqno").alias("seqno"), "ts_ms")))
     removed = removals.groupBy("clientid", "seqno").agg(F.min("ts_ms").alias("removed_ms"))
