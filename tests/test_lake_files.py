@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from ecq.broker.observers import lake_file_bytes
 from ecq.config import EcqSettings
 from ecq.events import EventRecorder, LakeExporter
-from tests.test_events import lake_keys, record_appends, wait_for
+from tests.test_events import lake_keys, wait_for
 
 T_MID_HOUR = 1_767_227_400_000  # 2026-01-01T00:30:00Z: a few minutes of events stay in one hour partition
 

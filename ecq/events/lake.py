@@ -115,6 +115,15 @@ def _make_dir(path: Path) -> None:
     fsync_dir(path.parent)
 
 
+def part_position(name: str) -> tuple[str, AckRef] | None:
+    """(stream id, ReplayQ position of the batch's last event) of a lake file named
+    ``part-<stream>-<segno>-<id>.parquet``; None for any other name (temporary and compacted files)."""
+    match = _PART_NAME.fullmatch(name)
+    if not match or name.startswith(".") or match.group(4):
+        return None
+    return match.group(1), AckRef(int(match.group(2)), int(match.group(3)))
+
+
 def remove_unacked_files(lake_dir: Path, stream_id: str, committed: AckRef) -> list[Path]:
     """Delete the lake files of stream ``stream_id`` whose batch ends after ``committed`` (they were
     renamed but never acked, so their events will be exported again), and its leftover temp files.

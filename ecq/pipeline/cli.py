@@ -1,10 +1,12 @@
 """``ecq pipeline``: the PySpark jobs (added to the ``ecq`` command by ecq/cli.py).
 
 - ``ecq pipeline report --lake DIR [--master URL] [--out DIR]``: tables and an HTML page about the queues.
+- ``ecq pipeline compact --lake DIR [--hour YYYY-MM-DD/HH | --before YYYY-MM-DD/HH]``: merge the
+  files of each finished hour partition into one.
 - ``ecq pipeline load --input PATH --format parquet|csv|json --broker HOST:PORT [--master URL]``: publish
   rows as ECQ writes.
 
-Both run on ``local[*]`` by default; pass ``--master spark://HOST:PORT`` for a standalone cluster.
+All run on ``local[*]`` by default; pass ``--master spark://HOST:PORT`` for a standalone cluster.
 Exit codes: 0 ok; 1 the job failed or found bad data (no Java, no events, unreadable or malformed input,
 rows that could not be published), with one line saying why; 2 usage error (missing option, a path that
 does not exist, bad HOST:PORT) or the ``pipeline`` extra (PySpark, matplotlib) is not installed.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 
 import click
@@ -67,6 +70,41 @@ def report(lake: Path, master: str, out: Path, verbose: bool) -> None:
     except PipelineError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(text)
+
+
+def _hour(_ctx: click.Context, _param: click.Parameter, value: str | None) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        return datetime.strptime(value, "%Y-%m-%d/%H").replace(tzinfo=UTC)
+    except ValueError as exc:
+        raise click.BadParameter(f"{value!r} is not YYYY-MM-DD/HH (UTC), e.g. 2026-01-31/07") from exc
+
+
+@pipeline.command()
+@click.option("--lake", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="event lake written by the broker (its lake_dir, default <data_dir>/lake)")
+@click.option("--hour", callback=_hour, help="compact this hour only, YYYY-MM-DD/HH (UTC); it must have ended "
+              "at least an hour ago")
+@click.option("--before", callback=_hour, help="compact every hour that ended by YYYY-MM-DD/HH (UTC) "
+              "[default: an hour ago, also the latest allowed]")
+@MASTER
+@VERBOSE
+def compact(lake: Path, hour: datetime | None, before: datetime | None, master: str, verbose: bool) -> None:
+    """Merge the files of each finished hour partition into one Parquet file, exactly once.
+
+    A re-run after a crash first finishes or undoes the interrupted compaction. Readers never see a row
+    twice; during a compaction they may briefly miss some rows of that hour.
+    """
+    if hour is not None and before is not None:
+        raise click.UsageError("give --hour or --before, not both")
+    with pipeline_extra():
+        from ecq.pipeline.compact import compact_lake
+
+    try:
+        compact_lake(lake, master, hour=hour, before=before, verbose=verbose, echo=click.echo)
+    except (PipelineError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 def _host_port(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[str, int]:
