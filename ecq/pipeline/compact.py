@@ -174,10 +174,10 @@ def write_output(spark: SparkSession, lake: Path, plan: Plan) -> None:
     PipelineError when Spark fails or the file does not hold exactly the inputs' rows (nothing is
     committed then: the next run undoes it)."""
     spark_dir = plan.spark_dir(lake)
-    uris = [(plan.hour_dir / name).resolve().as_uri() for name in plan.inputs]
+    uris = [f"file://{(plan.hour_dir / name).resolve()}" for name in plan.inputs]  # as_uri() would quote '=' 
     try:
         (spark.read.schema(EVENTS_DDL).parquet(*uris).select(*COLUMNS).coalesce(1).sortWithinPartitions("ts_ms")
-         .write.option("compression", "zstd").mode("overwrite").parquet(spark_dir.resolve().as_uri()))
+         .write.option("compression", "zstd").mode("overwrite").parquet(f"file://{spark_dir.resolve()}"))
     except SPARK_ERRORS as exc:
         raise PipelineError(f"compaction of {plan.describe()} failed in Spark: {spark_error_message(exc)}") from exc
     written = sorted(spark_dir.glob("part-*.parquet"))
@@ -254,4 +254,5 @@ def compact_lake(lake: Path, master: str, *, hour: datetime | None = None, befor
         with spark_session(master, "ecq-pipeline-compact", verbose) as spark:
             for plan in plans:
                 echo(compact_hour(spark, lake, plan))
+        (lake / SPARK_TMP).rmdir()
     return len(plans)
