@@ -16,6 +16,7 @@ The jobs are imported inside the commands, so that ``ecq`` works without the ext
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -123,13 +124,17 @@ def _host_port(_ctx: click.Context, _param: click.Parameter, value: str) -> tupl
 @MASTER
 @click.option("--partitions", type=click.IntRange(min=1), default=None,
               help="MQTT connections publishing in parallel (default: Spark's default parallelism)")
+@click.option("--progress", "progress_s", type=click.FloatRange(min=0), default=5.0, show_default=True,
+              help="seconds between progress lines on stderr while publishing; 0 = none")
 @VERBOSE
 def load(input_path: Path, fmt: str, broker: tuple[str, int], master: str, partitions: int | None,
-         verbose: bool) -> None:
+         progress_s: float, verbose: bool) -> None:
     """Publish each row (clientid, key, payload) as a QoS 1 write to $ECQ/w/<clientid>/<key>.
 
     One client's rows keep their input order. Re-running is safe: queues keep the newest value per key.
+    The rate printed is over the publishing phase only (first PUBLISH to last PUBACK).
     """
+    started_at = time.time()
     with pipeline_extra():
         from ecq.pipeline.load import Target
         from ecq.pipeline.load import load as load_rows
@@ -138,12 +143,14 @@ def load(input_path: Path, fmt: str, broker: tuple[str, int], master: str, parti
     host, port = broker
     try:
         with spark_session(master, "ecq-pipeline-load", verbose) as spark:
-            result = load_rows(spark, input_path, fmt, Target(host, port), partitions)
+            result = load_rows(spark, input_path, fmt, Target(host, port), partitions, started_at=started_at,
+                               progress_every_s=progress_s, echo=lambda line: click.echo(line, err=True))
     except PipelineError as exc:
         raise click.ClickException(str(exc)) from exc
-    rate = result.published / result.seconds if result.seconds else 0.0
-    click.echo(f"published {result.published} of {result.rows} rows to {host}:{port} in {result.seconds:.1f} s "
-               f"({rate:.0f} rows/s); failed {result.failed}")
+    seconds = f"{result.publish_seconds:.2f}" if result.publish_seconds >= 1 else f"{result.publish_seconds:.3f}"
+    click.echo(f"published {result.published} of {result.rows} rows to {host}:{port} in {seconds} s "
+               f"({result.rate:.0f} rows/s); Spark start-up and read "
+               f"{result.startup_seconds:.1f} s; failed {result.failed}")
     for error in result.errors:
         click.echo(f"  error: {error}", err=True)
     if result.failed:
