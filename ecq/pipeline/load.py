@@ -20,10 +20,10 @@ Timing: the publishing phase runs from the first PUBLISH of any partition to the
 the executors' wall clocks (one machine in local mode; on a cluster, as far as their clocks agree), so
 Spark's start-up and the reading and checking of the input are reported apart from it. Progress: Spark
 accumulators reach the driver only when a task ends, and a task here is a whole partition, so each
-partition instead sends its running totals (a UDP datagram at most every ``PROGRESS_SEND_S`` seconds and
-when it ends) to a `Progress` listener on the driver, which prints a line every few seconds. That works
-in local mode and wherever executors can reach the driver's address (they must for Spark anyway); a lost
-datagram only delays a line.
+partition instead sends its running totals (a UDP datagram at most every ``PROGRESS_SEND_S`` seconds, or
+half the progress interval when shorter, and when it ends) to a `Progress` listener on the driver, which
+prints a line every few seconds. That works in local mode and wherever executors can reach the driver's
+address (they must for Spark anyway); a lost datagram only delays a line.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ class Target:
     """Where and how to publish: broker ``host``/``port``, ``window`` unacknowledged PUBLISHes per
     connection, ``ack_timeout_s`` seconds without a PUBACK before a connection gives up, a ``run_id``
     that makes the MQTT client ids (``ecq-load-<run_id>-<partition>``) unique, and ``progress_to``, the
-    driver's (host, UDP port) for progress datagrams (None: none sent)."""
+    driver's (host, UDP port) for progress datagrams (None: none sent), sent at most every
+    ``progress_send_s`` seconds."""
 
     host: str
     port: int
@@ -66,6 +67,7 @@ class Target:
     ack_timeout_s: float = 30.0
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     progress_to: tuple[str, int] | None = None
+    progress_send_s: float = PROGRESS_SEND_S
 
 
 @dataclass
@@ -163,7 +165,8 @@ def load(spark: SparkSession, path: Path, fmt: str, target: Target, partitions: 
                .sortWithinPartitions("_order")
                .select("clientid", "key", "payload"))
     with Progress(_driver_host(spark), total, progress_every_s, echo) as progress:
-        target = replace(target, progress_to=progress.address)
+        target = replace(target, progress_to=progress.address,
+                         progress_send_s=min(PROGRESS_SEND_S, progress_every_s / 2))
         try:
             results = ordered.rdd.mapPartitionsWithIndex(lambda index, part: publish_partition(target, index, part))
             totals = results.collect()
@@ -324,7 +327,7 @@ class _Publisher:
                 self.published += 1
                 self._last_ack = time.monotonic()
                 self.last_ack = time.time()
-            if self._progress_socket and time.monotonic() - self._told_at >= PROGRESS_SEND_S:
+            if self._progress_socket and time.monotonic() - self._told_at >= self.target.progress_send_s:
                 self.tell_progress()
             if len(self._unacked) < limit:
                 return True
