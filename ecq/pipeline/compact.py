@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from pyspark.sql import SparkSession
 
@@ -155,11 +156,17 @@ def newest_files(lake: Path) -> set[Path]:
 
 
 def plan_hour(hour_dir: Path, keep: set[Path]) -> Plan | None:
-    """The compaction of ``hour_dir``'s visible Parquet files except ``keep``; None with fewer than two."""
+    """The compaction of ``hour_dir``'s visible Parquet files except ``keep``; None with fewer than two.
+    Raises PipelineError naming a file that is not readable Parquet."""
     inputs = sorted(p for p in hour_dir.glob("*.parquet") if p not in keep and p.is_file())
     if len(inputs) < 2:
         return None
-    rows = sum(pq.ParquetFile(path).metadata.num_rows for path in inputs)
+    rows = 0
+    for path in inputs:
+        try:
+            rows += pq.ParquetFile(path).metadata.num_rows
+        except (OSError, pa.ArrowException) as exc:
+            raise PipelineError(f"cannot compact {path}: {exc}; move it out of the lake") from exc
     return Plan(hour_dir, uuid.uuid4().hex[:16], tuple(p.name for p in inputs), rows)
 
 
