@@ -23,9 +23,9 @@ HOUR_23 = ("date=2025-12-31", "hour=23")  # fill_buffer's events run from 23:59:
 HOUR_00 = ("date=2026-01-01", "hour=00")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def spark():
-    """One local[2] Spark for the module (reused by compact_lake through spark_session)."""
+    """The local[2] session shared with the other pipeline test modules (compact_lake reuses it too)."""
     with spark_session("local[2]", "ecq-tests") as session:
         yield session
 
