@@ -113,6 +113,11 @@ class EcqSettings(BaseModel):
     events: StrictBool = Field(default=True, description="record queue events and export them to lake_dir")
     lake_dir: Path | None = Field(default=None, description="Parquet event lake; None = <data_dir>/lake")
     export_interval: Timer = Field(default=1.0, description="time between event exports")
+    lake_file_rows: Int = Field(default=100_000, ge=1, le=10_000_000,
+                                description="a lake file is written once this many events wait (at most this many)")
+    lake_file_bytes: Int = Field(default=64 * 1024 * 1024, ge=1024, description="... or this many bytes of encoded "
+                                 "events (at most events_max_bytes / 4 is used)")
+    lake_file_age: Timer = Field(default=60.0, description="... or once the oldest waiting event is this old")
     events_max_bytes: Int = Field(default=256 * 1024 * 1024, ge=1024, description="event buffer bound, bytes")
     listen_backlog: Int = Field(default=1024, ge=1, le=65535,
                                 description="accept queue of the broker's TCP listeners (kernel caps it at somaxconn)")

@@ -188,7 +188,7 @@ def lake_events(lake: Path) -> list[dict]:
 def make_cluster_lake(cluster_nodes, connect, lake: Path) -> None:
     """Two nodes sharing ``lake``: 5 writes to queue ev through node 1, 4 through node 2, all delivered to and
     acked by its consumer on node 2; both nodes stopped (their final export flushes every event)."""
-    node1, node2 = started(cluster_nodes(lake_dir=lake, export_interval="200ms"))
+    node1, node2 = started(cluster_nodes(lake_dir=lake, export_interval="200ms", lake_file_age="200ms"))
     producer1, producer2 = connect(node1.port, "producer-1"), connect(node2.port, "producer-2")
     for i in range(5):
         write(producer1, "ev", f"n1-{i}", "v")

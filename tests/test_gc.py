@@ -110,7 +110,7 @@ def test_pacer_runs_at_max_duty_on_an_idle_broker_and_min_duty_while_it_serves_t
 def test_a_pass_deletes_every_expired_entry_and_records_one_expired_event_per_row(tmp_path):
     lake = tmp_path / "lake"
     broker = BrokerProcess(tmp_path, data_retention="1h", gc_interval="1h", lake_dir=str(lake),
-                           export_interval="200ms")
+                           export_interval="200ms", lake_file_age="200ms")
     now = int(time.time() * 1000)
     old, fresh = expired_and_fresh(2000, now)  # 8,000 expired entries: many GC steps
     store = Store(broker.queues_dir)

@@ -19,7 +19,8 @@ from ecq.pipeline.cli import pipeline
 from tests.harness import wait_until
 
 ACK_DELAY_S = 0.3
-EVENTS = dict(export_interval="200ms", reader_batch_size=31)  # 31: the acker's messages never wait for window
+# lake_file_age: files at once, the test reads the lake while the broker runs; 31: the acker's messages never wait
+EVENTS = dict(export_interval="200ms", lake_file_age="200ms", reader_batch_size=31)
 
 
 @pytest.fixture(scope="session")

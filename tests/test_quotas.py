@@ -27,7 +27,8 @@ def refused(broker, reason: str) -> float:
 
 def test_drop_oldest_keeps_the_newest_entries_and_records_each_eviction(make_broker, connect, tmp_path):
     lake = tmp_path / "lake"
-    broker = make_broker(max_queue_messages=3, lake_dir=str(lake), export_interval="200ms")
+    broker = make_broker(max_queue_messages=3, lake_dir=str(lake), export_interval="200ms",
+                         lake_file_age="200ms")
     producer = connect(broker.port, "producer")
     for number in range(1, 6):
         write(producer, "qa", f"k{number}", f"v{number}")

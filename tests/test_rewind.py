@@ -59,7 +59,7 @@ def now_ms() -> int:
 def test_the_owner_rewinds_while_online_inflight_is_forgotten_and_delivery_restarts_at_once(
         backend_broker, connect, tmp_path):
     lake = tmp_path / "lake"
-    broker = backend_broker(lake_dir=str(lake), export_interval="200ms")
+    broker = backend_broker(lake_dir=str(lake), export_interval="200ms", lake_file_age="200ms")
     producer = connect(broker.port, "producer")
     for i in range(3):
         write(producer, "rw1", f"k{i}", f"v{i}")

@@ -20,6 +20,12 @@ log = logging.getLogger(__name__)
 GC_EVENTS_PENDING = 2048  # GC waits while more events than this wait for the recorder's thread
 
 
+def lake_file_bytes(settings: EcqSettings) -> int:
+    """The byte bound of a lake file: ``lake_file_bytes``, at most a quarter of ``events_max_bytes`` so that
+    waiting for a file never holds GC (see `QueueEvents.lagging`) nor drops events for overload."""
+    return min(settings.lake_file_bytes, settings.events_max_bytes // 4)
+
+
 class QueueEvents:
     """Records one queue event per append, compaction, expiry, send, PUBACK and rewind, and refused writes
     (a queue engine observer). ``recorder`` is an ``ecq.events.EventRecorder``."""
@@ -29,7 +35,9 @@ class QueueEvents:
 
         self._max_bytes = settings.events_max_bytes
         self.recorder = EventRecorder(settings.events_dir(), max_buffer_bytes=settings.events_max_bytes)
-        self._exporter = LakeExporter(self.recorder, settings.effective_lake_dir(), interval_s=settings.export_interval)
+        self._exporter = LakeExporter(self.recorder, settings.effective_lake_dir(), settings.lake_file_rows,
+                                      settings.export_interval, batch_bytes=lake_file_bytes(settings),
+                                      max_age_s=settings.lake_file_age)
 
     async def start(self) -> bool:
         """Start recording and exporting; on failure log it and return False (run without events)."""

@@ -7,10 +7,27 @@ Lake layout: ``<lake_dir>/date=YYYY-MM-DD/hour=HH/part-<stream>-<segno>-<id>.par
 ``<buffer_dir>/lake-stream-id``); ``<segno>-<id>`` (10 digits each) is the ReplayQ position of the last
 event of the exported batch. A batch spanning several hours gives one file per hour, all with that name.
 Files being written are hidden (``.part-...parquet.tmp``), which Spark and pyarrow skip.
+``ecq pipeline compact`` later merges the files of a finished hour into one ``compacted-<token>.parquet``
+(ecq/pipeline/compact.py); the exporter neither reads nor deletes those.
+
+File sizing: the exporter lets events gather in the buffer and writes a file only once the buffer holds
+``batch_items`` events (plugin option ``lake_file_rows``, default 100 000) or ``batch_bytes`` bytes of
+encoded events (``lake_file_bytes``, default 64 MiB), or once ``max_age_s`` seconds (``lake_file_age``,
+default 60 s) have passed since it first saw an event waiting after its previous file; it then pops one
+batch of at most that many events and bytes, so a file is still one popped batch. It looks every
+``interval_s`` (``export_interval``), so an event reaches the lake at most about ``max_age_s`` + 2 x
+``interval_s`` after it was buffered. Why these defaults: 100 000 events are about 9 MB encoded and a
+1-4 MB zstd Parquet file, decoded and written in about 0.4 s, during which the queue thread takes no
+new events (the recorder's in-memory deque holds 100 000); 64 MiB bounds a batch of large events (long
+``refused`` topics) in memory; 60 s keeps the lake about a minute behind the broker, giving at most 60
+files an hour per broker at low rates, which ``ecq pipeline compact`` merges into one per hour.
+`close` exports everything buffered, whatever the bounds.
 
 Export, exactly once: `LakeExporter` pops a batch, writes one Parquet file per hour atomically
 (ecq/events/atomic.py: temporary name, fsync, rename, fsync the directory), and only then acks the
-batch. While the lake cannot be written (missing, not a directory, read-only, disk full) it keeps the
+batch. Only one batch is ever popped and not acked, so only the files of the stream's newest position
+can be unacked (``ecq pipeline compact`` relies on that and leaves them alone). While the lake cannot be
+written (missing, not a directory, read-only, disk full) it keeps the
 same batch and retries with exponential backoff (``interval_s`` doubling up to ``max_backoff_s``),
 while new events wait in the buffer. A crash between rename and ack leaves files whose position is
 after the buffer's committed position (`ReplayQ.committed`); before its first export the exporter
@@ -98,6 +115,15 @@ def _make_dir(path: Path) -> None:
     fsync_dir(path.parent)
 
 
+def part_position(name: str) -> tuple[str, AckRef] | None:
+    """(stream id, ReplayQ position of the batch's last event) of a lake file named
+    ``part-<stream>-<segno>-<id>.parquet``; None for any other name (temporary and compacted files)."""
+    match = _PART_NAME.fullmatch(name)
+    if not match or name.startswith(".") or match.group(4):
+        return None
+    return match.group(1), AckRef(int(match.group(2)), int(match.group(3)))
+
+
 def remove_unacked_files(lake_dir: Path, stream_id: str, committed: AckRef) -> list[Path]:
     """Delete the lake files of stream ``stream_id`` whose batch ends after ``committed`` (they were
     renamed but never acked, so their events will be exported again), and its leftover temp files.
@@ -136,19 +162,26 @@ def _subdirs(path: Path, prefix: str) -> list[Path]:
 class LakeExporter:
     """Exports the events buffered by ``recorder`` to Parquet files under ``lake_dir``.
 
-    Every ``interval_s`` seconds (at once while full batches keep coming) it exports one batch of at most
-    ``batch_items`` events; after a failure it retries the same batch after ``interval_s`` doubling up to
-    ``max_backoff_s`` seconds. Layout and exactly-once rule: see the module docstring.
+    Every ``interval_s`` seconds it writes one file (one popped batch) when one is due: ``batch_items``
+    events or ``batch_bytes`` bytes (encoded sizes) are buffered, or ``max_age_s`` seconds passed since it
+    first saw events waiting after its previous file (0 = at every look). A batch holds at most
+    ``batch_items`` events and ``batch_bytes`` bytes; while whole batches are buffered it writes them
+    back to back. After a failure it retries the same batch after ``interval_s`` doubling up to
+    ``max_backoff_s`` seconds. Sizing, layout and the exactly-once rule: see the module docstring.
     """
 
-    def __init__(self, recorder: EventRecorder, lake_dir: Path, batch_items: int = 10_000,
-                 interval_s: float = 1.0, max_backoff_s: float = 30.0) -> None:
+    def __init__(self, recorder: EventRecorder, lake_dir: Path, batch_items: int = 100_000,
+                 interval_s: float = 1.0, max_backoff_s: float = 30.0, *,
+                 batch_bytes: int = 64 * 1024 * 1024, max_age_s: float = 0.0) -> None:
         self.lake_dir = Path(lake_dir)
         self._recorder = recorder
         self._batch_items = batch_items
+        self._batch_bytes = batch_bytes
+        self._max_age_s = max_age_s
         self._interval_s = interval_s
         self._max_backoff_s = max_backoff_s
         self._inflight: tuple[AckRef, list[bytes]] | None = None
+        self._waiting_since: float | None = None  # monotonic s when events were first seen waiting for a file
         self._lake_checked = False  # unacked files of an earlier run removed
         self._stopping = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -167,7 +200,7 @@ class LakeExporter:
         failures = 0
         while not self._stopping.is_set():
             try:
-                exported = await self._recorder.call_with_queue(self._export_batch)
+                exported = await self._recorder.call_with_queue(self._export_due)
             except Exception as exc:  # noqa: BLE001 - any failure is an outage: keep the batch, back off
                 failures += 1
                 self._recorder.note_export(error=True)
@@ -178,15 +211,33 @@ class LakeExporter:
             if failures:
                 log.info("ECQ events: lake %s writable again after %d failed attempts", self.lake_dir, failures)
                 failures = 0
-            if exported < self._batch_items:
+            if not exported:
                 await self._sleep(self._interval_s)
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), seconds)
 
+    def _export_due(self, queue: ReplayQ) -> int:
+        """Export one batch if a file is due (queue thread only); returns the number of events acked."""
+        if self._inflight is None and not self._file_due(queue):
+            return 0
+        return self._export_batch(queue)
+
+    def _file_due(self, queue: ReplayQ) -> bool:
+        """Whether the buffer holds a whole file's worth of events, or its oldest waited long enough."""
+        if not queue.count():
+            self._waiting_since = None
+            return False
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        return (queue.count() >= self._batch_items or queue.bytes() >= self._batch_bytes
+                or now - self._waiting_since >= self._max_age_s)
+
     def _export_batch(self, queue: ReplayQ) -> int:
-        """Export one batch (queue thread only); returns the number of events acked, 0 if none waited."""
+        """Export one batch, due or not (queue thread only); returns the number of events acked, 0 if none
+        waited."""
         if not self._lake_checked:
             removed = remove_unacked_files(self.lake_dir, self._recorder.stream_id, queue.committed())
             if removed:
@@ -194,7 +245,7 @@ class LakeExporter:
                             "crash; their events are exported again: %s", len(removed), removed)
             self._lake_checked = True
         if self._inflight is None:
-            ref, items = queue.pop(self._batch_items)
+            ref, items = queue.pop(self._batch_items, self._batch_bytes)
             if not items:
                 return 0
             self._inflight = (ref, items)
@@ -204,6 +255,7 @@ class LakeExporter:
         queue.ack(ref)
         self._inflight = None
         self._recorder.set_inflight(0, 0)
+        self._waiting_since = time.monotonic() if queue.count() else None
         return len(items)
 
     async def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:

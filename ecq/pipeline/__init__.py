@@ -3,6 +3,7 @@
 - `ecq.pipeline.report`: per-consumer, per-minute and fleet tables computed from the event lake that
   ecq.events.lake exports, written as Parquet; `ecq.pipeline.render` turns them into one self-contained
   HTML page with charts.
+- `ecq.pipeline.compact`: merges the files of each finished hour partition of the lake into one, exactly once.
 - `ecq.pipeline.load`: publishes rows (clientid, key, payload) from Parquet, CSV or JSON Lines as QoS 1
   ECQ writes, from the Spark executors.
 - `ecq.pipeline.spark`: the Java check, the Spark session and the shared error type.

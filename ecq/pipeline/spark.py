@@ -90,7 +90,8 @@ def check_lake(lake: Path) -> None:
         raise PipelineError(f"lake {lake} {what}: pass the broker's lake_dir (default <data_dir>/lake)")
     if next(lake.glob("date=*/hour=*/*.parquet"), None) is None:
         raise PipelineError(f"lake {lake} holds no event files (date=*/hour=*/*.parquet): is the broker running "
-                            "with 'events: true' and has it exported yet (every export_interval)?")
+                            "with 'events: true' and has it exported yet (after lake_file_age, 1 min by default, "
+                            "or when it stops)?")
 
 
 def read_events(spark: SparkSession, lake: Path) -> DataFrame:
