@@ -91,7 +91,7 @@ def test_a_fresh_start_makes_the_three_subdirectories(broker_process):
 
 
 def test_the_old_layout_is_moved_on_start_and_its_queues_resume(broker_process, connect):
-    broker = broker_process()
+    broker = broker_process(lake_file_age="200ms")  # the lake is read while the broker runs
     make_old_layout(broker.data_dir)
     moved = leveldb_files(broker.data_dir)
 
