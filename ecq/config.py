@@ -96,6 +96,9 @@ class EcqSettings(BaseModel):
     max_packet_bytes: Int | None = Field(default=None, ge=0, le=MAX_REMAINING_LENGTH,
                                          description="largest MQTT packet body; None = max_payload_bytes + 65539")
     connect_timeout: Timer = Field(default=10.0, description="a connection without CONNECT in time is closed")
+    fast_path: StrictBool = Field(default=True, description="read MQTT packets with ECQ's buffered framer and take "
+                                  "QoS 1 $ECQ/ PUBLISHes and PUBACKs of ECQ deliveries without amqtt's packet objects; "
+                                  "false = amqtt's own reader")
     sync_writes: StrictBool = Field(default=False, description="fsync each commit (survives power loss, slower)")
     acl_file: Path | None = Field(default=None, description="EMQX-syntax ACL file; None = no ACL")
     acl_nomatch: Literal["allow", "deny"] = Field(default="allow", description="decision when no ACL rule matches")
