@@ -76,6 +76,9 @@ class EcqWrites:
             log.warning("ECQ write to %r not taken: broker is shutting down", topic)
             self._order.done(handler, slot, None)
             return
+        except Exception:  # the reader closes the connection; later writes must not wait for this slot
+            self._order.done(handler, slot, None)
+            raise
         future.add_done_callback(functools.partial(self._committed, handler, slot, topic, packet_id, received))
 
     def _committed(self, handler: BrokerProtocolHandler, slot: _Slot, topic: str, packet_id: int, received: float,

@@ -95,7 +95,7 @@ class Framer:
         self._adapter = handler.reader
         self._stream: asyncio.StreamReader = handler.reader._reader
         self._max_packet_bytes = checked_connection(self._adapter).max_packet_bytes
-        self._packets = _PacketReader()
+        self._packets = _PacketReader()  # also names the connection in violations until the reader's exit
         self._running: collections.deque[asyncio.Task] = collections.deque()  # amqtt handler tasks
         self._loop = asyncio.get_running_loop()
         keep_alive = handler.session.keep_alive
@@ -150,7 +150,7 @@ class Framer:
             while (header := self._fixed_header(data, start)) is not None:
                 first, length, body = header
                 if (reason := fixed_header_violation(first >> 4, first & 0x0F, length, self._max_packet_bytes)):
-                    raise violation(self._adapter, reason)
+                    raise violation(self._packets, reason)
                 end = body + length
                 if end > len(data):  # the rest of the body, read now that its header passed the checks
                     data = data[start:] + await self._stream.readexactly(end - len(data))
@@ -182,7 +182,7 @@ class Framer:
                 return data[start], length, index
             shift += 7
             if shift == 28:
-                raise violation(self._adapter, "a remaining length longer than 4 bytes [MQTT-2.2.3]")
+                raise violation(self._packets, "a remaining length longer than 4 bytes [MQTT-2.2.3]")
         return None
 
     def _take_ecq_publish(self, data: bytes, body: int, end: int) -> bool:
@@ -193,10 +193,10 @@ class Framer:
         topic_end = body + 2 + (data[body] << 8 | data[body + 1])
         if topic_end + 2 > end or not data.startswith(_ECQ_PREFIX, body + 2, topic_end):
             return False
-        topic = utf8_or_violation(self._adapter, data[body + 2:topic_end], "PUBLISH topic")
+        topic = utf8_or_violation(self._packets, data[body + 2:topic_end], "PUBLISH topic")
         packet_id = data[topic_end] << 8 | data[topic_end + 1]
         if (reason := publish_violation(topic, packet_id)) is not None:
-            raise violation(self._adapter, reason)
+            raise violation(self._packets, reason)
         self._plugin.take_ecq_write(self._handler, topic, packet_id, data[topic_end + 2:end])
         return True
 
