@@ -107,9 +107,6 @@ class Framer:
         """Read until the connection ends, then run amqtt's reader exit path (once)."""
         handler = self._handler
         handler._reader_ready.set()
-        # let ``start`` finish before the first packet, as amqtt's reader does (its first read yields): a DISCONNECT
-        # sent with the CONNECT was otherwise handled before ``start`` armed its disconnect waiter, and lost
-        await asyncio.sleep(0)
         with checks_shared_with(self._adapter, self._packets):
             self._arm_keepalive()
             try:
@@ -133,6 +130,9 @@ class Framer:
 
     async def _read(self) -> None:
         """Cut and hand on packets until EOF; a partial fixed header waits for the next read."""
+        # let ``start`` finish before the first packet, as amqtt's reader does (its first read yields): a DISCONNECT
+        # sent with the CONNECT was otherwise handled before ``start`` armed its disconnect waiter, and lost
+        await asyncio.sleep(0)
         pending = b""
         while True:
             chunk = await self._stream.read(READ_SIZE)
