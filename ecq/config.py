@@ -104,6 +104,9 @@ class EcqSettings(BaseModel):
                                         description="LevelDB table files kept open, and so memory-mapped (RSS)")
     leveldb_cache_bytes: Int = Field(default=8 * 1024 * 1024, ge=1024 * 1024,
                                      description="LevelDB block cache, bytes (uncompressed blocks read recently)")
+    fast_path: StrictBool = Field(default=True, description="read MQTT packets with ECQ's buffered framer and take "
+                                  "QoS 1 $ECQ/ PUBLISHes and PUBACKs of ECQ deliveries without amqtt's packet objects; "
+                                  "false = amqtt's own reader")
     sync_writes: StrictBool = Field(default=False, description="fsync each commit (survives power loss, slower)")
     acl_file: Path | None = Field(default=None, description="EMQX-syntax ACL file; None = no ACL")
     acl_nomatch: Literal["allow", "deny"] = Field(default="allow", description="decision when no ACL rule matches")

@@ -183,6 +183,17 @@ class EcqPlugin(BaseTopicPlugin):
         """Store a valid write under ``$ECQ/`` and acknowledge it; refuse the rest (see EcqWrites.publish)."""
         await self.writes.publish(handler, packet)
 
+    def take_ecq_write(self, handler: BrokerProtocolHandler, topic: str, packet_id: int, payload: bytes) -> None:
+        """Take a QoS 1 PUBLISH under ``$ECQ/`` straight from the packet reader (see EcqWrites.take_qos1)."""
+        self.writes.take_qos1(handler, topic, packet_id, payload)
+
+    def count_fast_path(self, publishes: int, pubacks: int) -> None:
+        """Count packets the framer took without amqtt's packet objects (``ecq_fast_path_packets_total``)."""
+        if publishes:
+            self.metrics.fast_path_publishes.inc(publishes)
+        if pubacks:
+            self.metrics.fast_path_pubacks.inc(pubacks)
+
     def session_message_dropped(self, clientid: str, topic: str, reason: str) -> None:
         """Count a message of an ordinary topic dropped from ``clientid``'s persistent session because a bound
         was reached (``reason``: ``queue_full`` or ``inflight_full``); logs the 1st, 2nd, 4th, 8th... drop."""

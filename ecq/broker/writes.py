@@ -5,6 +5,7 @@ done by the engine, then acknowledged."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import weakref
@@ -39,36 +40,70 @@ class EcqWrites:
         # a full queue or store refuses every write until it drains: one line per interval, not one per write
         self._full_log = {reason: LogThrottle(FAILURE_LOG_INTERVAL_S) for reason in ("quota_exceeded", "store_full")}
         self._order = ArrivalOrder()
+        self._closing: set[asyncio.Task] = set()  # publishers being disconnected after a failed fast-path write
 
     async def publish(self, handler: BrokerProtocolHandler, packet: PublishPacket) -> None:
-        """Take a PUBLISH under ``$ECQ/``: store a valid write, then acknowledge it; refuse the rest.
+        """Take a PUBLISH under ``$ECQ/`` that amqtt decoded (in a task of its own): store a valid write, then
+        acknowledge it; refuse the rest.
 
         A refused PUBLISH is logged with its reason and still acknowledged at its QoS, so the publisher
         stays connected (MQTT 3.1.1 has no negative PUBACK). A write that cannot be stored within
         ``write_timeout`` is not acknowledged; the publisher's connection is closed so it sends it again.
         Acknowledgements leave in the order the PUBLISHes arrived (MQTT 3.1.1 section 4.6), see ArrivalOrder.
         """
-        if packet.qos == 0:
-            await self._store(handler, packet)
+        topic, payload, qos, packet_id = packet.topic_name, bytes(packet.data), packet.qos, packet.packet_id
+        if qos == 0:
+            await self._store(handler, topic, payload, qos, packet_id)
             return
         slot, acknowledge = self._order.enter(handler), None
         try:
-            acknowledge = await self._store(handler, packet)
+            acknowledge = await self._store(handler, topic, payload, qos, packet_id)
         finally:
             self._order.done(handler, slot, acknowledge)
 
-    async def _store(self, handler: BrokerProtocolHandler, packet: PublishPacket) -> Callable[[], None] | None:
+    def take_qos1(self, handler: BrokerProtocolHandler, topic: str, packet_id: int, payload: bytes) -> None:
+        """Take a QoS 1 PUBLISH under ``$ECQ/`` straight from the packet reader (``amqtt_hooks.framer``): the same
+        checks and outcomes as :meth:`publish`, without a task: the PUBACK is sent from the commit's callback,
+        in arrival order (the slot is taken here, while the reader is on this packet)."""
+        slot, received = self._order.enter(handler), time.monotonic()
+        try:
+            future = self._start(handler, topic, payload)
+        except BadWrite as exc:
+            self._refuse(handler, topic, exc)
+            self._order.done(handler, slot, functools.partial(hooks.acknowledge_soon, handler, 1, packet_id))
+            return
+        except PoolClosed:
+            log.warning("ECQ write to %r not taken: broker is shutting down", topic)
+            self._order.done(handler, slot, None)
+            return
+        except Exception:  # the reader closes the connection; later writes must not wait for this slot
+            self._order.done(handler, slot, None)
+            raise
+        future.add_done_callback(functools.partial(self._committed, handler, slot, topic, packet_id, received))
+
+    def _committed(self, handler: BrokerProtocolHandler, slot: _Slot, topic: str, packet_id: int, received: float,
+                   future: asyncio.Future) -> None:
+        if self._outcome(handler, topic, received, future):
+            self._order.done(handler, slot, functools.partial(hooks.acknowledge_soon, handler, 1, packet_id))
+            return
+        closing = asyncio.ensure_future(self._disconnect_publisher(handler, slot))
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+
+    async def _disconnect_publisher(self, handler: BrokerProtocolHandler, slot: _Slot) -> None:
+        """Close the connection of a publisher whose write failed; its later writes get no PUBACK on it."""
+        try:
+            await hooks.close_connection(handler)
+        finally:
+            self._order.done(handler, slot, None)
+
+    async def _store(self, handler: BrokerProtocolHandler, topic: str, payload: bytes, qos: int,
+                     packet_id: int | None) -> Callable[[], None] | None:
         """Store or refuse one PUBLISH; returns what sends its acknowledgement (None: none is due, the write
         failed and the publisher's connection is closed)."""
-        topic, payload, qos, packet_id = packet.topic_name, bytes(packet.data), packet.qos, packet.packet_id
         received = time.monotonic()
         try:
-            if is_ctl_topic(topic):
-                future = self._rewind(handler, topic, payload)
-            else:
-                write = parse_write(topic, len(payload), self._max_payload_bytes)
-                self._check_acl(handler, topic, "write to")
-                future = self._engine.write(write.clientid, write.key, payload)
+            future = self._start(handler, topic, payload)
         except BadWrite as exc:
             self._refuse(handler, topic, exc)
             return lambda: hooks.acknowledge_soon(handler, qos, packet_id)
@@ -77,18 +112,38 @@ class EcqWrites:
             return None
         try:
             await future
+        except Exception:  # judged by _outcome
+            pass
+        if self._outcome(handler, topic, received, future):
+            return lambda: hooks.acknowledge_soon(handler, qos, packet_id)
+        await hooks.close_connection(handler)
+        return None
+
+    def _start(self, handler: BrokerProtocolHandler, topic: str, payload: bytes) -> asyncio.Future:
+        """Check a PUBLISH under ``$ECQ/`` and start its write or rewind; the future resolves once it is stored.
+        Raises BadWrite (refused: the topic, payload size, ACL, rewind payload, ``store_full``) or PoolClosed."""
+        if is_ctl_topic(topic):
+            return self._rewind(handler, topic, payload)
+        write = parse_write(topic, len(payload), self._max_payload_bytes)
+        self._check_acl(handler, topic, "write to")
+        return self._engine.write(write.clientid, write.key, payload)
+
+    def _outcome(self, handler: BrokerProtocolHandler, topic: str, received: float, future: asyncio.Future) -> bool:
+        """For the done future of :meth:`_start`: True when the PUBLISH is to be acknowledged (stored, or refused
+        by the queue quota in its commit), False when it failed (logged; its publisher is to be disconnected)."""
+        exc = asyncio.CancelledError() if future.cancelled() else future.exception()
+        if exc is None:
             if not is_ctl_topic(topic):
                 self._metrics.append_latency.observe(time.monotonic() - received)
-        except BadWrite as exc:  # the queue quota refused it in its commit (QuotaExceeded)
+            return True
+        if isinstance(exc, BadWrite):  # the queue quota refused it in its commit (QuotaExceeded)
             self._refuse(handler, topic, exc)
-        except Exception as exc:
-            if (held_back := self._failure_log.due()) is not None:
-                log.error("ECQ write to %r failed (%s); closing publisher %s so it resends (%d more failed "
-                          "writes since the last such line)", topic, exc or type(exc).__name__,
-                          hooks.client_id(handler), held_back)
-            await hooks.close_connection(handler)
-            return None
-        return lambda: hooks.acknowledge_soon(handler, qos, packet_id)
+            return True
+        if (held_back := self._failure_log.due()) is not None:
+            log.error("ECQ write to %r failed (%s); closing publisher %s so it resends (%d more failed "
+                      "writes since the last such line)", topic, exc or type(exc).__name__,
+                      hooks.client_id(handler), held_back)
+        return False
 
     def _check_acl(self, handler: BrokerProtocolHandler, topic: str, what: str) -> None:
         if not self._access.allows(handler.session, "publish", topic):

@@ -19,7 +19,9 @@ docstring names the amqtt behaviour it replaces. One module per concern:
 - :mod:`.conformance`: MQTT 3.1.1 for ordinary topics (persistent sessions, retained messages, QoS of a
   fan-out, resend on reconnect, keepalive, with per-session bounds);
 - :mod:`.cluster`: ordinary MQTT messages forwarded to and from the other brokers of a cluster;
-- :mod:`.start_up`: start-up failures are reported, not hidden.
+- :mod:`.start_up`: start-up failures are reported, not hidden;
+- :mod:`.framer`: the packet reader (``fast_path``): buffered framing, ECQ writes and PUBACKs without amqtt's
+  packet objects and tasks.
 
 Several corrections wrap the same amqtt method (``init_from_connect``, ``handle_puback``,
 ``_handle_message_delivery``, ``_broadcast_message``): the order of :func:`install` is the order of wrapping.
@@ -27,7 +29,8 @@ Several corrections wrap the same amqtt method (``init_from_connect``, ``handle_
 
 from __future__ import annotations
 
-from ecq.broker.amqtt_hooks import acks, bad_clients, cluster, conformance, ecq_guards, ecq_paths, start_up, target
+from ecq.broker.amqtt_hooks import (acks, bad_clients, cluster, conformance, ecq_guards, ecq_paths, framer, start_up,
+                                    target)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import broadcast_from_cluster
 from ecq.broker.amqtt_hooks.conformance import set_session_expiry
@@ -71,3 +74,4 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     conformance.enforce_keepalive()
     start_up.raise_pre_start_failure()
     start_up.quiet_start_failure_traceback()
+    framer.read_with_the_framer()

@@ -10,8 +10,10 @@ registers their connections in ``_connections``, by amqtt reader.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,10 +64,56 @@ class _Connection:
 _connections: dict[Any, _Connection] = {}  # by amqtt ReaderAdapter, while amqtt serves the connection
 
 
-def _violation(reader: Any, reason: str) -> ProtocolViolation:
+def violation(reader: Any, reason: str) -> ProtocolViolation:
     """Log why the connection read by ``reader`` is closed; return the exception that makes amqtt close it."""
     log.warning("ECQ closing the connection of %s: %s", _connections[reader], reason)
     return ProtocolViolation(reason)
+
+
+def checked_connection(reader: Any) -> _Connection | None:
+    """What the packet checks know about the connection read by ``reader`` (None: not an ECQ broker's)."""
+    return _connections.get(reader)
+
+
+@contextlib.contextmanager
+def checks_shared_with(reader: Any, alias: Any) -> Iterator[None]:
+    """While in the block, packets decoded from ``alias`` (e.g. a buffer holding bytes read from ``reader``)
+    get the checks of ``reader``'s connection, and their violations name it."""
+    _connections[alias] = _connections[reader]
+    try:
+        yield
+    finally:
+        _connections.pop(alias, None)
+
+
+def fixed_header_violation(packet_type: int, flags: int, remaining_length: int, max_packet_bytes: int) -> str | None:
+    """Why a fixed header closes its connection before any of its body is read, or None for a valid one."""
+    if remaining_length > max_packet_bytes:
+        return (f"{_PACKET_NAMES[packet_type]} packet announces {remaining_length} bytes, above max_packet_bytes "
+                f"{max_packet_bytes}")
+    if packet_type == PUBLISH and flags & 0x06 == 0x06:
+        return "PUBLISH with QoS 3 [MQTT-3.3.1-4]"
+    return None
+
+
+def utf8_or_violation(reader: Any, raw: bytes, what: str) -> str:
+    """``raw`` decoded as UTF-8; raises (and logs) ProtocolViolation when it is not valid UTF-8 (section 1.5.3)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise violation(reader, f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start}) [MQTT-1.5.3-1]")
+
+
+def publish_violation(topic: str, packet_id: int | None) -> str | None:
+    """Why a PUBLISH's topic or packet id closes its connection, or None (wildcards under ``$ECQ/`` are ECQ's
+    to refuse)."""
+    if not topic:
+        return "PUBLISH to an empty topic [MQTT-4.7.3-1]"
+    if ("+" in topic or "#" in topic) and not is_ecq_topic(topic):
+        return f"PUBLISH to {topic!r}, a topic with a wildcard [MQTT-3.3.2-2]"
+    if packet_id == 0:
+        return f"PUBLISH to {topic!r} with packet id 0 [MQTT-2.3.1-1]"
+    return None
 
 
 def _abort(writer: Any) -> None:
@@ -147,12 +195,10 @@ def check_fixed_headers() -> None:
         connection = _connections.get(reader)
         if header is None or connection is None:
             return header
-        if header.remaining_length > connection.max_packet_bytes:
-            raise _violation(reader, f"{_PACKET_NAMES[header.packet_type]} packet announces "
-                                     f"{header.remaining_length} bytes, above max_packet_bytes "
-                                     f"{connection.max_packet_bytes}")
-        if header.packet_type == PUBLISH and header.flags & 0x06 == 0x06:
-            raise _violation(reader, "PUBLISH with QoS 3 [MQTT-3.3.1-4]")
+        reason = fixed_header_violation(header.packet_type, header.flags, header.remaining_length,
+                                        connection.max_packet_bytes)
+        if reason is not None:
+            raise violation(reader, reason)
         return header
 
     MQTTFixedHeader.from_stream = classmethod(from_stream)
@@ -164,10 +210,7 @@ async def _read_utf8(reader: Any, what: str) -> str:
     amqtt's ``decode_string`` turns invalid UTF-8 into the text ``"b'...'"`` and carries on with it.
     """
     raw = await read_or_raise(reader, struct.unpack("!H", await read_or_raise(reader, 2))[0])
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _violation(reader, f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start}) [MQTT-1.5.3-1]")
+    return utf8_or_violation(reader, raw, what)
 
 
 def check_publish_headers() -> None:
@@ -185,12 +228,8 @@ def check_publish_headers() -> None:
             return await original(cls, reader, fixed_header)
         topic = await _read_utf8(reader, "PUBLISH topic")
         packet_id = await decode_packet_id(reader) if fixed_header.flags & 0x06 else None
-        if not topic:
-            raise _violation(reader, "PUBLISH to an empty topic [MQTT-4.7.3-1]")
-        if ("+" in topic or "#" in topic) and not is_ecq_topic(topic):
-            raise _violation(reader, f"PUBLISH to {topic!r}, a topic with a wildcard [MQTT-3.3.2-2]")
-        if packet_id == 0:
-            raise _violation(reader, f"PUBLISH to {topic!r} with packet id 0 [MQTT-2.3.1-1]")
+        if (reason := publish_violation(topic, packet_id)) is not None:
+            raise violation(reader, reason)
         return cls(topic, packet_id)
 
     PublishVariableHeader.from_stream = classmethod(from_stream)
@@ -215,14 +254,14 @@ def check_subscribe_payloads() -> None:
             qos = (await read_or_raise(reader, 1))[0]
             left -= 2 + len(topic_filter.encode()) + 1
             if not topic_filter:
-                raise _violation(reader, "SUBSCRIBE with an empty topic filter [MQTT-4.7.3-1]")
+                raise violation(reader, "SUBSCRIBE with an empty topic filter [MQTT-4.7.3-1]")
             if qos > 2:
-                raise _violation(reader, f"SUBSCRIBE to {topic_filter!r} with QoS byte {qos} [MQTT-3.8.3-4]")
+                raise violation(reader, f"SUBSCRIBE to {topic_filter!r} with QoS byte {qos} [MQTT-3.8.3-4]")
             filters.append((topic_filter, qos))
         if left < 0:
-            raise _violation(reader, "SUBSCRIBE whose topic filters overrun its remaining length")
+            raise violation(reader, "SUBSCRIBE whose topic filters overrun its remaining length")
         if not filters:
-            raise _violation(reader, "SUBSCRIBE without a topic filter [MQTT-3.8.3-3]")
+            raise violation(reader, "SUBSCRIBE without a topic filter [MQTT-3.8.3-3]")
         return cls(filters)
 
     SubscribePayload.from_stream = classmethod(from_stream)

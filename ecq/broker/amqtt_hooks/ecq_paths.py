@@ -21,13 +21,13 @@ import asyncio
 import logging
 import os
 import socket
+import struct
 from typing import Any
 
 from amqtt.broker import Broker, BrokerContext
 from amqtt.mqtt.constants import QOS_1
 from amqtt.mqtt.packet import MQTTVariableHeader
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
-from amqtt.mqtt.puback import PubackPacket
 from amqtt.mqtt.pubcomp import PubcompPacket
 from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
 from amqtt.mqtt.pubrec import PubrecPacket
@@ -37,6 +37,7 @@ from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic
 
 SUBACK_FAILURE = 0x80
+_PUBACK = struct.Struct(">BBH")  # PUBACK: type 4, remaining length 2, packet id (MQTT 3.1.1 section 3.4)
 _QOS2_PUBREL_TIMEOUT_S = 10.0
 _unsent: dict[BrokerProtocolHandler, list[bytes]] = {}  # packets queued by send_soon, per connection
 
@@ -116,7 +117,7 @@ async def acknowledge(handler: BrokerProtocolHandler, qos: int, packet_id: int |
     Raises TimeoutError when a QoS 2 PUBREL does not come within 10 s.
     """
     if qos == QOS_1:
-        send_soon(handler, PubackPacket.build(packet_id).to_bytes())
+        send_soon(handler, _PUBACK.pack(0x40, 2, packet_id))
     elif qos == 2:
         pubrel = asyncio.get_running_loop().create_future()
         handler._pubrel_waiters[packet_id] = pubrel
@@ -132,7 +133,7 @@ def acknowledge_soon(handler: BrokerProtocolHandler, qos: int, packet_id: int | 
     """Start :func:`acknowledge` now: a QoS 1 PUBACK is queued at once (``send_soon``), a QoS 2 flow runs in a
     task of its own (its PUBREC is sent before anything started later); a failure is logged, not raised."""
     if qos == QOS_1:
-        send_soon(handler, PubackPacket.build(packet_id).to_bytes())
+        send_soon(handler, _PUBACK.pack(0x40, 2, packet_id))
     elif qos == 2:
         asyncio.ensure_future(acknowledge(handler, qos, packet_id)).add_done_callback(_log_ack_failure)
 

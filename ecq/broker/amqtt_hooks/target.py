@@ -29,6 +29,12 @@ class EcqHooksTarget(Protocol):
     async def handle_ecq_publish(self, handler: BrokerProtocolHandler, packet: PublishPacket) -> None:
         """Store a PUBLISH under ``$ECQ/`` and then acknowledge it, or refuse it."""
 
+    def take_ecq_write(self, handler: BrokerProtocolHandler, topic: str, packet_id: int, payload: bytes) -> None:
+        """Take a QoS 1 PUBLISH under ``$ECQ/`` read by the framer: store, then PUBACK in arrival order, or refuse."""
+
+    def count_fast_path(self, publishes: int, pubacks: int) -> None:
+        """Count packets the framer took on its fast path (QoS 1 ``$ECQ/`` PUBLISHes, PUBACKs of ECQ deliveries)."""
+
     def grant_subscription(self, clientid: str, topic_filter: str, qos: int) -> int | None:
         """QoS to grant for a SUBSCRIBE to an ``$ECQ/`` filter, or None to refuse it (SUBACK 0x80)."""
 

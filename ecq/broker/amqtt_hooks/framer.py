@@ -1,0 +1,247 @@
+"""The packet reader of a broker that runs the ECQ plugin: a buffered MQTT framer in place of amqtt 0.12.1's
+``ProtocolHandler._reader_loop`` (option ``fast_path``, default true; false keeps amqtt's reader).
+
+amqtt's reader takes each packet with about five awaited ``readexactly`` calls (the remaining length one byte
+at a time) under a ``wait_for`` for the keepalive (a task per packet on Python 3.11), builds amqtt packet
+objects (each with a ``datetime.now``), fires a PACKET_RECEIVED plugin event and starts one more task to
+handle it. The framer reads what the socket has, up to :data:`READ_SIZE` bytes at a time, and cuts whole
+packets from those bytes:
+
+- a fixed header is checked (``bad_clients.fixed_header_violation``: ``max_packet_bytes``, QoS 3) as soon as
+  it is complete, before any more of its body is read; a violation closes the connection;
+- a QoS 1 PUBLISH under ``$ECQ/`` goes to the plugin's ``take_ecq_write`` with its topic, packet id and
+  payload sliced from the bytes (bad_clients' UTF-8 and packet-id rules apply): no packet object, no task,
+  no event; its PUBACK leaves in arrival order once committed or refused (``writes.ArrivalOrder``);
+- a PUBACK for an ECQ delivery (``ecq_paths.publish_qos1``) resolves that delivery's waiter at once;
+- every other packet is decoded from its bytes by amqtt's own classes (bad_clients' decode checks apply to
+  them), fires PACKET_RECEIVED and goes to amqtt's handler method in a task, as amqtt's reader does;
+- keepalive: when no whole packet came within ``session.keep_alive`` (which ``conformance.enforce_keepalive``
+  makes 1.5 x the CONNECT's), the handler's ``handle_read_timeout`` is called (that correction closes the
+  connection): one timer re-armed at most once per keepalive period, not a ``wait_for`` per packet;
+- the end (EOF, a reset, which ``acks.read_to_the_end_after_a_reset`` turns into EOF after the bytes received,
+  a protocol violation, the cancel of a takeover, keepalive close or broker stop) runs amqtt's exit path once:
+  the pending handler tasks are cancelled, then ``handle_connection_closed``, ``_reader_stopped``, ``stop``.
+
+Packets the fast path takes are not seen by amqtt's PACKET_RECEIVED plugins (e.g. the ``$SYS`` counters);
+``ecq_fast_path_packets_total{packet}`` counts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import io
+import logging
+
+from amqtt.adapters import BufferReader, StreamReaderAdapter
+from amqtt.errors import MQTTError, NoDataError
+from amqtt.events import MQTTEvents
+from amqtt.mqtt import packet_class
+from amqtt.mqtt.packet import (CONNACK, CONNECT, DISCONNECT, PINGREQ, PINGRESP, PUBACK, PUBCOMP, PUBLISH, PUBREC,
+                               PUBREL, RESERVED_0, RESERVED_15, SUBACK, SUBSCRIBE, UNSUBACK, UNSUBSCRIBE,
+                               MQTTFixedHeader)
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+
+from ecq.broker.amqtt_hooks.bad_clients import (ProtocolViolation, checked_connection, checks_shared_with,
+                                                fixed_header_violation, publish_violation, utf8_or_violation,
+                                                violation)
+from ecq.broker.amqtt_hooks.ecq_paths import client_id
+from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
+from ecq.queue.topics import PREFIX, is_ecq_topic
+
+log = logging.getLogger(__name__)
+
+READ_SIZE = 64 * 1024  # bytes taken from the socket's StreamReader per read
+_ECQ_PREFIX = PREFIX.encode()
+_QOS_1_FLAGS = 0x02  # PUBLISH flags & 0x06 for QoS 1
+_HANDLERS = {CONNACK: "handle_connack", SUBSCRIBE: "handle_subscribe", UNSUBSCRIBE: "handle_unsubscribe",
+             SUBACK: "handle_suback", UNSUBACK: "handle_unsuback", PUBACK: "handle_puback", PUBREC: "handle_pubrec",
+             PUBREL: "handle_pubrel", PUBCOMP: "handle_pubcomp", PINGREQ: "handle_pingreq",
+             PINGRESP: "handle_pingresp", PUBLISH: "handle_publish", DISCONNECT: "handle_disconnect"}
+
+
+def read_with_the_framer() -> None:
+    """Replace amqtt 0.12.1's ``BrokerProtocolHandler._reader_loop`` with :class:`Framer` on the TCP connections
+    of brokers that run the ECQ plugin with ``fast_path`` on; any other connection keeps amqtt's reader."""
+    original = BrokerProtocolHandler._reader_loop
+
+    async def reader_loop(handler: BrokerProtocolHandler) -> None:
+        plugin = find_target(handler.plugins_manager)
+        if (plugin is None or not plugin.settings.fast_path or not isinstance(handler.reader, StreamReaderAdapter)
+                or checked_connection(handler.reader) is None):
+            return await original(handler)
+        await Framer(handler, plugin).run()
+
+    BrokerProtocolHandler._reader_loop = reader_loop
+
+
+class _PacketReader(BufferReader):
+    """amqtt's ``BufferReader`` over one packet body at a time: what amqtt's decoders read from."""
+
+    def __init__(self) -> None:
+        super().__init__(b"")
+
+    def load(self, body: bytes) -> _PacketReader:
+        self._stream = io.BytesIO(body)
+        return self
+
+
+class Framer:
+    """Reads the packets of one connection served by ``handler`` (attached, reader a StreamReaderAdapter that
+    ``bad_clients`` registered) and hands them on; :meth:`run` returns once the connection is closed."""
+
+    def __init__(self, handler: BrokerProtocolHandler, plugin: EcqHooksTarget) -> None:
+        self._handler, self._plugin = handler, plugin
+        self._adapter = handler.reader
+        self._stream: asyncio.StreamReader = handler.reader._reader
+        self._max_packet_bytes = checked_connection(self._adapter).max_packet_bytes
+        self._packets = _PacketReader()  # also names the connection in violations until the reader's exit
+        self._running: collections.deque[asyncio.Task] = collections.deque()  # amqtt handler tasks
+        self._loop = asyncio.get_running_loop()
+        keep_alive = handler.session.keep_alive
+        self._keepalive_s = keep_alive if keep_alive and keep_alive > 0 else None
+        self._last_packet = self._loop.time()
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def run(self) -> None:
+        """Read until the connection ends, then run amqtt's reader exit path (once)."""
+        handler = self._handler
+        handler._reader_ready.set()
+        with checks_shared_with(self._adapter, self._packets):
+            self._arm_keepalive()
+            try:
+                await self._read()
+            except asyncio.CancelledError:
+                log.debug("reader of %s cancelled", client_id(handler))
+            except asyncio.IncompleteReadError:
+                log.debug("%s: end of stream inside a packet", client_id(handler))
+            except ProtocolViolation:
+                pass  # logged with its reason by bad_clients.violation
+            except Exception as exc:
+                log.warning("reader of %s stopped by an unexpected exception: %r", client_id(handler), exc)
+            finally:
+                if self._timer is not None:
+                    self._timer.cancel()
+        while self._running:
+            self._running.popleft().cancel()
+        await handler.handle_connection_closed()
+        handler._reader_stopped.set()
+        await handler.stop()
+
+    async def _read(self) -> None:
+        """Cut and hand on packets until EOF; a partial fixed header waits for the next read."""
+        # let ``start`` finish before the first packet, as amqtt's reader does (its first read yields): a DISCONNECT
+        # sent with the CONNECT was otherwise handled before ``start`` armed its disconnect waiter, and lost
+        await asyncio.sleep(0)
+        pending = b""
+        while True:
+            chunk = await self._stream.read(READ_SIZE)
+            if not chunk:
+                return
+            pending = await self._cut(pending + chunk if pending else chunk)
+            while self._running and self._running[0].done():
+                self._running.popleft()
+
+    async def _cut(self, data: bytes) -> bytes:
+        """Hand on every whole packet of ``data``; returns the bytes of an incomplete fixed header at its end.
+        The rest of a packet whose fixed header is complete is read here, after its header was checked."""
+        start, publishes, pubacks = 0, 0, 0
+        try:
+            while (header := self._fixed_header(data, start)) is not None:
+                first, length, body = header
+                if (reason := fixed_header_violation(first >> 4, first & 0x0F, length, self._max_packet_bytes)):
+                    raise violation(self._packets, reason)
+                end = body + length
+                if end > len(data):  # the rest of the body, read now that its header passed the checks
+                    data = data[start:] + await self._stream.readexactly(end - len(data))
+                    body, end, start = body - start, end - start, 0
+                kind = first >> 4
+                if kind == PUBLISH and first & 0x06 == _QOS_1_FLAGS and self._take_ecq_publish(data, body, end):
+                    publishes += 1
+                elif kind == PUBACK and length == 2 and self._resolve_ecq_puback(data, body):
+                    pubacks += 1
+                else:
+                    await self._hand_to_amqtt(first, data[body:end])
+                start = end
+        finally:
+            if start:
+                self._last_packet = self._loop.time()
+            if publishes or pubacks:
+                self._plugin.count_fast_path(publishes, pubacks)
+        return data[start:]
+
+    def _fixed_header(self, data: bytes, start: int) -> tuple[int, int, int] | None:
+        """(first byte, remaining length, offset of the body) of the packet at ``start``, None while incomplete.
+        Raises ProtocolViolation for a remaining length longer than 4 bytes (MQTT 3.1.1 section 2.2.3)."""
+        length, shift, index = 0, 0, start + 1
+        while index < len(data):
+            byte = data[index]
+            index += 1
+            length |= (byte & 0x7F) << shift
+            if not byte & 0x80:
+                return data[start], length, index
+            shift += 7
+            if shift == 28:
+                raise violation(self._packets, "a remaining length longer than 4 bytes [MQTT-2.2.3]")
+        return None
+
+    def _take_ecq_publish(self, data: bytes, body: int, end: int) -> bool:
+        """Hand a QoS 1 PUBLISH under ``$ECQ/`` to the plugin; False for any other topic or a body too short for
+        its topic and packet id (amqtt decodes those). Raises ProtocolViolation: invalid UTF-8, packet id 0."""
+        if end - body < 2:
+            return False
+        topic_end = body + 2 + (data[body] << 8 | data[body + 1])
+        if topic_end + 2 > end or not data.startswith(_ECQ_PREFIX, body + 2, topic_end):
+            return False
+        topic = utf8_or_violation(self._packets, data[body + 2:topic_end], "PUBLISH topic")
+        packet_id = data[topic_end] << 8 | data[topic_end + 1]
+        if (reason := publish_violation(topic, packet_id)) is not None:
+            raise violation(self._packets, reason)
+        self._plugin.take_ecq_write(self._handler, topic, packet_id, data[topic_end + 2:end])
+        return True
+
+    def _resolve_ecq_puback(self, data: bytes, body: int) -> bool:
+        """Resolve the delivery a PUBACK acknowledges, if it is an ECQ delivery waiting for it (amqtt's
+        ``handle_puback``, through ``acks.handle_puback_at_once``, handles every other PUBACK)."""
+        packet_id = data[body] << 8 | data[body + 1]
+        waiter = self._handler._puback_waiters.get(packet_id)
+        message = self._handler.session.inflight_out.get(packet_id)
+        if waiter is None or waiter.done() or message is None or not is_ecq_topic(message.topic):
+            return False
+        waiter.set_result(None)
+        return True
+
+    async def _hand_to_amqtt(self, first: int, body: bytes) -> None:
+        """What amqtt's reader does with one packet, decoded from its bytes: PACKET_RECEIVED, then its handler
+        method in a task (CONNECT awaited; a reserved type closes the connection); a packet amqtt cannot decode
+        (MQTTError, NoDataError) is dropped, as amqtt's reader drops it."""
+        handler, kind = self._handler, first >> 4
+        if kind in (RESERVED_0, RESERVED_15):
+            log.warning("%s sent a reserved packet type %d: closing the connection", client_id(handler), kind)
+            await handler.handle_connection_closed()
+            return
+        header = MQTTFixedHeader(kind, first & 0x0F, len(body))
+        try:
+            packet = await packet_class(header).from_stream(self._packets.load(body), fixed_header=header)
+            await handler.plugins_manager.fire_event(MQTTEvents.PACKET_RECEIVED, packet=packet, session=handler.session)
+            if kind == CONNECT:
+                await handler.handle_connect(packet)
+            else:
+                self._running.append(asyncio.create_task(getattr(handler, _HANDLERS[kind])(packet)))
+        except (MQTTError, NoDataError) as exc:
+            log.debug("%s: packet type %d discarded: %r", client_id(handler), kind, exc)
+
+    def _arm_keepalive(self) -> None:
+        if self._keepalive_s is not None:
+            self._timer = self._loop.call_at(self._last_packet + self._keepalive_s, self._keepalive_due)
+
+    def _keepalive_due(self) -> None:
+        """The keepalive timer: re-armed from the last whole packet, or the handler's read timeout is due."""
+        if self._last_packet + self._keepalive_s - self._loop.time() > 0.001:
+            self._arm_keepalive()
+            return
+        log.debug("%s: no packet within %s s", client_id(self._handler), self._keepalive_s)
+        self._handler.handle_read_timeout()
+        self._last_packet = self._loop.time()  # as amqtt's reader, wait a whole period again
+        self._arm_keepalive()
+
