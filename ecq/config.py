@@ -116,7 +116,7 @@ class EcqSettings(BaseModel):
     events: StrictBool = Field(default=True, description="record queue events and export them to lake_dir")
     lake_dir: Path | None = Field(default=None, description="Parquet event lake; None = <data_dir>/lake")
     export_interval: Timer = Field(default=1.0, description="time between event exports")
-    lake_file_rows: Int = Field(default=100_000, ge=1, le=10_000_000,
+    lake_file_rows: Int = Field(default=1_000, ge=1, le=10_000_000,
                                 description="a lake file is written once this many events wait (at most this many)")
     lake_file_bytes: Int = Field(default=64 * 1024 * 1024, ge=1024, description="... or this many bytes of encoded "
                                  "events (at most events_max_bytes / 4 is used)")

@@ -106,7 +106,7 @@ async def test_the_age_bound_flushes_a_trickle(tmp_path):
 
 def test_the_file_options_are_validated_and_the_byte_bound_stays_below_the_buffer():
     settings = EcqSettings()
-    assert (settings.lake_file_rows, settings.lake_file_bytes, settings.lake_file_age) == (100_000, 64 << 20, 60.0)
+    assert (settings.lake_file_rows, settings.lake_file_bytes, settings.lake_file_age) == (1_000, 64 << 20, 60.0)
     assert lake_file_bytes(settings) == 64 << 20
     assert lake_file_bytes(EcqSettings(events_max_bytes=16 << 20)) == 4 << 20
     assert EcqSettings(lake_file_age="5m").lake_file_age == 300.0

@@ -11,14 +11,16 @@ Files being written are hidden (``.part-...parquet.tmp``), which Spark and pyarr
 (ecq/pipeline/compact.py); the exporter neither reads nor deletes those.
 
 File sizing: the exporter lets events gather in the buffer and writes a file only once the buffer holds
-``batch_items`` events (plugin option ``lake_file_rows``, default 100 000) or ``batch_bytes`` bytes of
+``batch_items`` events (plugin option ``lake_file_rows``, default 1 000) or ``batch_bytes`` bytes of
 encoded events (``lake_file_bytes``, default 64 MiB), or once ``max_age_s`` seconds (``lake_file_age``,
 default 60 s) have passed since it first saw an event waiting after its previous file; it then pops one
 batch of at most that many events and bytes, so a file is still one popped batch. It looks every
 ``interval_s`` (``export_interval``), so an event reaches the lake at most about ``max_age_s`` + 2 x
-``interval_s`` after it was buffered. Why these defaults: 100 000 events are about 9 MB encoded and a
-1-4 MB zstd Parquet file, decoded and written in about 0.4 s, during which the queue thread takes no
-new events (the recorder's in-memory deque holds 100 000); 64 MiB bounds a batch of large events (long
+``interval_s`` after it was buffered. Why these defaults: the export runs in the recorder's thread, which
+shares the GIL with the event loop, and the larger the file the more it holds up deliveries while events
+pour in (a GC pass over 200,000 entries beside 250 deliveries/s: delivery p99 1.6x its value without GC at
+1,000 rows, 3.5x at 10,000, 5.9x at 100,000; scripts/bench --scenario scale, 2-core dev VM); ``ecq pipeline
+compact`` makes each finished hour one file anyway. 64 MiB bounds a batch of large events (long
 ``refused`` topics) in memory; 60 s keeps the lake about a minute behind the broker, giving at most 60
 files an hour per broker at low rates, which ``ecq pipeline compact`` merges into one per hour.
 `close` exports everything buffered, whatever the bounds.
@@ -170,7 +172,7 @@ class LakeExporter:
     ``max_backoff_s`` seconds. Sizing, layout and the exactly-once rule: see the module docstring.
     """
 
-    def __init__(self, recorder: EventRecorder, lake_dir: Path, batch_items: int = 100_000,
+    def __init__(self, recorder: EventRecorder, lake_dir: Path, batch_items: int = 1_000,
                  interval_s: float = 1.0, max_backoff_s: float = 30.0, *,
                  batch_bytes: int = 64 * 1024 * 1024, max_age_s: float = 0.0) -> None:
         self.lake_dir = Path(lake_dir)
