@@ -3,6 +3,8 @@ saved, redelivery of only the unacked after a reattach, compaction of a read-ahe
 
 from __future__ import annotations
 
+import asyncio
+import random
 import time
 
 import pytest
@@ -23,6 +25,7 @@ class Seen:
     def __init__(self) -> None:
         self.sends: list[tuple[int, int]] = []
         self.acks: list[int] = []
+        self.reads = 0  # store reads the consumer made
 
     def delivered(self, clientid: str, message: Message, attempt: int) -> None:
         self.sends.append((message.seqno, attempt))
@@ -31,13 +34,24 @@ class Seen:
         self.acks.append(message.seqno)
 
 
-@pytest.fixture
-async def parts(tmp_path):
+def tell_appends(consumers: list[Consumer], with_message: bool):
+    """A writer pool's on_commit that tells each consumer of its queue's appends, like the engine: with the
+    committed message (an embedded store's own commits) or without it (a shared store's watch)."""
+    def on_commit(ops, results) -> None:
+        for op, result in zip(ops, results):
+            for consumer in (c for c in consumers if isinstance(op, Append) and op.clientid == c.clientid):
+                message = Message(result.seqno, op.key, op.payload, op.ts_ms) if with_message else None
+                consumer.appended(result.seqno, op.key, message)
+    return on_commit
+
+
+@pytest.fixture(params=["read", "from_commit"])
+async def parts(tmp_path, request):
+    """Store, pool, reader, consumers; every test runs twice: appends told without their message (each is read
+    from the store) and with it (a caught-up consumer takes it from the commit)."""
     store = LevelDbStore(tmp_path / "db")
     consumers: list[Consumer] = []
-    pool = WriterPool(store, 2, lambda ops, results: [c.appended(r.seqno, op.key) for c in consumers
-                                                     for op, r in zip(ops, results) if isinstance(op, Append)
-                                                     and op.clientid == c.clientid])
+    pool = WriterPool(store, 2, tell_appends(consumers, with_message=request.param == "from_commit"))
     pool.start()
     reader = BatchedReader(threads=2)
     yield store, pool, reader, consumers
@@ -51,8 +65,13 @@ async def parts(tmp_path):
 def make_consumer(parts, window: int = 2, state: AckState | None = None) -> tuple[Consumer, Seen]:
     store, pool, reader, consumers = parts
     seen = Seen()
+
+    def read(func, *args):
+        seen.reads += 1
+        return reader.read(store.run, func, *args)
+
     consumer = Consumer("q", state or AckState(), store=store, pool=pool, publish=publish, observer=seen,
-                        read=lambda func, *args: reader.read(store.run, func, *args),
+                        read=read,
                         read_deadline=SharedDeadline(5.0, "test read"), window=window, retention_s=3600)
     consumers.append(consumer)
     return consumer, seen
@@ -112,6 +131,42 @@ async def test_appends_while_attached_are_delivered_and_compaction_drops_a_super
     await settle(lambda: consumer.state.acked == 3)
     assert [topic for topic, _payload in connection.sent] == ["$ECQ/q/k", "$ECQ/q/other"]
     assert parts[0].queue_range("q") == (1, 3, 2)
+
+
+async def test_a_caught_up_consumer_takes_each_append_from_its_commit_without_a_store_read(parts, request):
+    consumer, seen = make_consumer(parts, window=4)
+    connection = FakeConnection()
+    consumer.attach(connection)
+    await settle(lambda: seen.reads == 1 and not consumer.behind)  # the attach's read: the queue is empty
+    for n in range(20):
+        await write(parts, f"k{n}")
+        await settle(lambda: len(connection.sent) == n + 1)
+        connection.ack()
+        await settle(lambda: consumer.state.acked == n + 1)
+    assert [payload for _topic, payload in connection.sent] == [f"k{n}".encode() for n in range(20)]
+    assert seen.reads == (1 if request.node.callspec.params["parts"] == "from_commit" else 21)
+
+
+async def test_appends_racing_reads_and_acks_are_each_delivered_once_and_in_order(parts):
+    # Bursts larger than the window make the consumer fall behind and read while more appends commit; the
+    # entries taken from commits and those read must join without a gap or a repeat.
+    rng = random.Random(7)
+    consumer, seen = make_consumer(parts, window=3)
+    connection = FakeConnection()
+    consumer.attach(connection)
+    written = 0
+    for _round in range(40):
+        burst = rng.choice([1, 1, 2, 5, 9])
+        await write(parts, *(f"k{written + i}" for i in range(burst)))
+        written += burst
+        for _ in range(rng.randint(0, 3)):
+            connection.ack(rng.randint(1, 3))
+            await asyncio.sleep(0)
+    while consumer.state.acked < written:
+        connection.ack()
+        await settle(lambda: connection.unacked or consumer.state.acked == written)
+    assert [payload for _topic, payload in connection.sent] == [f"k{n}".encode() for n in range(written)]
+    assert seen.sends == [(n, 1) for n in range(1, written + 1)]
 
 
 class SlowAckSaves(LevelDbStore):

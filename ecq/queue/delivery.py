@@ -15,7 +15,10 @@ save (disk full) is retried every ``SAVE_RETRY_S`` and holds delivery meanwhile.
 
 The consumer reads up to one window ahead of what is in flight, so one store read (a thread hop)
 serves about one window of PUBACKs instead of each PUBACK causing a read (the reads benchmark's profile). A
-read-ahead message that compaction superseded meanwhile is dropped, one that expired is skipped.
+read-ahead message that compaction superseded meanwhile is dropped, one that expired is skipped. A consumer
+that has read everything stored (the realtime case) takes a new append straight from its commit
+(:meth:`Consumer.appended` with the message), without a store read: Kafka's consumers read the tail of a log
+from the page cache for the same reason.
 
 With ``tombstones`` on, an acked entry with an empty payload (a tombstone) is deleted once the save holding
 its ack is committed: an Expire op with reason ``tombstone_acked`` through the queue's writer agent.
@@ -171,13 +174,27 @@ class Consumer:
         not sent."""
         self._ready = deque(m for m in self._ready if m.seqno not in seqnos)
 
-    def appended(self, seqno: int, key: str) -> None:
+    def appended(self, seqno: int, key: str, message: Message | None = None) -> None:
         """Message ``seqno`` was just committed to this queue under ``key``, replacing its older values
-        (compaction): deliver it, and drop an older value of ``key`` read ahead, so a superseded value is not sent."""
-        self._newest = max(self._newest, seqno)
+        (compaction): deliver it, and drop an older value of ``key`` read ahead, so a superseded value is not sent.
+
+        ``message`` is the committed entry itself. It is given only by a store whose appends are told in seqno
+        order (this broker's own commits of an embedded store). When every stored entry before it was read, it
+        joins the read-ahead directly and no store read is made for it.
+        """
         if self._ready:
             self._ready = deque(m for m in self._ready if m.key != key or m.seqno >= seqno)
+        if message is not None and self._takes_from_commit(seqno):
+            self._ready.append(message)
+            self._read_cursor = seqno
+        self._newest = max(self._newest, seqno)
         self._wake.set()
+
+    def _takes_from_commit(self, seqno: int) -> bool:
+        """True when entry ``seqno``, just committed, is the next one this connection would read: everything
+        stored up to the read cursor was read (``_newest`` is the cursor, never true while a read is in flight,
+        since a read starts only behind) and the read-ahead has room."""
+        return self.online and self._newest == self._read_cursor < seqno and len(self._ready) < self._window
 
     async def _pump(self) -> None:
         while True:

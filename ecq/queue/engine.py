@@ -184,10 +184,14 @@ class QueueEngine:
         self._traffic += 1
         self._stored_entries += 1 - len(result.replaced)
         self._stored_bytes += len(op.payload) - result.replaced_bytes
-        self._tell_consumer(op.clientid, result.seqno, op.key)
+        if (consumer := self.consumers.get(op.clientid)) and consumer.online:
+            # A shared store's appends by other brokers arrive by watch, later and in any order with these:
+            # only an embedded store's own commits are told in seqno order, so only they carry the message.
+            message = None if self.store.shared else Message(result.seqno, op.key, op.payload, op.ts_ms)
+            consumer.appended(result.seqno, op.key, message)
 
     def _tell_consumer(self, clientid: str, seqno: int, key: str) -> None:
-        """Entry ``seqno`` was stored under ``key`` (by this broker, or another one of a cluster)."""
+        """Entry ``seqno`` was stored under ``key`` by another broker of a cluster (a shared store's watch)."""
         if (consumer := self.consumers.get(clientid)) and consumer.online:
             consumer.appended(seqno, key)
 
