@@ -3,8 +3,9 @@
 A PUBLISH to ``census/ask`` makes it count the objects alive whose class is amqtt's ``BrokerProtocolHandler``
 (one per connection), asyncio's ``StreamReader`` and amqtt's ``Session``, first as they are (what reference
 counting has not freed: ``"live"``), then after a full garbage collection (what is still referenced:
-``"referenced"``), and broadcast both as JSON on ``census/answer``. Tests use it to see what a closed
-connection leaves behind in the broker process.
+``"referenced"``), and broadcast both as JSON on ``census/answer``, with ``"session_reprs"``: how many times
+``Session.__repr__`` ran in the broker process since the plugin started. Tests use it to see what a closed
+connection leaves behind in the broker process, and what work a packet caused.
 """
 
 from __future__ import annotations
@@ -27,12 +28,24 @@ COUNTED = {"handlers": BrokerProtocolHandler, "stream_readers": asyncio.StreamRe
 class CensusPlugin(BasePlugin[BrokerContext]):
     """Answer ``census/ask`` with the live object counts on ``census/answer`` (see the module docstring)."""
 
+    session_reprs = 0
+
+    def __init__(self, context: BrokerContext) -> None:
+        super().__init__(context)
+        counted = Session.__repr__
+
+        def counting_repr(session: Session) -> str:
+            CensusPlugin.session_reprs += 1
+            return counted(session)
+
+        Session.__repr__ = counting_repr
+
     async def on_broker_message_received(self, *, client_id: str, message: Any) -> None:
         if message is None or message.topic != ASK:
             return
         live = _counts()
         gc.collect()
-        answer = {"live": live, "referenced": _counts()}
+        answer = {"live": live, "referenced": _counts(), "session_reprs": CensusPlugin.session_reprs}
         await self.context.broadcast_message(ANSWER, json.dumps(answer).encode(), qos=1)
 
 

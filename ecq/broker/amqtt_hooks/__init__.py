@@ -9,7 +9,8 @@ is seen only through the :class:`EcqHooksTarget` protocol, so nothing here impor
 docstring names the amqtt behaviour it replaces. One module per concern:
 
 - :mod:`.ecq_paths`: ECQ's own paths (PUBLISH and SUBSCRIBE under ``$ECQ/``), batched socket writes
-  (:func:`send_soon`), the QoS 1 delivery and acknowledgement flows, connection accessors, listen backlog;
+  (:func:`send_soon`), the QoS 1 delivery and acknowledgement flows, connection accessors, listen backlog, a
+  subscriptions map whose repr does not format every subscriber;
 - :mod:`.acks`: an acknowledged message stays acknowledged; a persistent-session takeover closes only the
   old connection;
 - :mod:`.bad_clients`: sockets closed on every path, CONNECT timeout, packet size and protocol checks
@@ -36,12 +37,12 @@ from ecq.broker.amqtt_hooks.cluster import broadcast_from_cluster
 from ecq.broker.amqtt_hooks.conformance import set_session_expiry
 from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge_soon, client_id, close_connection, connection_is_open,
                                               listener_addresses, live_connection, publish_qos1, send_soon,
-                                              set_listen_backlog)
+                                              set_listen_backlog, shorten_subscriptions_repr)
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 
 __all__ = ["EcqHooksTarget", "ProtocolViolation", "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection",
            "connection_is_open", "install", "listener_addresses", "live_connection", "publish_qos1", "send_soon", "set_listen_backlog",
-           "set_session_expiry"]
+           "set_session_expiry", "shorten_subscriptions_repr"]
 
 
 def install(plugin_class: type[EcqHooksTarget]) -> None:

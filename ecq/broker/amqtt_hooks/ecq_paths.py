@@ -204,6 +204,23 @@ def set_listen_backlog(context: BrokerContext, backlog: int) -> int:
     return len(sockets)
 
 
+class _SubscriptionMap(dict):
+    """amqtt's map of topic filter -> [(session, QoS)], with a repr that names its size instead of every entry."""
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} topic filters>"
+
+
+def shorten_subscriptions_repr(context: BrokerContext) -> None:
+    """amqtt 0.12.1's ``Broker._client_message_loop`` runs ``logger.debug(repr(self._subscriptions))`` after every
+    SUBSCRIBE: the argument is formatted even when debug logging is off, down to each subscriber's
+    ``Session.__repr__``. Each SUBSCRIBE cost time in proportion to every subscription of every client, so a storm
+    of N consumers subscribing cost O(N^2) (1.9 % of the broker's samples while 1,000 consumers connected). The
+    map keeps its contents and type (a dict); only its repr is short."""
+    broker = context._broker_instance
+    broker._subscriptions = _SubscriptionMap(broker._subscriptions)
+
+
 def listener_addresses(context: BrokerContext) -> list[str]:
     """``host:port`` of every TCP socket the broker's MQTT listeners listen on (IPv6 hosts in brackets)."""
     addresses = []
