@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
+from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.harness import BrokerProcess, Client
 
@@ -30,6 +33,23 @@ def broker_process(tmp_path):
 def make_broker(broker_process):
     """Factory: make_broker(**plugin_options) -> started BrokerProcess; every one is killed at teardown."""
     return lambda **options: broker_process(**options).start()
+
+
+@pytest.fixture
+def broker_with_plugin(broker_process, monkeypatch):
+    """Factory: broker_with_plugin(plugin_path, **plugin_options) -> a started BrokerProcess that also loads the
+    test-only amqtt plugin ``plugin_path`` (a class in a module under tests/, e.g. tests.census_plugin)."""
+    repo = str(Path(__file__).resolve().parent.parent)  # the broker process imports the plugin's module
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+
+    def factory(plugin_path: str, **options) -> BrokerProcess:
+        broker = broker_process(**options)
+        config = yaml.safe_load(broker.config_path.read_text())
+        config["plugins"][plugin_path] = {}
+        broker.config_path.write_text(yaml.safe_dump(config))
+        return broker.start()
+
+    return factory
 
 
 @pytest.fixture(scope="session")

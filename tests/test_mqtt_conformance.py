@@ -8,14 +8,10 @@ withhold acknowledgements. Section numbers are those of the MQTT 3.1.1 standard.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import struct
 import time
 from dataclasses import dataclass
-from pathlib import Path
-
-import yaml
 
 from tests.census_plugin import ANSWER as CENSUS_ANSWER, ASK as CENSUS_ASK, PLUGIN_PATH as CENSUS
 from tests.harness import RawClient, metrics_text, wait_until, write
@@ -424,21 +420,10 @@ def census(asker, connected: int) -> dict:
     return answer
 
 
-def census_broker(broker_process, monkeypatch):
-    """A started broker with the census test plugin (tests/census_plugin.py) among its plugins."""
-    repo = str(Path(__file__).resolve().parent.parent)  # the broker process imports tests.census_plugin
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    broker = broker_process()
-    config = yaml.safe_load(broker.config_path.read_text())
-    config["plugins"][CENSUS] = {}
-    broker.config_path.write_text(yaml.safe_dump(config))
-    return broker.start()
-
-
-def test_a_subscribe_does_not_format_every_subscriber(broker_process, connect, monkeypatch):
+def test_a_subscribe_does_not_format_every_subscriber(broker_with_plugin, connect):
     """amqtt 0.12.1 formatted its whole subscription map after every SUBSCRIBE (for a debug line, even with debug
     logging off): N consumers subscribing cost O(N^2) Session reprs, 1,890 for these 30 (60 SUBSCRIBEs)."""
-    broker = census_broker(broker_process, monkeypatch)
+    broker = broker_with_plugin(CENSUS)
     asker = connect(broker.port, "asker")
     assert asker.subscribe(CENSUS_ANSWER) == 1
     before = census(asker, connected=1)["session_reprs"]
@@ -449,11 +434,11 @@ def test_a_subscribe_does_not_format_every_subscriber(broker_process, connect, m
 
 
 def test_an_offline_persistent_session_keeps_its_subscriptions_but_not_its_closed_connection(
-        broker_process, connect, monkeypatch):
+        broker_with_plugin, connect):
     """Section 3.1.2.4 keeps a CleanSession=0 session, not its connection: amqtt 0.12.1 kept each offline
     session's protocol handler (queues, streams, socket objects, reader task) until the session expired, and
     a closed connection's stream reader waited for Python's cyclic GC."""
-    broker = census_broker(broker_process, monkeypatch)
+    broker = broker_with_plugin(CENSUS)
     asker = connect(broker.port, "asker")
     assert asker.subscribe(CENSUS_ANSWER) == 1
     for n in range(20):

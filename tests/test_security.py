@@ -7,12 +7,8 @@ is an ordinary write. Real broker subprocess, paho clients and raw sockets over 
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
-from pathlib import Path
-
-import yaml
 
 from tests.forger_plugin import PLUGIN_PATH as FORGER
 from tests.harness import RawClient, topics_payloads, write
@@ -113,14 +109,8 @@ def test_the_ecq_will_refusal_holds_whatever_the_acl_says(make_broker, tmp_path)
     attacker.drop()
 
 
-def test_a_plugin_broadcast_or_retain_under_ecq_reaches_no_queue(tmp_path, connect, monkeypatch, broker_process):
-    repo = str(Path(__file__).resolve().parent.parent)  # the broker process imports tests.forger_plugin
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    broker = broker_process()
-    config = yaml.safe_load(broker.config_path.read_text())
-    config["plugins"][FORGER] = {}
-    broker.config_path.write_text(yaml.safe_dump(config))
-    broker.start()
+def test_a_plugin_broadcast_or_retain_under_ecq_reaches_no_queue(connect, broker_with_plugin):
+    broker = broker_with_plugin(FORGER)
     try:
         victim = subscribed(connect, broker.port, "victim")
         plain = connect(broker.port, "plain")
