@@ -189,8 +189,7 @@ async def test_a_window_emptied_by_compaction_reads_on_when_the_acks_came_during
     # it once stopped there until the next PUBACK, which never came (found running the broker tests on JetStream).
     store = SlowAckSaves(tmp_path / "db")
     consumers: list[Consumer] = []
-    pool = WriterPool(store, 1, lambda ops, results: [c.appended(r.seqno, op.key) for c in consumers
-                                                     for op, r in zip(ops, results) if isinstance(op, Append)])
+    pool = WriterPool(store, 1, tell_appends(consumers, with_message=False))
     pool.start()
     reader = BatchedReader(threads=1)
     parts = (store, pool, reader, consumers)

@@ -184,16 +184,16 @@ class QueueEngine:
         self._traffic += 1
         self._stored_entries += 1 - len(result.replaced)
         self._stored_bytes += len(op.payload) - result.replaced_bytes
-        if (consumer := self.consumers.get(op.clientid)) and consumer.online:
-            # A shared store's appends by other brokers arrive by watch, later and in any order with these:
-            # only an embedded store's own commits are told in seqno order, so only they carry the message.
-            message = None if self.store.shared else Message(result.seqno, op.key, op.payload, op.ts_ms)
-            consumer.appended(result.seqno, op.key, message)
+        # A shared store's appends by other brokers arrive by watch, later and in any order with these: only an
+        # embedded store's own commits are told in seqno order, so only they hand over the committed entry.
+        self._tell_consumer(op.clientid, result.seqno, op.key, None if self.store.shared else op)
 
-    def _tell_consumer(self, clientid: str, seqno: int, key: str) -> None:
-        """Entry ``seqno`` was stored under ``key`` by another broker of a cluster (a shared store's watch)."""
+    def _tell_consumer(self, clientid: str, seqno: int, key: str, committed: Append | None = None) -> None:
+        """Entry ``seqno`` was stored under ``key`` (by this broker, or another one of a cluster); ``committed`` is
+        the Append op that stored it when its consumer may take the entry without a store read."""
         if (consumer := self.consumers.get(clientid)) and consumer.online:
-            consumer.appended(seqno, key)
+            message = Message(seqno, key, committed.payload, committed.ts_ms) if committed else None
+            consumer.appended(seqno, key, message)
 
     def _wake_online(self) -> None:
         for consumer in self.consumers.values():
