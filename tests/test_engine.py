@@ -183,3 +183,30 @@ async def test_a_rewind_of_an_online_consumer_restarts_its_delivery_at_once(engi
     assert await engine.rewind("on", RewindPoint("earliest")) == 0
     await settle(lambda: len(connection.sent) == 4)
     assert connection.sent[2:] == [("$ECQ/on/a", b"a"), ("$ECQ/on/b", b"b")]
+
+
+class CountedReads(LevelDbStore):
+    """LevelDB that counts the queue reads delivery makes (``read_after``)."""
+
+    reads = 0
+
+    def read_after(self, *args, **kwargs):
+        CountedReads.reads += 1
+        return super().read_after(*args, **kwargs)
+
+
+async def test_an_online_consumer_gets_this_brokers_writes_without_a_store_read(tmp_path):
+    engine = QueueEngine(settings(tmp_path), publish, store=CountedReads(tmp_path / "db"))
+    await engine.start()
+    try:
+        connection = FakeConnection()
+        await engine.attach("c1", connection)
+        await settle(lambda: CountedReads.reads == 1 and not engine.consumers["c1"].behind)  # the attach's read
+        for n in range(10):
+            await engine.write("c1", f"k{n}", b"v")
+            await settle(lambda: len(connection.sent) == n + 1)
+            connection.ack()
+        assert [topic for topic, _payload in connection.sent] == [f"$ECQ/c1/k{n}" for n in range(10)]
+        assert CountedReads.reads == 1
+    finally:
+        await engine.close()
