@@ -12,6 +12,8 @@ corrupt store; for ``repair``, a store it cannot repair), 2 usage or configurati
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import dataclasses
 import gc as pygc  # the name gc is the `ecq gc` command below
 import logging
@@ -231,10 +233,18 @@ def _tune_python_runtime() -> None:
     buffer, lake export, batched store reads) runs Python meanwhile, the loop gets the GIL back only after
     the switch interval. At CPython's 5 ms, an event loop writing to a socket beside one busy thread
     managed one write per 140 us instead of 11 us; at 0.5 ms, one per 32 us (measured on this machine).
+
+    Start-up reads every stored row (the store check, the stored totals, the lag index), and glibc keeps the heap
+    that freed mapped, counted in RSS, until it happens to release it: ``malloc_trim`` gives it back now (1M
+    entries: anonymous memory 114 MB before the trim, 94 MB after). Elsewhere than glibc nothing is done.
     """
     pygc.freeze()
     pygc.set_threshold(GC_YOUNG_THRESHOLD, 20, 10)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    libc_name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(libc_name) if libc_name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def _reload_acl(plugin: EcqPlugin) -> None:

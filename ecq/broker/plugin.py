@@ -10,8 +10,6 @@ event stream (:mod:`ecq.broker.observers`). Options: :class:`ecq.config.EcqSetti
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import dataclasses
 import logging
 from typing import Any
@@ -106,7 +104,6 @@ class EcqPlugin(BaseTopicPlugin):
         else:
             self.events = None
         await self.engine.start()
-        return_freed_heap()
         if self.settings.backend == "jetstream":
             await self._join_cluster()
         if self.settings.admin_bind:
@@ -242,16 +239,3 @@ class EcqPlugin(BaseTopicPlugin):
     async def on_broker_client_disconnected(self, client_id: str, client_session: Session) -> None:
         """Detach a consumer whose connection closed (see QueueSessions.disconnected)."""
         await self.sessions.disconnected(client_id)
-
-
-def return_freed_heap() -> None:
-    """Give the heap memory that start-up freed back to the OS (glibc ``malloc_trim``; elsewhere nothing).
-
-    Start-up reads every stored row (the store check, the stored totals, the lag index): 1M entries left about
-    20 MB of freed but still mapped heap, counted in RSS until glibc happens to release it (measured: anonymous
-    memory 114 MB before the trim, 94 MB after).
-    """
-    libc_name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(libc_name) if libc_name else None
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
