@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from amqtt.broker import BrokerContext
 from amqtt.contexts import Action
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
-from amqtt.mqtt.publish import PublishPacket
 from amqtt.plugins.base import BaseTopicPlugin
 from amqtt.session import Session
 
@@ -180,13 +180,14 @@ class EcqPlugin(BaseTopicPlugin):
 
     # --- writes and access control (called by ecq.broker.amqtt_hooks) -------------------------------
 
-    async def handle_ecq_publish(self, handler: BrokerProtocolHandler, packet: PublishPacket) -> None:
-        """Store a valid write under ``$ECQ/`` and acknowledge it; refuse the rest (see EcqWrites.publish)."""
-        await self.writes.publish(handler, packet)
+    def take_ecq_write(self, handler: BrokerProtocolHandler, topic: str, qos: int, packet_id: int | None,
+                       payload: bytes) -> None:
+        """Take a PUBLISH under ``$ECQ/`` as the packet reader reads it (see EcqWrites.take)."""
+        self.writes.take(handler, topic, qos, packet_id, payload)
 
-    def take_ecq_write(self, handler: BrokerProtocolHandler, topic: str, packet_id: int, payload: bytes) -> None:
-        """Take a QoS 1 PUBLISH under ``$ECQ/`` straight from the packet reader (see EcqWrites.take_qos1)."""
-        self.writes.take_qos1(handler, topic, packet_id, payload)
+    def hold_acknowledgement(self, handler: BrokerProtocolHandler) -> Callable[[Callable[[], None] | None], None]:
+        """A place in the connection's PUBACK order for a plain QoS 1 PUBLISH (see EcqWrites.hold_acknowledgement)."""
+        return self.writes.hold_acknowledgement(handler)
 
     def count_fast_path(self, publishes: int, pubacks: int) -> None:
         """Count packets the framer took without amqtt's packet objects (``ecq_fast_path_packets_total``)."""
@@ -194,6 +195,10 @@ class EcqPlugin(BaseTopicPlugin):
             self.metrics.fast_path_publishes.inc(publishes)
         if pubacks:
             self.metrics.fast_path_pubacks.inc(pubacks)
+
+    def count_protocol_violation(self) -> None:
+        """Count a connection closed for a malformed packet (``ecq_protocol_violations_total``)."""
+        self.metrics.protocol_violations.inc()
 
     def session_message_dropped(self, clientid: str, topic: str, reason: str) -> None:
         """Count a message of an ordinary topic dropped from ``clientid``'s persistent session because a bound

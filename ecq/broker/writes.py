@@ -13,7 +13,6 @@ from collections import deque
 from collections.abc import Callable
 
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
-from amqtt.mqtt.publish import PublishPacket
 
 from ecq.broker import amqtt_hooks as hooks
 from ecq.broker.access import AccessControl
@@ -42,82 +41,91 @@ class EcqWrites:
         self._order = ArrivalOrder()
         self._closing: set[asyncio.Task] = set()  # publishers being disconnected after a failed fast-path write
 
-    async def publish(self, handler: BrokerProtocolHandler, packet: PublishPacket) -> None:
-        """Take a PUBLISH under ``$ECQ/`` that amqtt decoded (in a task of its own): store a valid write, then
-        acknowledge it; refuse the rest.
+    def take(self, handler: BrokerProtocolHandler, topic: str, qos: int, packet_id: int | None,
+             payload: bytes) -> None:
+        """Take a PUBLISH under ``$ECQ/`` as the packet reader reads it (ECQ's framer, or amqtt's reader through
+        ``amqtt_hooks.take_ecq_publishes``): check it and start its write or rewind now, before the next packet is
+        read, so that every PUBLISH read before a DISCONNECT or the end of the stream is processed, in order
+        (MQTT 3.1.1 section 3.14.4), whatever its QoS.
 
-        A refused PUBLISH is logged with its reason and still acknowledged at its QoS, so the publisher
-        stays connected (MQTT 3.1.1 has no negative PUBACK). A write that cannot be stored within
-        ``write_timeout`` is not acknowledged; the publisher's connection is closed so it sends it again.
-        Acknowledgements leave in the order the PUBLISHes arrived (MQTT 3.1.1 section 4.6), see ArrivalOrder.
+        Its acknowledgement (PUBACK for QoS 1, PUBREC for QoS 2; none for QoS 0) is sent once it is stored, and
+        only after every earlier PUBLISH of the connection was acknowledged (section 4.6, see ArrivalOrder). A
+        refused PUBLISH is logged with its reason and still acknowledged at its QoS, so the publisher stays
+        connected (MQTT 3.1.1 has no negative acknowledgement). A write that cannot be stored within
+        ``write_timeout`` is not acknowledged; the publisher's connection is closed so that it sends it again.
+        A QoS 2 PUBLISH whose packet id awaits its PUBREL is a retransmit, not a new message (section 4.3.3): it
+        gets the first one's PUBREC and is not stored again (``amqtt_hooks.qos2_receipts``).
         """
-        topic, payload, qos, packet_id = packet.topic_name, bytes(packet.data), packet.qos, packet.packet_id
-        if qos == 0:
-            await self._store(handler, topic, payload, qos, packet_id)
+        receipts = hooks.qos2_receipts(handler) if qos == 2 else None
+        if receipts is not None and packet_id in receipts:
+            self._retransmitted(handler, packet_id, receipts[packet_id])
             return
-        slot, acknowledge = self._order.enter(handler), None
-        try:
-            acknowledge = await self._store(handler, topic, payload, qos, packet_id)
-        finally:
-            self._order.done(handler, slot, acknowledge)
-
-    def take_qos1(self, handler: BrokerProtocolHandler, topic: str, packet_id: int, payload: bytes) -> None:
-        """Take a QoS 1 PUBLISH under ``$ECQ/`` straight from the packet reader (``amqtt_hooks.framer``): the same
-        checks and outcomes as :meth:`publish`, without a task: the PUBACK is sent from the commit's callback,
-        in arrival order (the slot is taken here, while the reader is on this packet)."""
-        slot, received = self._order.enter(handler), time.monotonic()
+        write = _Write(handler, topic, qos, packet_id, self._order.enter(handler) if qos else None)
+        if receipts is not None:
+            write.receipt = receipts[packet_id] = asyncio.get_running_loop().create_future()
         try:
             future = self._start(handler, topic, payload)
         except BadWrite as exc:
             self._refuse(handler, topic, exc)
-            self._order.done(handler, slot, functools.partial(hooks.acknowledge_soon, handler, 1, packet_id))
+            self._acknowledge(write)
             return
         except PoolClosed:
             log.warning("ECQ write to %r not taken: broker is shutting down", topic)
-            self._order.done(handler, slot, None)
+            self._fail(write)
             return
-        except Exception:  # the reader closes the connection; later writes must not wait for this slot
-            self._order.done(handler, slot, None)
+        except Exception:  # the reader closes the connection; later writes must not wait for this one
+            self._fail(write)
             raise
-        future.add_done_callback(functools.partial(self._committed, handler, slot, topic, packet_id, received))
+        future.add_done_callback(functools.partial(self._committed, write))
 
-    def _committed(self, handler: BrokerProtocolHandler, slot: _Slot, topic: str, packet_id: int, received: float,
-                   future: asyncio.Future) -> None:
-        if self._outcome(handler, topic, received, future):
-            self._order.done(handler, slot, functools.partial(hooks.acknowledge_soon, handler, 1, packet_id))
-            return
-        closing = asyncio.ensure_future(self._disconnect_publisher(handler, slot))
+    def hold_acknowledgement(self, handler: BrokerProtocolHandler) -> Callable[[Callable[[], None] | None], None]:
+        """A place in the connection's arrival order for a PUBLISH ECQ does not store (a plain QoS 1 one); call
+        what is returned with what sends its PUBACK (None: none is due) once it was routed."""
+        return functools.partial(self._order.done, handler, self._order.enter(handler))
+
+    def _retransmitted(self, handler: BrokerProtocolHandler, packet_id: int, first: asyncio.Future) -> None:
+        """A QoS 2 retransmit: PUBREC in its turn once the first PUBLISH's outcome is known; disconnected if the
+        first one failed (the client resends it on its next connection, which stores it)."""
+        write = _Write(handler, "", 2, packet_id, self._order.enter(handler))
+
+        def settle(outcome: asyncio.Future) -> None:
+            if outcome.result():
+                self._acknowledge(write)
+            else:
+                self._disconnect(write)
+
+        if first.done():
+            settle(first)
+        else:
+            first.add_done_callback(settle)
+
+    def _committed(self, write: _Write, future: asyncio.Future) -> None:
+        if self._outcome(write.handler, write.topic, write.received, future):
+            self._acknowledge(write)
+        else:
+            self._disconnect(write)
+
+    def _acknowledge(self, write: _Write) -> None:
+        if write.receipt is not None:
+            write.receipt.set_result(True)
+        if write.slot is not None:
+            self._order.done(write.handler, write.slot,
+                             functools.partial(hooks.acknowledge_soon, write.handler, write.qos, write.packet_id))
+
+    def _fail(self, write: _Write) -> None:
+        """The write was not taken: no acknowledgement, and a QoS 2 packet id is free again for its resend."""
+        if write.receipt is not None:
+            hooks.qos2_receipts(write.handler).pop(write.packet_id, None)
+            write.receipt.set_result(False)
+        if write.slot is not None:
+            self._order.done(write.handler, write.slot, None)
+
+    def _disconnect(self, write: _Write) -> None:
+        """Close the connection of a publisher whose write failed; its later writes get no acknowledgement on it."""
+        closing = asyncio.ensure_future(hooks.close_connection(write.handler))
         self._closing.add(closing)
         closing.add_done_callback(self._closing.discard)
-
-    async def _disconnect_publisher(self, handler: BrokerProtocolHandler, slot: _Slot) -> None:
-        """Close the connection of a publisher whose write failed; its later writes get no PUBACK on it."""
-        try:
-            await hooks.close_connection(handler)
-        finally:
-            self._order.done(handler, slot, None)
-
-    async def _store(self, handler: BrokerProtocolHandler, topic: str, payload: bytes, qos: int,
-                     packet_id: int | None) -> Callable[[], None] | None:
-        """Store or refuse one PUBLISH; returns what sends its acknowledgement (None: none is due, the write
-        failed and the publisher's connection is closed)."""
-        received = time.monotonic()
-        try:
-            future = self._start(handler, topic, payload)
-        except BadWrite as exc:
-            self._refuse(handler, topic, exc)
-            return lambda: hooks.acknowledge_soon(handler, qos, packet_id)
-        except PoolClosed:
-            log.warning("ECQ write to %r not taken: broker is shutting down", topic)
-            return None
-        try:
-            await future
-        except Exception:  # judged by _outcome
-            pass
-        if self._outcome(handler, topic, received, future):
-            return lambda: hooks.acknowledge_soon(handler, qos, packet_id)
-        await hooks.close_connection(handler)
-        return None
+        closing.add_done_callback(lambda _closed: self._fail(write))
 
     def _start(self, handler: BrokerProtocolHandler, topic: str, payload: bytes) -> asyncio.Future:
         """Check a PUBLISH under ``$ECQ/`` and start its write or rewind; the future resolves once it is stored.
@@ -171,15 +179,15 @@ class EcqWrites:
 
 
 class ArrivalOrder:
-    """Per connection, its QoS 1/2 writes in arrival order, so that a PUBACK (or PUBREC) leaves only after every
-    earlier write of that connection was acknowledged, refused or failed (MQTT 3.1.1 section 4.6), while writes
-    of different connections, and the commits of one connection's writes to different writer agents, still run
-    side by side.
+    """Per connection, its QoS 1/2 PUBLISHes in arrival order (``$ECQ/`` writes and plain QoS 1 PUBLISHes), so that
+    a PUBACK (or PUBREC) leaves only after every earlier PUBLISH of that connection was acknowledged, refused or
+    failed (MQTT 3.1.1 section 4.6), while writes of different connections, and the commits of one connection's
+    writes to different writer agents, still run side by side.
 
-    amqtt starts one task per PUBLISH in the order the packets were read; :meth:`enter` is called before that
-    task's first await, so the order of the slots is the arrival order. :meth:`done` sends, at once and in
-    order, every acknowledgement at the head of the queue that is ready: acknowledgements that come due together
-    leave in one socket write (``send_soon``) and no write waits an extra event-loop iteration.
+    :meth:`enter` is called while the packet reader is on the PUBLISH, so the order of the slots is the arrival
+    order. :meth:`done` sends, at once and in order, every acknowledgement at the head of the queue that is
+    ready: acknowledgements that come due together leave in one socket write (``send_soon``) and no write waits
+    an extra event-loop iteration.
     """
 
     def __init__(self) -> None:
@@ -210,3 +218,16 @@ class _Slot:
     def __init__(self) -> None:
         self.acknowledge: Callable[[], None] | None = None
         self.ready = False
+
+
+class _Write:
+    """One PUBLISH under ``$ECQ/`` on its way: where it came from, its place in the arrival order (None at QoS 0),
+    and for QoS 2 the future its retransmits wait on (see ``amqtt_hooks.qos2_receipts``)."""
+
+    __slots__ = ("handler", "packet_id", "qos", "receipt", "received", "slot", "topic")
+
+    def __init__(self, handler: BrokerProtocolHandler, topic: str, qos: int, packet_id: int | None,
+                 slot: _Slot | None) -> None:
+        self.handler, self.topic, self.qos, self.packet_id, self.slot = handler, topic, qos, packet_id, slot
+        self.received = time.monotonic()
+        self.receipt: asyncio.Future | None = None

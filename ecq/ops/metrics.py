@@ -39,8 +39,10 @@ class EcqMetrics:
             "ecq_session_dropped", "messages of ordinary topics dropped from a persistent session: queue_full "
             "(session_max_queued), inflight_full (session_max_inflight)", ["reason"], registry=r)
         fast_path = Counter("ecq_fast_path_packets", "packets read on the fast path (fast_path: true), by type: publish "
-                            "(QoS 1 under $ECQ/), puback (of an ECQ delivery)", ["packet"], registry=r)
+                            "(under $ECQ/), puback (of an ECQ delivery)", ["packet"], registry=r)
         self.fast_path_publishes, self.fast_path_pubacks = fast_path.labels("publish"), fast_path.labels("puback")
+        self.protocol_violations = Counter("ecq_protocol_violations", "connections closed for a malformed packet or "
+                                           "a protocol violation (MQTT 3.1.1 section 4.8)", registry=r)
         self.gc_runs = Counter("ecq_gc_runs", "garbage collection passes", registry=r)
         self.store_errors = Counter("ecq_store_errors", "LevelDB operations that failed, by op (read: a damaged "
                                     "block stopped a queue's delivery; write: a commit failed)", ["op"], registry=r)

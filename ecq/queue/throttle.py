@@ -6,19 +6,23 @@ import time
 
 
 class LogThrottle:
-    """Say yes at most once per ``interval_s`` seconds (time.monotonic) to "log this failure now?"."""
+    """Say yes at most ``burst`` times per ``interval_s`` seconds (time.monotonic) to "log this failure now?"."""
 
-    def __init__(self, interval_s: float) -> None:
-        self.interval_s = interval_s
-        self._next_at = float("-inf")
+    def __init__(self, interval_s: float, burst: int = 1) -> None:
+        self.interval_s, self.burst = interval_s, burst
+        self._window_ends = float("-inf")
+        self._logged = 0
         self._held_back = 0
 
     def due(self) -> int | None:
         """None when this occurrence is to be held back; otherwise how many were held back since the last
-        logged one (then the next interval starts)."""
+        logged one. An interval starts with the first occurrence after the previous one ended."""
         now = time.monotonic()
-        if now < self._next_at:
+        if now >= self._window_ends:
+            self._window_ends, self._logged = now + self.interval_s, 0
+        if self._logged >= self.burst:
             self._held_back += 1
             return None
-        held, self._next_at, self._held_back = self._held_back, now + self.interval_s, 0
+        self._logged += 1
+        held, self._held_back = self._held_back, 0
         return held

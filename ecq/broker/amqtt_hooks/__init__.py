@@ -37,12 +37,12 @@ from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import broadcast_from_cluster
 from ecq.broker.amqtt_hooks.conformance import set_session_expiry
 from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge_soon, client_id, close_connection, connection_is_open,
-                                              listener_addresses, live_connection, publish_qos1, send_soon,
+                                              listener_addresses, live_connection, publish_qos1, qos2_receipts, send_soon,
                                               set_listen_backlog, shorten_subscriptions_repr)
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 
 __all__ = ["EcqHooksTarget", "ProtocolViolation", "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection",
-           "connection_is_open", "install", "listener_addresses", "live_connection", "publish_qos1", "send_soon", "set_listen_backlog",
+           "connection_is_open", "install", "listener_addresses", "live_connection", "publish_qos1", "qos2_receipts", "send_soon", "set_listen_backlog",
            "set_session_expiry", "shorten_subscriptions_repr"]
 
 
@@ -52,6 +52,7 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     if not target.register(plugin_class):
         return
     ecq_paths.take_ecq_publishes()
+    ecq_paths.release_ecq_qos2_writes()
     ecq_paths.grant_ecq_subscriptions()
     ecq_paths.accept_ecq_wildcards()
     acks.resolve_pubacks_at_once()

@@ -18,7 +18,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.puback import PubackPacket
 from amqtt.session import Session
 
-from ecq.broker.amqtt_hooks.ecq_paths import client_id
+from ecq.broker.amqtt_hooks.ecq_paths import client_id, no_op
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +70,6 @@ def read_to_the_end_after_a_reset() -> None:
             del reader.set_exception  # transport and socket waited for Python's cyclic GC (1,853 of 2,000 seen)
 
     Broker.stream_connected = stream_connected
-
-
-async def no_op() -> None:
-    """A coroutine that does nothing: what a synchronous ``handle_puback`` returns for amqtt to schedule."""
-    return None
 
 
 def keep_the_new_connection_on_persistent_takeover() -> None:

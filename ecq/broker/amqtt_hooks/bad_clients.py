@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,8 @@ from amqtt.adapters import StreamWriterAdapter
 from amqtt.broker import Broker
 from amqtt.codecs_amqtt import decode_packet_id, read_or_raise
 from amqtt.errors import AMQTTError, MQTTError, NoDataError
-from amqtt.mqtt.packet import PUBLISH, MQTTFixedHeader
+from amqtt.mqtt.packet import (DISCONNECT, PINGREQ, PUBACK, PUBCOMP, PUBLISH, PUBREC, PUBREL, RESERVED_0, RESERVED_15,
+                               SUBSCRIBE, UNSUBSCRIBE, MQTTFixedHeader)
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.publish import PublishVariableHeader
 from amqtt.mqtt.subscribe import SubscribePayload
@@ -33,8 +34,11 @@ from ecq.queue.topics import is_ecq_topic
 log = logging.getLogger(__name__)
 
 ACCEPT_ERROR_LOG_INTERVAL_S = 10.0
+VIOLATION_LOG_INTERVAL_S, VIOLATION_LOG_BURST = 10.0, 10
 _ACCEPT_ERROR = "socket.accept() out of system resource"  # asyncio's message (selector_events._accept_connection)
-_PACKET_NAMES = ("RESERVED", "CONNECT", "CONNACK", "PUBLISH", "PUBACK", "PUBREC", "PUBREL", "PUBCOMP", "SUBSCRIBE",
+_FIXED_FLAGS = {PUBREL: 0x2, SUBSCRIBE: 0x2, UNSUBSCRIBE: 0x2}  # every other type but PUBLISH: 0 (section 2.2.2)
+_FIXED_LENGTHS = {PUBACK: 2, PUBREC: 2, PUBREL: 2, PUBCOMP: 2, PINGREQ: 0, DISCONNECT: 0}
+PACKET_NAMES = ("RESERVED", "CONNECT", "CONNACK", "PUBLISH", "PUBACK", "PUBREC", "PUBREL", "PUBCOMP", "SUBSCRIBE",
                  "SUBACK", "UNSUBSCRIBE", "UNSUBACK", "PINGREQ", "PINGRESP", "DISCONNECT", "RESERVED")
 
 
@@ -53,6 +57,7 @@ class _Connection:
     peer: str
     max_packet_bytes: int
     connect_timeout_s: float
+    count_violation: Callable[[], None]
     client_id: str | None = None
 
     def __str__(self) -> str:
@@ -62,11 +67,18 @@ class _Connection:
 
 
 _connections: dict[Any, _Connection] = {}  # by amqtt ReaderAdapter, while amqtt serves the connection
+_violation_log = LogThrottle(VIOLATION_LOG_INTERVAL_S, VIOLATION_LOG_BURST)
 
 
 def violation(reader: Any, reason: str) -> ProtocolViolation:
-    """Log why the connection read by ``reader`` is closed; return the exception that makes amqtt close it."""
-    log.warning("ECQ closing the connection of %s: %s", _connections[reader], reason)
+    """Count and log why the connection read by ``reader`` is closed (at most :data:`VIOLATION_LOG_BURST` lines
+    per :data:`VIOLATION_LOG_INTERVAL_S`: a client looping on a bad packet must not flood the log); return the
+    exception that makes the reader close it (MQTT 3.1.1 section 4.8)."""
+    connection = _connections[reader]
+    connection.count_violation()
+    if (held_back := _violation_log.due()) is not None:
+        more = f" ({held_back} more protocol violations closed connections since the last such line)" if held_back else ""
+        log.warning("ECQ closing the connection of %s: %s%s", connection, reason, more)
     return ProtocolViolation(reason)
 
 
@@ -87,12 +99,34 @@ def checks_shared_with(reader: Any, alias: Any) -> Iterator[None]:
 
 
 def fixed_header_violation(packet_type: int, flags: int, remaining_length: int, max_packet_bytes: int) -> str | None:
-    """Why a fixed header closes its connection before any of its body is read, or None for a valid one."""
+    """Why a fixed header closes its connection before any of its body is read, or None for a valid one: a size
+    above ``max_packet_bytes``, PUBLISH QoS 3 (section 3.3.1.2), reserved flags other than section 2.2.2 gives
+    them, a remaining length other than the packet's fixed one (sections 3.4-3.7, 3.12, 3.14)."""
+    name = PACKET_NAMES[packet_type]
     if remaining_length > max_packet_bytes:
-        return (f"{_PACKET_NAMES[packet_type]} packet announces {remaining_length} bytes, above max_packet_bytes "
-                f"{max_packet_bytes}")
-    if packet_type == PUBLISH and flags & 0x06 == 0x06:
-        return "PUBLISH with QoS 3 [MQTT-3.3.1-4]"
+        return f"{name} packet announces {remaining_length} bytes, above max_packet_bytes {max_packet_bytes}"
+    if packet_type == PUBLISH:
+        return "PUBLISH with QoS 3 [MQTT-3.3.1-4]" if flags & 0x06 == 0x06 else None
+    if packet_type in (RESERVED_0, RESERVED_15):
+        return None  # the reader closes the connection for its type
+    if flags != _FIXED_FLAGS.get(packet_type, 0):
+        return f"{name} with reserved flags {flags:#x} [MQTT-2.2.2-2]"
+    expected = _FIXED_LENGTHS.get(packet_type)
+    if expected is not None and remaining_length != expected:
+        return f"{name} with remaining length {remaining_length}, not {expected}"
+    return None
+
+
+def publish_overrun(remaining_length: int, topic_length: int | None, qos: int) -> str | None:
+    """Why a PUBLISH whose topic (``topic_length`` bytes, None while its 2-byte length is unread) or packet id
+    runs past its remaining length closes the connection, or None when they fit (section 3.3.2)."""
+    if topic_length is None:
+        return None if remaining_length >= 2 else (
+            f"PUBLISH whose topic length runs past its remaining length {remaining_length}")
+    if 2 + topic_length > remaining_length:
+        return f"PUBLISH whose topic ({topic_length} bytes) runs past its remaining length {remaining_length}"
+    if qos and 2 + topic_length + 2 > remaining_length:
+        return f"PUBLISH whose packet id runs past its remaining length {remaining_length}"
     return None
 
 
@@ -142,7 +176,7 @@ def close_abandoned_connections() -> None:
         peer = writer.get_peer_info()
         _connections[reader] = _Connection(f"{peer[0]}:{peer[1]}" if peer else "unknown peer",
                                            plugin.settings.effective_max_packet_bytes(),
-                                           plugin.settings.connect_timeout)
+                                           plugin.settings.connect_timeout, plugin.count_protocol_violation)
         try:
             await original(broker, listener_name, reader, writer)
         finally:
@@ -218,15 +252,22 @@ def check_publish_headers() -> None:
     text ``"b'...'"`` (section 1.5.3), packet id 0 is taken at QoS 1 and 2 (section 2.3.1), and a wildcard
     topic raises an ``MQTTError`` that leaves the payload to be read as the next packet. An empty topic
     (section 4.7.3) passed decoding and then ended the client's message loop with the connection left open.
-    Each now closes the connection with its reason logged, for ``$ECQ/`` writes too
-    (nothing is stored); wildcards in ``$ECQ/`` topics stay ECQ's to refuse (see ``ecq_paths.accept_ecq_wildcards``).
+    A topic or packet id announced longer than the packet was read on into the next packets. Each now closes the
+    connection with its reason logged, for ``$ECQ/`` writes too (nothing is stored); wildcards in ``$ECQ/``
+    topics stay ECQ's to refuse (see ``ecq_paths.accept_ecq_wildcards``).
     """
     original = PublishVariableHeader.from_stream.__func__
 
     async def from_stream(cls: type[PublishVariableHeader], reader: Any, fixed_header: MQTTFixedHeader) -> Any:
         if reader not in _connections:
             return await original(cls, reader, fixed_header)
-        topic = await _read_utf8(reader, "PUBLISH topic")
+        qos, remaining_length = fixed_header.flags >> 1 & 0x03, fixed_header.remaining_length
+        if (reason := publish_overrun(remaining_length, None, qos)) is not None:
+            raise violation(reader, reason)
+        topic_length = struct.unpack("!H", await read_or_raise(reader, 2))[0]
+        if (reason := publish_overrun(remaining_length, topic_length, qos)) is not None:
+            raise violation(reader, reason)
+        topic = utf8_or_violation(reader, await read_or_raise(reader, topic_length), "PUBLISH topic")
         packet_id = await decode_packet_id(reader) if fixed_header.flags & 0x06 else None
         if (reason := publish_violation(topic, packet_id)) is not None:
             raise violation(reader, reason)

@@ -25,8 +25,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.puback import PubackPacket
 from amqtt.session import OUTGOING
 
-from ecq.broker.amqtt_hooks.acks import no_op
-from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE, client_id, close_connection
+from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE, client_id, close_connection, no_op
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
 from ecq.queue.topics import is_ecq_topic
 

@@ -3,8 +3,10 @@
 Plugin events cannot do what ECQ's queues need, because in stock amqtt:
 
 - ``ProtocolHandler.handle_publish`` PUBACKs a QoS 1 PUBLISH before anything is stored, so a PUBLISH under
-  ``$ECQ/`` goes to the plugin's ``handle_ecq_publish``, which stores, then acknowledges (MQTT 3.1.1
-  section 4.3.2): :func:`take_ecq_publishes`;
+  ``$ECQ/`` goes to the plugin's ``take_ecq_write`` as it is read, which stores, then acknowledges (MQTT 3.1.1
+  section 4.3.2), and plain QoS 1 PUBACKs wait their turn behind it: :func:`take_ecq_publishes`;
+- a QoS 2 write's packet id is kept until its PUBREL (:func:`qos2_receipts`), so a retransmit is not stored
+  again, and every PUBREL gets its PUBCOMP: :func:`release_ecq_qos2_writes`;
 - ``topic_filtering`` plugins do not see a SUBSCRIBE's QoS, so ``Broker.add_subscription`` asks the plugin
   to grant QoS 1 or refuse (0x80, section 3.9.3): :func:`grant_ecq_subscriptions`;
 - ``PublishVariableHeader`` refuses ``+``/``#`` mid-decode and desynchronises the stream, so for ``$ECQ/``
@@ -18,44 +20,103 @@ connection and event-loop iteration (one ``send`` per packet was 14 % of the loo
 from __future__ import annotations
 
 import asyncio
-import logging
+import functools
 import os
 import socket
 import struct
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from amqtt.broker import Broker, BrokerContext
 from amqtt.mqtt.constants import QOS_1
 from amqtt.mqtt.packet import MQTTVariableHeader
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
-from amqtt.mqtt.pubcomp import PubcompPacket
 from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
-from amqtt.mqtt.pubrec import PubrecPacket
-from amqtt.session import OutgoingApplicationMessage
+from amqtt.mqtt.pubrel import PubrelPacket
+from amqtt.session import IncomingApplicationMessage, OutgoingApplicationMessage
 
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic
 
 SUBACK_FAILURE = 0x80
-_PUBACK = struct.Struct(">BBH")  # PUBACK: type 4, remaining length 2, packet id (MQTT 3.1.1 section 3.4)
-_QOS2_PUBREL_TIMEOUT_S = 10.0
+_ACK = struct.Struct(">BBH")  # PUBACK, PUBREC, PUBCOMP: first byte, remaining length 2, packet id (section 3.4-3.7)
+_ACK_TYPES = {1: 0x40, 2: 0x50}  # the acknowledgement of an incoming PUBLISH by QoS: PUBACK, PUBREC
 _unsent: dict[BrokerProtocolHandler, list[bytes]] = {}  # packets queued by send_soon, per connection
 
 
-log = logging.getLogger(__name__)
-
 def take_ecq_publishes() -> None:
-    """Hand every PUBLISH under ``$ECQ/`` to the plugin's ``handle_ecq_publish`` instead of amqtt's
-    ``BrokerProtocolHandler.handle_publish``, which acknowledges before anything is stored."""
+    """Take every PUBLISH under ``$ECQ/`` from amqtt's ``BrokerProtocolHandler.handle_publish``, which PUBACKs
+    before anything is stored, and put the acknowledgement of a plain QoS 1 PUBLISH in the connection's arrival
+    order (MQTT 3.1.1 section 4.6: amqtt PUBACKs it at once, ahead of earlier ``$ECQ/`` writes still committing).
+
+    Like ``acks.handle_puback_at_once`` this is not a coroutine function: it acts while the reader decodes the
+    packet. amqtt's reader runs ``handle_publish`` in a task and cancels every pending one when the stream ends,
+    so a QoS 0 write sent with DISCONNECT (``mosquitto_pub``'s default) was lost before its task ever ran.
+    """
     original = BrokerProtocolHandler.handle_publish
 
-    async def handle_publish(handler: BrokerProtocolHandler, packet: PublishPacket) -> None:
+    def handle_publish(handler: BrokerProtocolHandler, packet: PublishPacket) -> Coroutine[Any, Any, None]:
         plugin = find_target(handler.plugins_manager)
-        if plugin is None or packet.topic_name is None or not is_ecq_topic(packet.topic_name):
-            return await original(handler, packet)
-        return await plugin.handle_ecq_publish(handler, packet)
+        topic = packet.topic_name
+        if plugin is None or topic is None or packet.data is None:
+            return original(handler, packet)
+        if is_ecq_topic(topic):
+            plugin.take_ecq_write(handler, topic, packet.qos, packet.packet_id, bytes(packet.data))
+            return no_op()
+        if packet.qos == QOS_1:
+            return _route_qos1(handler, packet, plugin.hold_acknowledgement(handler))
+        return original(handler, packet)
 
     BrokerProtocolHandler.handle_publish = handle_publish
+
+
+async def _route_qos1(handler: BrokerProtocolHandler, packet: PublishPacket,
+                      acknowledged: Callable[[Callable[[], None] | None], None]) -> None:
+    """amqtt's incoming QoS 1 flow (``_handle_qos1_message_flow``: the message to the broker's delivery queue,
+    then PUBACK), with the PUBACK handed to ``acknowledged`` to leave in arrival order."""
+    message = IncomingApplicationMessage(packet.packet_id, packet.topic_name, QOS_1, packet.data, packet.retain_flag)
+    message.publish_packet = packet
+    try:
+        await handler.session.delivered_message_queue.put(message)
+    except BaseException:
+        acknowledged(None)
+        raise
+    acknowledged(functools.partial(send_soon, handler, _ACK.pack(0x40, 2, packet.packet_id)))
+
+
+async def no_op() -> None:
+    pass
+
+
+def release_ecq_qos2_writes() -> None:
+    """Answer a PUBREL of an ``$ECQ/`` QoS 2 write (its packet id in :func:`qos2_receipts`) with PUBCOMP, and a
+    PUBREL nobody waits for with PUBCOMP too, where amqtt 0.12.1's ``handle_pubrel`` logs it and answers nothing,
+    so a client that reconnects between PUBREC and PUBCOMP resent its PUBREL forever (MQTT 3.1.1 section
+    4.3.3: the receiver MUST respond to a PUBREL with a PUBCOMP of the same packet id). Not a coroutine function:
+    the packet id is released while the reader decodes the PUBREL."""
+    original = BrokerProtocolHandler.handle_pubrel
+
+    def handle_pubrel(handler: BrokerProtocolHandler, pubrel: PubrelPacket) -> Coroutine[Any, Any, None]:
+        packet_id = pubrel.packet_id
+        if find_target(handler.plugins_manager) is None or packet_id in handler._pubrel_waiters:
+            return original(handler, pubrel)
+        qos2_receipts(handler).pop(packet_id, None)
+        send_soon(handler, _ACK.pack(0x70, 2, packet_id))
+        return no_op()
+
+    BrokerProtocolHandler.handle_pubrel = handle_pubrel
+
+
+def qos2_receipts(handler: BrokerProtocolHandler) -> dict[int, asyncio.Future]:
+    """The ``$ECQ/`` QoS 2 writes of ``handler``'s session whose PUBREL has not come yet: packet id -> a future
+    that resolves to True once the PUBREC is due (stored or refused) or False (the write failed; the id is then
+    taken out). Kept on amqtt's Session, so it lasts across a persistent reconnect and ends with a clean session
+    (MQTT 3.1.1 section 4.3.3: until PUBREL, a PUBLISH with the same packet id is not a new message)."""
+    session = handler.session
+    receipts = getattr(session, "_ecq_qos2_receipts", None)
+    if receipts is None:
+        receipts = session._ecq_qos2_receipts = {}
+    return receipts
 
 
 def grant_ecq_subscriptions() -> None:
@@ -111,36 +172,11 @@ async def close_connection(handler: BrokerProtocolHandler) -> None:
     await handler.stop()
 
 
-async def acknowledge(handler: BrokerProtocolHandler, qos: int, packet_id: int | None) -> None:
-    """Finish an incoming PUBLISH's QoS flow: PUBACK for QoS 1; PUBREC, wait PUBREL, PUBCOMP for QoS 2.
-
-    Raises TimeoutError when a QoS 2 PUBREL does not come within 10 s.
-    """
-    if qos == QOS_1:
-        send_soon(handler, _PUBACK.pack(0x40, 2, packet_id))
-    elif qos == 2:
-        pubrel = asyncio.get_running_loop().create_future()
-        handler._pubrel_waiters[packet_id] = pubrel
-        try:
-            await handler._send_packet(PubrecPacket.build(packet_id))
-            await asyncio.wait_for(pubrel, _QOS2_PUBREL_TIMEOUT_S)
-        finally:
-            handler._pubrel_waiters.pop(packet_id, None)
-        await handler._send_packet(PubcompPacket.build(packet_id))
-
-
 def acknowledge_soon(handler: BrokerProtocolHandler, qos: int, packet_id: int | None) -> None:
-    """Start :func:`acknowledge` now: a QoS 1 PUBACK is queued at once (``send_soon``), a QoS 2 flow runs in a
-    task of its own (its PUBREC is sent before anything started later); a failure is logged, not raised."""
-    if qos == QOS_1:
-        send_soon(handler, _PUBACK.pack(0x40, 2, packet_id))
-    elif qos == 2:
-        asyncio.ensure_future(acknowledge(handler, qos, packet_id)).add_done_callback(_log_ack_failure)
-
-
-def _log_ack_failure(task: asyncio.Task) -> None:
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        log.info("ECQ could not finish a QoS 2 acknowledgement: %s", exc or type(exc).__name__)
+    """Queue (``send_soon``) the acknowledgement of an incoming PUBLISH: PUBACK for QoS 1, PUBREC for QoS 2 (its
+    PUBREL is answered by :func:`release_ecq_qos2_writes`); nothing for QoS 0."""
+    if qos in _ACK_TYPES:
+        send_soon(handler, _ACK.pack(_ACK_TYPES[qos], 2, packet_id))
 
 
 async def publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: bytes) -> None:

@@ -9,12 +9,14 @@ packets from those bytes:
 
 - a fixed header is checked (``bad_clients.fixed_header_violation``: ``max_packet_bytes``, QoS 3) as soon as
   it is complete, before any more of its body is read; a violation closes the connection;
-- a QoS 1 PUBLISH under ``$ECQ/`` goes to the plugin's ``take_ecq_write`` with its topic, packet id and
-  payload sliced from the bytes (bad_clients' UTF-8 and packet-id rules apply): no packet object, no task,
-  no event; its PUBACK leaves in arrival order once committed or refused (``writes.ArrivalOrder``);
+- a PUBLISH under ``$ECQ/``, at any QoS, goes to the plugin's ``take_ecq_write`` with its topic, packet id and
+  payload sliced from the bytes (bad_clients' length, UTF-8 and packet-id rules apply): no packet object, no
+  task, no event, and its write starts before the next packet is read, so a DISCONNECT or EOF right after it
+  loses nothing; its PUBACK or PUBREC leaves in arrival order once committed or refused (``writes.ArrivalOrder``);
 - a PUBACK for an ECQ delivery (``ecq_paths.publish_qos1``) resolves that delivery's waiter at once;
 - every other packet is decoded from its bytes by amqtt's own classes (bad_clients' decode checks apply to
-  them), fires PACKET_RECEIVED and goes to amqtt's handler method in a task, as amqtt's reader does;
+  them; one that does not decode closes the connection), fires PACKET_RECEIVED and goes to amqtt's handler
+  method in a task, as amqtt's reader does;
 - keepalive: when no whole packet came within ``session.keep_alive`` (which ``conformance.enforce_keepalive``
   makes 1.5 x the CONNECT's), the handler's ``handle_read_timeout`` is called (that correction closes the
   connection): one timer re-armed at most once per keepalive period, not a ``wait_for`` per packet;
@@ -42,9 +44,9 @@ from amqtt.mqtt.packet import (CONNACK, CONNECT, DISCONNECT, PINGREQ, PINGRESP, 
                                MQTTFixedHeader)
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
-from ecq.broker.amqtt_hooks.bad_clients import (ProtocolViolation, checked_connection, checks_shared_with,
-                                                fixed_header_violation, publish_violation, utf8_or_violation,
-                                                violation)
+from ecq.broker.amqtt_hooks.bad_clients import (PACKET_NAMES, ProtocolViolation, checked_connection,
+                                                checks_shared_with, fixed_header_violation, publish_overrun,
+                                                publish_violation, utf8_or_violation, violation)
 from ecq.broker.amqtt_hooks.ecq_paths import client_id
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
 from ecq.queue.topics import PREFIX, is_ecq_topic
@@ -53,7 +55,6 @@ log = logging.getLogger(__name__)
 
 READ_SIZE = 64 * 1024  # bytes taken from the socket's StreamReader per read
 _ECQ_PREFIX = PREFIX.encode()
-_QOS_1_FLAGS = 0x02  # PUBLISH flags & 0x06 for QoS 1
 _HANDLERS = {CONNACK: "handle_connack", SUBSCRIBE: "handle_subscribe", UNSUBSCRIBE: "handle_unsubscribe",
              SUBACK: "handle_suback", UNSUBACK: "handle_unsuback", PUBACK: "handle_puback", PUBREC: "handle_pubrec",
              PUBREL: "handle_pubrel", PUBCOMP: "handle_pubcomp", PINGREQ: "handle_pingreq",
@@ -156,7 +157,7 @@ class Framer:
                     data = data[start:] + await self._stream.readexactly(end - len(data))
                     body, end, start = body - start, end - start, 0
                 kind = first >> 4
-                if kind == PUBLISH and first & 0x06 == _QOS_1_FLAGS and self._take_ecq_publish(data, body, end):
+                if kind == PUBLISH and self._take_ecq_publish(data, first, body, end):
                     publishes += 1
                 elif kind == PUBACK and length == 2 and self._resolve_ecq_puback(data, body):
                     pubacks += 1
@@ -185,19 +186,24 @@ class Framer:
                 raise violation(self._packets, "a remaining length longer than 4 bytes [MQTT-2.2.3]")
         return None
 
-    def _take_ecq_publish(self, data: bytes, body: int, end: int) -> bool:
-        """Hand a QoS 1 PUBLISH under ``$ECQ/`` to the plugin; False for any other topic or a body too short for
-        its topic and packet id (amqtt decodes those). Raises ProtocolViolation: invalid UTF-8, packet id 0."""
-        if end - body < 2:
-            return False
+    def _take_ecq_publish(self, data: bytes, first: int, body: int, end: int) -> bool:
+        """Hand a PUBLISH under ``$ECQ/``, at any QoS, to the plugin as it is read; False for any other topic
+        (amqtt decodes those). Raises ProtocolViolation: a topic or packet id running past the packet, invalid
+        UTF-8, packet id 0."""
+        qos = first >> 1 & 0x03
+        if (reason := publish_overrun(end - body, None, qos)) is not None:
+            raise violation(self._packets, reason)
         topic_end = body + 2 + (data[body] << 8 | data[body + 1])
-        if topic_end + 2 > end or not data.startswith(_ECQ_PREFIX, body + 2, topic_end):
+        if (reason := publish_overrun(end - body, topic_end - body - 2, qos)) is not None:
+            raise violation(self._packets, reason)
+        if not data.startswith(_ECQ_PREFIX, body + 2, topic_end):
             return False
         topic = utf8_or_violation(self._packets, data[body + 2:topic_end], "PUBLISH topic")
-        packet_id = data[topic_end] << 8 | data[topic_end + 1]
+        packet_id = data[topic_end] << 8 | data[topic_end + 1] if qos else None
         if (reason := publish_violation(topic, packet_id)) is not None:
             raise violation(self._packets, reason)
-        self._plugin.take_ecq_write(self._handler, topic, packet_id, data[topic_end + 2:end])
+        payload_start = topic_end + 2 if qos else topic_end
+        self._plugin.take_ecq_write(self._handler, topic, qos, packet_id, data[payload_start:end])
         return True
 
     def _resolve_ecq_puback(self, data: bytes, body: int) -> bool:
@@ -213,8 +219,9 @@ class Framer:
 
     async def _hand_to_amqtt(self, first: int, body: bytes) -> None:
         """What amqtt's reader does with one packet, decoded from its bytes: PACKET_RECEIVED, then its handler
-        method in a task (CONNECT awaited; a reserved type closes the connection); a packet amqtt cannot decode
-        (MQTTError, NoDataError) is dropped, as amqtt's reader drops it."""
+        method in a task (CONNECT awaited; a reserved type closes the connection). A packet amqtt cannot decode
+        (MQTTError, NoDataError) is malformed: ProtocolViolation closes the connection (MQTT 3.1.1 section 4.8),
+        where amqtt's reader drops it and reads on."""
         handler, kind = self._handler, first >> 4
         if kind in (RESERVED_0, RESERVED_15):
             log.warning("%s sent a reserved packet type %d: closing the connection", client_id(handler), kind)
@@ -223,13 +230,13 @@ class Framer:
         header = MQTTFixedHeader(kind, first & 0x0F, len(body))
         try:
             packet = await packet_class(header).from_stream(self._packets.load(body), fixed_header=header)
-            await handler.plugins_manager.fire_event(MQTTEvents.PACKET_RECEIVED, packet=packet, session=handler.session)
-            if kind == CONNECT:
-                await handler.handle_connect(packet)
-            else:
-                self._running.append(asyncio.create_task(getattr(handler, _HANDLERS[kind])(packet)))
         except (MQTTError, NoDataError) as exc:
-            log.debug("%s: packet type %d discarded: %r", client_id(handler), kind, exc)
+            raise violation(self._packets, f"{PACKET_NAMES[kind]} packet that does not decode ({exc!r})") from None
+        await handler.plugins_manager.fire_event(MQTTEvents.PACKET_RECEIVED, packet=packet, session=handler.session)
+        if kind == CONNECT:
+            await handler.handle_connect(packet)
+        else:
+            self._running.append(asyncio.create_task(getattr(handler, _HANDLERS[kind])(packet)))
 
     def _arm_keepalive(self) -> None:
         if self._keepalive_s is not None:

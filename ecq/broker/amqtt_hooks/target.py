@@ -8,11 +8,11 @@ process work independently, and a broker without the ECQ plugin gets None and ke
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
-    from amqtt.mqtt.publish import PublishPacket
     from amqtt.session import Session
 
     from ecq.config import EcqSettings
@@ -26,14 +26,20 @@ class EcqHooksTarget(Protocol):
     settings: EcqSettings
     start_error: Exception | None  # a failure of the plugin's start, raised from ``Broker.start``
 
-    async def handle_ecq_publish(self, handler: BrokerProtocolHandler, packet: PublishPacket) -> None:
-        """Store a PUBLISH under ``$ECQ/`` and then acknowledge it, or refuse it."""
+    def take_ecq_write(self, handler: BrokerProtocolHandler, topic: str, qos: int, packet_id: int | None,
+                       payload: bytes) -> None:
+        """Take a PUBLISH under ``$ECQ/`` as it is read: start its write now; acknowledge it, in arrival order,
+        once stored (QoS 1 PUBACK, QoS 2 PUBREC; a QoS 2 retransmit is not stored again), or refuse it."""
 
-    def take_ecq_write(self, handler: BrokerProtocolHandler, topic: str, packet_id: int, payload: bytes) -> None:
-        """Take a QoS 1 PUBLISH under ``$ECQ/`` read by the framer: store, then PUBACK in arrival order, or refuse."""
+    def hold_acknowledgement(self, handler: BrokerProtocolHandler) -> Callable[[Callable[[], None] | None], None]:
+        """A place in the connection's arrival order for a plain QoS 1 PUBLISH; the returned function takes what
+        sends its PUBACK (None: nothing) once the message was routed."""
 
     def count_fast_path(self, publishes: int, pubacks: int) -> None:
-        """Count packets the framer took on its fast path (QoS 1 ``$ECQ/`` PUBLISHes, PUBACKs of ECQ deliveries)."""
+        """Count packets the framer took on its fast path (``$ECQ/`` PUBLISHes, PUBACKs of ECQ deliveries)."""
+
+    def count_protocol_violation(self) -> None:
+        """Count a connection closed for a malformed packet or a protocol violation."""
 
     def grant_subscription(self, clientid: str, topic_filter: str, qos: int) -> int | None:
         """QoS to grant for a SUBSCRIBE to an ``$ECQ/`` filter, or None to refuse it (SUBACK 0x80)."""

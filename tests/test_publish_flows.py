@@ -1,0 +1,193 @@
+"""The QoS flows of a write, as clients really send them, against real brokers with ``fast_path`` on and off:
+one-shot QoS 0 publishers (mosquitto_pub's default), QoS 2 retransmits (exactly once, MQTT 3.1.1 section 4.3.3),
+acknowledgements in arrival order whatever the topic (section 4.6), malformed packets (section 4.8).
+
+Raw sockets send what paho would not; mosquitto_pub is run as users run it.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import time
+
+import pytest
+
+from tests.harness import RawClient, drain, fixed_header, metrics_text, wait_until
+
+PUBREC, PUBREL, PUBCOMP = 0x50, 0x62, 0x70
+
+
+@pytest.fixture(params=[True, False], ids=["fast_path", "amqtt_reader"])
+def fast_path(request) -> bool:
+    return request.param
+
+
+def publish_packet(topic: str, payload: bytes, qos: int, packet_id: int | None = None, dup: bool = False) -> bytes:
+    """One encoded PUBLISH (MQTT 3.1.1 section 3.3)."""
+    raw_topic = topic.encode()
+    body = struct.pack(">H", len(raw_topic)) + raw_topic
+    if qos:
+        body += struct.pack(">H", packet_id)
+    first = 0x30 | qos << 1 | (0x08 if dup else 0)
+    return fixed_header(first, len(body) + len(payload)) + body + payload
+
+
+def connect_packet(client_id: str, clean_session: bool = True) -> bytes:
+    cid = client_id.encode()
+    variable = b"\x00\x04MQTT\x04" + (b"\x02" if clean_session else b"\x00") + b"\x00\x3c"
+    return fixed_header(0x10, len(variable) + 2 + len(cid)) + variable + struct.pack(">H", len(cid)) + cid
+
+
+def ack_packet(first: int, packet_id: int) -> bytes:
+    return bytes([first, 2]) + struct.pack(">H", packet_id)
+
+
+DISCONNECT = b"\xe0\x00"
+
+
+def one_shot(port: int, packets: bytes, disconnect: bool = True) -> None:
+    """What mosquitto_pub does: CONNECT, the packets and DISCONNECT in one send, then close without reading."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(connect_packet("oneshot") + packets + (DISCONNECT if disconnect else b""))
+
+
+# --- point 1: QoS 0 writes of one-shot publishers -------------------------------------------------------------
+
+@pytest.mark.parametrize("disconnect", [True, False], ids=["disconnect", "eof"])
+def test_one_shot_qos0_writes_are_all_stored(make_broker, connect, fast_path, disconnect):
+    broker = make_broker(fast_path=fast_path)
+    for number in range(5):
+        one_shot(broker.port, publish_packet(f"$ECQ/w/q0c/k{number}", b"v%d" % number, 0), disconnect)
+    got = drain(connect, broker.port, "q0c", 5)  # five connections: MQTT orders nothing between them
+    assert sorted(got) == [(f"$ECQ/q0c/k{n}", b"v%d" % n) for n in range(5)]
+
+
+def test_mosquitto_pub_qos0_writes_are_all_stored(make_broker, connect, fast_path):
+    broker = make_broker(fast_path=fast_path)
+    for number in range(5):
+        subprocess.run(["mosquitto_pub", "-p", str(broker.port), "-h", "127.0.0.1", "-t", f"$ECQ/w/mq0/k{number}",
+                        "-m", f"v{number}"], check=True, timeout=10)
+    got = drain(connect, broker.port, "mq0", 5)
+    assert sorted(got) == [(f"$ECQ/mq0/k{n}", f"v{n}".encode()) for n in range(5)]
+
+
+def test_qos0_writes_before_a_qos1_write_keep_their_order(make_broker, connect, fast_path):
+    broker = make_broker(fast_path=fast_path)
+    raw = RawClient(broker.port, "mixer")
+    raw.send_raw(publish_packet("$ECQ/w/ord0/a", b"0", 0) + publish_packet("$ECQ/w/ord0/b", b"1", 0)
+                 + publish_packet("$ECQ/w/ord0/c", b"2", 1, 7))
+    assert raw.receive() == (0x40, struct.pack(">H", 7))
+    raw.close()
+    assert drain(connect, broker.port, "ord0", 3) == [("$ECQ/ord0/a", b"0"), ("$ECQ/ord0/b", b"1"),
+                                                      ("$ECQ/ord0/c", b"2")]
+
+
+# --- point 2: QoS 2 exactly once ------------------------------------------------------------------------------
+
+def test_qos2_retransmit_before_pubrel_is_stored_once(make_broker, connect, fast_path):
+    broker = make_broker(fast_path=fast_path)
+    raw = RawClient(broker.port, "q2pub")
+    raw.send_raw(publish_packet("$ECQ/w/cq/k", b"X", 2, 9))
+    assert raw.receive() == (PUBREC, struct.pack(">H", 9))
+    raw.send_raw(publish_packet("$ECQ/w/cq/k", b"X", 2, 9, dup=True))  # as if the PUBREC was lost
+    assert raw.receive() == (PUBREC, struct.pack(">H", 9))
+    raw.send_raw(ack_packet(PUBREL, 9))
+    assert raw.receive() == (PUBCOMP, struct.pack(">H", 9))
+    raw.send_raw(publish_packet("$ECQ/w/cq/k", b"Y", 2, 9))  # after PUBCOMP the id is free: a new write
+    assert raw.receive() == (PUBREC, struct.pack(">H", 9))
+    raw.send_raw(ack_packet(PUBREL, 9))
+    assert raw.receive() == (PUBCOMP, struct.pack(">H", 9))
+    raw.close()
+    assert drain(connect, broker.port, "cq", 1) == [("$ECQ/cq/k", b"Y")]  # compaction: Y replaced X
+    assert _stored_seqnos(broker, "cq") == 2  # X once, Y once: no third append
+
+
+def test_qos2_retransmit_after_a_persistent_reconnect_is_stored_once(make_broker, connect, fast_path):
+    broker = make_broker(fast_path=fast_path)
+    consumer = connect(broker.port, "cq2")
+    assert consumer.subscribe("$ECQ/cq2/#") == 1
+    raw = RawClient(broker.port, "q2p", clean_session=False)
+    raw.send_raw(publish_packet("$ECQ/w/cq2/k", b"X", 2, 9))
+    assert raw.receive() == (PUBREC, struct.pack(">H", 9))
+    raw.close(reset=True)
+    raw = RawClient(broker.port, "q2p", clean_session=False)
+    raw.send_raw(publish_packet("$ECQ/w/cq2/k", b"X", 2, 9, dup=True))
+    assert raw.receive() == (PUBREC, struct.pack(">H", 9))
+    raw.send_raw(ack_packet(PUBREL, 9))
+    assert raw.receive() == (PUBCOMP, struct.pack(">H", 9))
+    raw.close()
+    assert [m.payload for m in consumer.expect(1)] == [b"X"]
+    assert consumer.quiet(1.0) == []
+    assert _stored_seqnos(broker, "cq2") == 1
+
+
+def test_pubrel_after_a_persistent_reconnect_gets_its_pubcomp(make_broker, connect, fast_path):
+    broker = make_broker(fast_path=fast_path)
+    raw = RawClient(broker.port, "q2r", clean_session=False)
+    raw.send_raw(publish_packet("$ECQ/w/cq3/k", b"X", 2, 4))
+    assert raw.receive() == (PUBREC, struct.pack(">H", 4))
+    raw.close()
+    raw = RawClient(broker.port, "q2r", clean_session=False)
+    raw.send_raw(ack_packet(PUBREL, 4))
+    assert raw.receive() == (PUBCOMP, struct.pack(">H", 4))
+    raw.close()
+    assert drain(connect, broker.port, "cq3", 1) == [("$ECQ/cq3/k", b"X")]
+
+
+def _stored_seqnos(broker, clientid: str) -> int:
+    """The queue's last seqno as ``/metrics`` or the admin API tell it: how many appends it ever took."""
+    import json
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{broker.admin_port}/api/v1/queues/{clientid}", timeout=5) as reply:
+        return json.load(reply)["last_seqno"]
+
+
+# --- point 5: acknowledgements in arrival order, whatever the topic ------------------------------------------
+
+def test_pubacks_of_mixed_ecq_and_plain_publishes_keep_arrival_order(make_broker, fast_path):
+    broker = make_broker(fast_path=fast_path)
+    raw = RawClient(broker.port, "mixed")
+    packets = b"".join(publish_packet(f"$ECQ/w/mx/k{n % 7}" if n % 2 else f"plain/{n}", b"p" * 64, 1, n + 1)
+                       for n in range(300))
+    raw.send_raw(packets)
+    answers = [raw.receive() for _ in range(300)]
+    raw.close()
+    assert [(header, struct.unpack(">H", body)[0]) for header, body in answers] == [(0x40, n + 1) for n in range(300)]
+
+
+# --- point 7: malformed packets close the connection ----------------------------------------------------------
+
+@pytest.mark.parametrize(("packet", "reason"), [
+    (b"\x42\x02\x00\x01", "PUBACK with reserved flags 0x2 [MQTT-2.2.2-2]"),
+    (b"\x40\x03\x00\x01\x00", "PUBACK with remaining length 3, not 2"),
+    (b"\x32\x04\x00\x20\x24\x45", "PUBLISH whose topic (32 bytes) runs past its remaining length 4"),
+    (b"\x30\x01\x00", "PUBLISH whose topic length runs past its remaining length 1"),
+    (b"\xe0\x01\x00", "DISCONNECT with remaining length 1, not 0"),
+    (b"\x80\x05\x00\x01\x00\x01\x61", "SUBSCRIBE with reserved flags 0x0 [MQTT-2.2.2-2]"),
+], ids=["puback_flags", "puback_length", "ecq_topic_overrun", "short_topic_length", "disconnect_length",
+        "subscribe_flags"])
+def test_malformed_packet_closes_the_connection_with_a_reason(make_broker, connect, fast_path, packet, reason):
+    broker = make_broker(fast_path=fast_path)
+    raw = RawClient(broker.port, "malformed")
+    try:
+        raw.send_raw(packet + b"\xc0\x00")  # a PINGREQ after it must not be answered
+        assert raw.read_until_closed() == []
+    finally:
+        raw.close()
+    assert "ECQ closing the connection of client 'malformed' (127.0.0.1:" in broker.log()
+    assert reason in broker.log()
+    assert drain(connect, broker.port, "nothing", 0) == []
+
+
+def test_violation_log_lines_are_rate_limited_and_each_violation_counted(make_broker):
+    broker = make_broker()
+    for _ in range(30):
+        raw = RawClient(broker.port, "flood")
+        raw.send_raw(b"\x42\x02\x00\x01")
+        assert raw.read_until_closed() == []
+        raw.close()
+    # VIOLATION_LOG_BURST lines per 10 s; 30 bad packets take well under that on any machine that passes the rest
+    assert broker.log().count("ECQ closing the connection of") == 10, broker.log()[-3000:]
+    assert wait_until(lambda: "ecq_protocol_violations_total 30.0" in metrics_text(broker), 5)
