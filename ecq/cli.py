@@ -117,6 +117,14 @@ def check_broker_keys(config: dict[str, Any], path: Path | None) -> None:
                 raise click.UsageError(f"broker config {path}: listeners.{name}.bind: {exc}") from exc
 
 
+def amqtt_bind(bind: str) -> str:
+    """A checked ``HOST:PORT`` (ecq.config.split_host_port) in the form amqtt 0.12.1 binds: an IPv6 host without
+    brackets (``[::1]:1883`` -> ``::1:1883``). amqtt keeps the brackets of ``[::1]:1883`` in the host it hands
+    to ``asyncio.start_server``, which then fails with ``Name or service not known``; it splits at the last colon."""
+    host, port = split_host_port(bind)
+    return f"{host}:{port}"
+
+
 def check_data_dir(path: Path) -> None:
     """Refuse a ``data_dir`` that is a file, cannot be created or is not writable, or whose ``queues``
     (LevelDB's directory, see ecq.storage_layout) is a file or not writable (click.UsageError)."""
@@ -167,12 +175,13 @@ def check_plugin_options(options: dict[str, Any]) -> EcqSettings:
 @click.option("-c", "--config", "config_path", type=click.Path(path_type=Path, dir_okay=False),
               help="amqtt broker YAML config listing ecq.broker.plugin.EcqPlugin (default: the packaged one)")
 @click.option("--bind", callback=_check_bind,
-              help="HOST:PORT of the MQTT TCP listener (overrides the config's default listener)")
+              help="HOST:PORT of the MQTT TCP listener, [HOST]:PORT for IPv6 (overrides the config's default listener)")
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False),
               help="data directory: LevelDB in DIR/queues, events in DIR/events (overrides the plugin's data_dir)")
 @click.option("--acl", "acl_file", type=click.Path(path_type=Path, dir_okay=False),
               help="ACL file in EMQX acl.conf syntax (overrides the plugin's acl_file)")
-@click.option("--admin-bind", help="HOST:PORT of the admin API (overrides admin_bind; '' turns it off)")
+@click.option("--admin-bind", help="HOST:PORT of the admin API, [HOST]:PORT for IPv6 (overrides admin_bind; '' turns "
+                                   "it off)")
 @click.option("-v", "--verbose", is_flag=True, help="debug logging")
 def broker(config_path: Path | None, bind: str | None, data_dir: Path | None, acl_file: Path | None,
            admin_bind: str | None, verbose: bool) -> None:
@@ -192,6 +201,9 @@ def broker(config_path: Path | None, bind: str | None, data_dir: Path | None, ac
         options["admin_bind"] = admin_bind
     if bind is not None:
         config.setdefault("listeners", {}).setdefault("default", {"type": "tcp"})["bind"] = bind
+    for listener in (config.get("listeners") or {}).values():
+        if "bind" in listener:
+            listener["bind"] = amqtt_bind(listener["bind"])
     check_plugin_options(options)
     sys.exit(asyncio.run(_serve(config)))
 
