@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import urllib.error
 import urllib.request
@@ -148,11 +149,11 @@ def test_block_damaged_at_run_time_stops_that_queue_once(tmp_path, connect, brok
 # --- disk full -------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def small_disk(tmp_path):
-    """``tmp_path/data`` on a 64 MiB tmpfs (unmounted at teardown)."""
+def small_disk(tmp_path, request):
+    """``tmp_path/data`` on a tmpfs of ``request.param`` (a mount size such as ``64m``; unmounted at teardown)."""
     mount_point = tmp_path / "data"
     mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount_point)],
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={request.param}", "tmpfs", str(mount_point)],
                             capture_output=True, text=True)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs (needs root): {result.stderr.strip()}")
@@ -194,7 +195,10 @@ def try_write(port: int, key: str, payload: bytes) -> bool:
         client.close()
 
 
+@pytest.mark.parametrize("small_disk", ["64m", "20m"], indirect=True)
 def test_full_disk_degrades_then_recovers_when_space_is_freed(small_disk, tmp_path, connect, broker_process):
+    """On a 20 MB volume the room LevelDB would like for a reopen (twice its log plus 8 MiB, about 16 MB) can
+    never be free: the broker reopens with what such a volume can give, and says what it waits for."""
     broker = broker_process(data_retention="3650d").start()
     assert broker.data_dir == small_disk
     producer = connect(broker.port, "p")
@@ -212,6 +216,9 @@ def test_full_disk_degrades_then_recovers_when_space_is_freed(small_disk, tmp_pa
     status, body = health(broker)
     assert status == 503 and body["status"] == "degraded" and "No space left on device" in body["reason"]
     assert 'ecq_store_errors_total{op="write"}' in metrics_text(broker)
+    waiting = re.compile(r"ECQ store writes stay suspended \(.*No space left on device.*\) until LevelDB at "
+                         r"\S+ can be reopened: [\d.]+ MiB free needed, [\d.]+ MiB free now on a volume of ")
+    assert wait_until(lambda: waiting.search(broker.log()), 5), broker.log()
 
     filler.unlink()
     assert wait_until(lambda: try_write(broker.port, "after", b"back"), 20, 0.2), broker.log()

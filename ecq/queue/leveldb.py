@@ -32,7 +32,8 @@ import plyvel
 
 from ecq.queue.store import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, IndexEntry, Message, Op,
                              QueueQuota, QuotaExceeded, SaveAck, StoreError, StoreReadError)
-from ecq.queue.leveldb_files import Gate, cut_logs, reason as _reason, repair_hint, space_for
+from ecq.queue.leveldb_files import Gate, cut_logs, reason as _reason, repair_hint, room_to_reopen
+from ecq.queue.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ def _payload_key(clientid: str, key: str, seqno: int, ts_ms: int) -> bytes:
 
 
 _L0_INLINE_LIMIT = 4  # level-0 files; LevelDB slows writes at 8 and stops them at 12
+ROOM_LOG_INTERVAL_S = 30.0  # while writes are suspended for want of space: one line saying what is waited for
 
 
 class LevelDbStore:
@@ -87,6 +89,7 @@ class LevelDbStore:
         self._seqno_lock = threading.Lock()
         self._gate = Gate()
         self.write_error: str | None = None  # the I/O error that suspended commits; None again after a reopen
+        self._room_log = LogThrottle(ROOM_LOG_INTERVAL_S)
         for log_file, cut in cut_logs(path):
             log.warning("LevelDB log %s ends inside a record (%d bytes): its last write was cut off (power loss, "
                         "full disk or a truncated file); what followed it, if anything, is lost", log_file, cut)
@@ -145,15 +148,21 @@ class LevelDbStore:
             return func(*args)
 
     def reopen_if_space(self) -> bool:
-        """After a failed commit: once the disk has room (twice the log plus 8 MiB free), close and reopen
-        LevelDB, which starts a new log and clears the error LevelDB keeps after a failed background write (a
-        memtable flush that hit ENOSPC fails every later write until the database is reopened); then
-        commits are accepted again. Blocks until no read or commit is running. Returns True when the
-        database was reopened. Raises StoreError if it cannot be reopened (then every operation fails
-        until a later call succeeds).
+        """After a failed commit: once the volume has room (ecq.queue.leveldb_files.room_to_reopen: twice the
+        log plus 8 MiB free, less on a small volume), close and reopen LevelDB, which starts a new log and clears
+        the error LevelDB keeps after a failed background write (a memtable flush that hit ENOSPC fails every
+        later write until the database is reopened); then commits are accepted again. While there is not room,
+        logs what it waits for (bytes free, bytes needed) every ROOM_LOG_INTERVAL_S. Blocks until no read or
+        commit is running. Returns True when the database was reopened. Raises StoreError if it cannot be
+        reopened (then every operation fails until a later call succeeds).
         """
-        if not space_for(self.path):
+        room = room_to_reopen(self.path)
+        if not room.enough:
+            if self._room_log.due() is not None:
+                log.warning("ECQ store writes stay suspended (%s) until LevelDB at %s can be reopened: %s",
+                            self.write_error, self.path, room)
             return False
+        self._room_log = LogThrottle(ROOM_LOG_INTERVAL_S)  # the next time space runs out is told at once
         with self._gate.exclusive():
             self._db.close()
             self._seqnos.clear()  # seqnos handed out by failed batches were never stored
