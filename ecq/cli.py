@@ -3,7 +3,7 @@
 ``ecq broker`` runs amqtt with the ECQ plugin in the foreground. ``ecq status``, ``ecq inspect``, ``ecq top``,
 ``ecq gc``, ``ecq rewind``, ``ecq delete``, ``ecq purge`` and ``ecq show-config`` talk to a running broker
 through its admin API (ecq.ops.client); when no broker answers, ``status``, ``inspect`` and ``top`` read the data directory directly. ``ecq repair`` rebuilds a
-damaged store.
+damaged store, or accepts the loss of writes whose LevelDB log was truncated or deleted.
 
 Exit codes: 0 ok, 1 not found (or, for ``broker``, a runtime failure such as a port in use, a locked or
 corrupt store; for ``repair``, a store it cannot repair), 2 usage or configuration error, 3 broker unreachable.
@@ -42,6 +42,7 @@ from ecq.queue.clock import now_ms
 from ecq.queue.lag import TOP_MAX, TOP_ORDERS, scan_lag, top_report
 from ecq.queue.store import StoreError
 from ecq.queue.topics import BadWrite, parse_rewind_point
+from ecq.queue.committed import describe as describe_missing
 from ecq.queue.leveldb import LevelDbStore
 from ecq.queue.leveldb_files import repair as repair_store
 from ecq.storage_layout import QUEUES, leveldb_dir
@@ -270,16 +271,18 @@ def _reload_acl(plugin: EcqPlugin) -> None:
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), required=True,
               help="the broker's data_dir (the broker must be stopped)")
 def repair(data_dir: Path) -> None:
-    """Rebuild a damaged store from what can still be read (LevelDB RepairDB).
+    """Rebuild a damaged store from what can still be read (LevelDB RepairDB), and accept the loss of writes
+    that LevelDB no longer holds (its log truncated or deleted: the broker refuses to start until then).
 
     Repairs DATA_DIR/queues, or DATA_DIR itself in the old layout (in place: the broker moves it on its
     next start). Entries in damaged blocks and the tail of a cut log are dropped: queue rows and acked
-    positions may be lost or move back (a consumer then gets some messages again). Exit 1 when it cannot repair.
+    positions may be lost or move back (a consumer then gets some messages again). Prints the seqnos lost
+    that ECQ had committed. Exit 1 when it cannot repair.
     """
     try:
         queues = leveldb_dir(data_dir) or data_dir / QUEUES
         repair_store(queues)
-        store = LevelDbStore(queues)
+        store = LevelDbStore(queues, accept_lost_writes=True)
         try:
             rows, _seconds = store.verify()
             entries, _bytes = store.stored_totals()
@@ -290,6 +293,8 @@ def repair(data_dir: Path) -> None:
         sys.exit(1)
     click.echo(f"repaired {queues}: {rows} rows readable, {entries} queue entries; unreadable files, if any, "
                f"are in {queues / 'lost'} and LevelDB's report in {queues / 'LOG'}")
+    if store.accepted_loss:
+        click.echo(f"accepted the loss of writes ECQ had committed: {describe_missing(store.accepted_loss)}")
 
 
 # --- operator commands: talk to the admin API --------------------------------------------------------

@@ -19,11 +19,17 @@ _REOPEN_SPARE_BYTES = 8 << 20  # free space beyond twice the log before a failed
 _REOPEN_MIN_SPARE_BYTES = 1 << 20  # on a small volume: free space beyond the log, at least
 
 
-def repair_hint(path: Path) -> str:
-    """The command that repairs the LevelDB at ``path``: ``ecq repair`` takes the broker's data_dir, which is
-    the parent of ``<data_dir>/queues`` (ecq.storage_layout), or ``path`` itself in the old layout."""
+def repair_command(path: Path) -> str:
+    """The command that repairs the LevelDB at ``path``, in backquotes: ``ecq repair`` takes the broker's
+    data_dir, which is the parent of ``<data_dir>/queues`` (ecq.storage_layout), or ``path`` itself in the old
+    layout."""
     data_dir = path.parent if path.name == storage_layout.QUEUES else path
-    return f"`ecq repair --data-dir {data_dir}` keeps what can be read"
+    return f"`ecq repair --data-dir {data_dir}`"
+
+
+def repair_hint(path: Path) -> str:
+    """What to do about a damaged LevelDB at ``path``: :func:`repair_command`, which keeps what can be read."""
+    return f"{repair_command(path)} keeps what can be read"
 
 
 def repair(path: Path) -> None:
