@@ -3,7 +3,7 @@
 ``ecq broker`` runs amqtt with the ECQ plugin in the foreground. ``ecq status``, ``ecq inspect``, ``ecq top``,
 ``ecq gc``, ``ecq rewind``, ``ecq delete``, ``ecq purge`` and ``ecq show-config`` talk to a running broker
 through its admin API (ecq.ops.client); when no broker answers, ``status``, ``inspect`` and ``top`` read the data directory directly. ``ecq repair`` rebuilds a
-damaged store.
+damaged store, or accepts the loss of writes whose LevelDB log was truncated or deleted.
 
 Exit codes: 0 ok, 1 not found (or, for ``broker``, a runtime failure such as a port in use, a locked or
 corrupt store; for ``repair``, a store it cannot repair), 2 usage or configuration error, 3 broker unreachable.
@@ -42,6 +42,7 @@ from ecq.queue.clock import now_ms
 from ecq.queue.lag import TOP_MAX, TOP_ORDERS, scan_lag, top_report
 from ecq.queue.store import StoreError
 from ecq.queue.topics import BadWrite, parse_rewind_point
+from ecq.queue.committed import describe as describe_missing
 from ecq.queue.leveldb import LevelDbStore
 from ecq.queue.leveldb_files import repair as repair_store
 from ecq.storage_layout import QUEUES, leveldb_dir
@@ -117,6 +118,14 @@ def check_broker_keys(config: dict[str, Any], path: Path | None) -> None:
                 raise click.UsageError(f"broker config {path}: listeners.{name}.bind: {exc}") from exc
 
 
+def amqtt_bind(bind: str) -> str:
+    """A checked ``HOST:PORT`` (ecq.config.split_host_port) in the form amqtt 0.12.1 binds: an IPv6 host without
+    brackets (``[::1]:1883`` -> ``::1:1883``). amqtt keeps the brackets of ``[::1]:1883`` in the host it hands
+    to ``asyncio.start_server``, which then fails with ``Name or service not known``; it splits at the last colon."""
+    host, port = split_host_port(bind)
+    return f"{host}:{port}"
+
+
 def check_data_dir(path: Path) -> None:
     """Refuse a ``data_dir`` that is a file, cannot be created or is not writable, or whose ``queues``
     (LevelDB's directory, see ecq.storage_layout) is a file or not writable (click.UsageError)."""
@@ -167,12 +176,13 @@ def check_plugin_options(options: dict[str, Any]) -> EcqSettings:
 @click.option("-c", "--config", "config_path", type=click.Path(path_type=Path, dir_okay=False),
               help="amqtt broker YAML config listing ecq.broker.plugin.EcqPlugin (default: the packaged one)")
 @click.option("--bind", callback=_check_bind,
-              help="HOST:PORT of the MQTT TCP listener (overrides the config's default listener)")
+              help="HOST:PORT of the MQTT TCP listener, [HOST]:PORT for IPv6 (overrides the config's default listener)")
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False),
               help="data directory: LevelDB in DIR/queues, events in DIR/events (overrides the plugin's data_dir)")
 @click.option("--acl", "acl_file", type=click.Path(path_type=Path, dir_okay=False),
               help="ACL file in EMQX acl.conf syntax (overrides the plugin's acl_file)")
-@click.option("--admin-bind", help="HOST:PORT of the admin API (overrides admin_bind; '' turns it off)")
+@click.option("--admin-bind", help="HOST:PORT of the admin API, [HOST]:PORT for IPv6 (overrides admin_bind; '' turns "
+                                   "it off)")
 @click.option("-v", "--verbose", is_flag=True, help="debug logging")
 def broker(config_path: Path | None, bind: str | None, data_dir: Path | None, acl_file: Path | None,
            admin_bind: str | None, verbose: bool) -> None:
@@ -192,6 +202,9 @@ def broker(config_path: Path | None, bind: str | None, data_dir: Path | None, ac
         options["admin_bind"] = admin_bind
     if bind is not None:
         config.setdefault("listeners", {}).setdefault("default", {"type": "tcp"})["bind"] = bind
+    for listener in (config.get("listeners") or {}).values():
+        if "bind" in listener:
+            listener["bind"] = amqtt_bind(listener["bind"])
     check_plugin_options(options)
     sys.exit(asyncio.run(_serve(config)))
 
@@ -258,16 +271,18 @@ def _reload_acl(plugin: EcqPlugin) -> None:
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), required=True,
               help="the broker's data_dir (the broker must be stopped)")
 def repair(data_dir: Path) -> None:
-    """Rebuild a damaged store from what can still be read (LevelDB RepairDB).
+    """Rebuild a damaged store from what can still be read (LevelDB RepairDB), and accept the loss of writes
+    that LevelDB no longer holds (its log truncated or deleted: the broker refuses to start until then).
 
     Repairs DATA_DIR/queues, or DATA_DIR itself in the old layout (in place: the broker moves it on its
     next start). Entries in damaged blocks and the tail of a cut log are dropped: queue rows and acked
-    positions may be lost or move back (a consumer then gets some messages again). Exit 1 when it cannot repair.
+    positions may be lost or move back (a consumer then gets some messages again). Prints the seqnos lost
+    that ECQ had committed. Exit 1 when it cannot repair.
     """
     try:
         queues = leveldb_dir(data_dir) or data_dir / QUEUES
         repair_store(queues)
-        store = LevelDbStore(queues)
+        store = LevelDbStore(queues, accept_lost_writes=True)
         try:
             rows, _seconds = store.verify()
             entries, _bytes = store.stored_totals()
@@ -278,6 +293,8 @@ def repair(data_dir: Path) -> None:
         sys.exit(1)
     click.echo(f"repaired {queues}: {rows} rows readable, {entries} queue entries; unreadable files, if any, "
                f"are in {queues / 'lost'} and LevelDB's report in {queues / 'LOG'}")
+    if store.accepted_loss:
+        click.echo(f"accepted the loss of writes ECQ had committed: {describe_missing(store.accepted_loss)}")
 
 
 # --- operator commands: talk to the admin API --------------------------------------------------------

@@ -233,12 +233,25 @@ class EcqSettings(BaseModel):
 
 
 def split_host_port(value: Any) -> tuple[str, int]:
-    """``"127.0.0.1:18083"`` / ``"[::1]:18083"`` -> (host, port). The host is required (``0.0.0.0`` for every
-    IPv4 interface). Raises ValueError naming the rule."""
-    host, sep, port = str(value).rpartition(":") if isinstance(value, str) else ("", "", "")
-    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{value!r} is not HOST:PORT with a host and a port from 1 to 65535")
-    return host.strip("[]"), int(port)
+    """``"127.0.0.1:18083"`` / ``"[::1]:18083"`` -> (host, port), an IPv6 host without its brackets. The host is
+    required (``0.0.0.0`` for every IPv4 interface, ``[::]`` for every IPv6 one); an IPv6 address must be in
+    brackets (RFC 3986 section 3.2.2), so that its last group cannot be taken for the port. Raises ValueError
+    naming the rule."""
+    host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    bracketed = host.startswith("[") and host.endswith("]")
+    host = host[1:-1] if bracketed else host
+    if not sep or not host or "[" in host or "]" in host or bracketed != _is_ipv6(host) \
+            or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{value!r} is not HOST:PORT with a host and a port from 1 to 65535 (an IPv6 address "
+                         f"in brackets: [::1]:1883)")
+    return host, int(port)
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
+    except ValueError:
+        return False
 
 
 def is_loopback(host: str) -> bool:

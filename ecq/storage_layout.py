@@ -2,12 +2,13 @@
 
 Layout of ``data_dir`` (default ``storage``)::
 
-    <data_dir>/queues/   LevelDB (backend leveldb only), with ``lost/`` after an ``ecq repair``
+    <data_dir>/queues/   LevelDB (backend leveldb only), with ``lost/`` after an ``ecq repair``, and
+                         ``ECQ-COMMITTED`` (the last committed seqnos, ecq.queue.committed)
     <data_dir>/events/   the ReplayQ event buffer and its ``lake-stream-id``
     <data_dir>/lake/     the Parquet lake, unless ``lake_dir`` is set
 
 Before, LevelDB's directory was ``data_dir`` itself (its files ``CURRENT``, ``LOCK``, ``LOG``, ``MANIFEST-*``,
-``*.ldb``, ``*.log`` directly in it), with ``events/`` and ``lake/`` inside it; those two keep their paths.
+``*.ldb``, ``*.log`` directly in it, and ECQ's ``ECQ-COMMITTED`` beside them, see ecq.queue.committed), with ``events/`` and ``lake/`` inside it; those two keep their paths.
 :func:`migrate` moves the LevelDB files of that old layout into ``queues/``, crash-safely: each file is
 renamed into ``queues.migrating/``, which is renamed to ``queues/`` once it holds them all, so an
 interrupted move leaves every file in one of two known places and the next start finishes it.
@@ -31,7 +32,7 @@ QUEUES = "queues"
 EVENTS = "events"
 LAKE = "lake"
 MIGRATING = "queues.migrating"  # the new LevelDB directory while the old layout's files move into it
-_LEVELDB_NAME = re.compile(r"CURRENT|LOCK|LOG|LOG\.old|MANIFEST-\d+|\d+\.(?:log|ldb|sst|dbtmp)")
+_LEVELDB_NAME = re.compile(r"CURRENT|LOCK|LOG|LOG\.old|MANIFEST-\d+|\d+\.(?:log|ldb|sst|dbtmp)|ECQ-COMMITTED")
 _LEVELDB_LOST = "lost"  # where `ecq repair` (LevelDB RepairDB) puts the files it cannot read
 
 
@@ -41,7 +42,8 @@ class LayoutError(StoreError):
 
 
 def leveldb_files(directory: Path) -> list[str]:
-    """Names of LevelDB's own entries directly in ``directory`` (its files and ``lost/``), sorted."""
+    """Names of LevelDB's own entries directly in ``directory`` (its files and ``lost/``) and ECQ's
+    ``ECQ-COMMITTED``, sorted."""
     if not directory.is_dir():
         return []
     return sorted(entry.name for entry in directory.iterdir()

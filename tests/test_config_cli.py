@@ -245,3 +245,91 @@ def test_a_cluster_broker_with_another_shard_count_than_the_streams_refuses_to_s
                                              **{**jetstream_options, "jetstream_shards": 3}))
     assert result.returncode == 1
     assert "JetStream holds 2 ECQ shard streams" in result.stderr and "jetstream_shards is 3" in result.stderr
+
+
+# --- IPv6 binds ----------------------------------------------------------------------------------------
+
+def ipv6_loopback_works() -> bool:
+    """True when this machine can listen on the IPv6 loopback ``::1``."""
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+needs_ipv6 = pytest.mark.skipif(not ipv6_loopback_works(), reason="no IPv6 loopback (::1) on this machine")
+
+
+def free_port_v6() -> int:
+    with socket.socket(socket.AF_INET6) as sock:
+        sock.bind(("::1", 0))
+        return sock.getsockname()[1]
+
+
+def write_and_consume_over_ipv6(port: int, clientid: str) -> bytes:
+    """One ECQ write and its delivery through paho connected to [::1]:``port``; returns the payload delivered."""
+    import queue as queue_module
+
+    import paho.mqtt.client as mqtt
+    received: queue_module.Queue[bytes] = queue_module.Queue()
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=clientid, protocol=mqtt.MQTTv311)
+    client.on_message = lambda _c, _u, message: received.put(message.payload)
+    client.connect("::1", port, keepalive=30)
+    client.loop_start()
+    try:
+        client.publish(f"$ECQ/w/{clientid}/k", b"over ipv6", qos=1).wait_for_publish(10)
+        client.subscribe(f"$ECQ/{clientid}/#", qos=1)
+        return received.get(timeout=10)
+    finally:
+        client.loop_stop()
+        client.disconnect()
+
+
+def health_over_ipv6(admin_port: int) -> dict:
+    import json
+    import urllib.request
+    with urllib.request.urlopen(f"http://[::1]:{admin_port}/api/v1/health", timeout=10) as response:
+        return json.load(response)
+
+
+@needs_ipv6
+@pytest.mark.parametrize("where", ["--bind", "listener bind"])
+def test_a_bracketed_ipv6_bind_serves_mqtt_and_the_admin_api(tmp_path, where):
+    port, admin_port = free_port_v6(), free_port_v6()
+    config = ecq_config(data_dir=str(tmp_path / "d"), admin_bind=f"[::1]:{admin_port}")
+    extra: tuple[str, ...] = ()
+    if where == "--bind":
+        extra = ("--bind", f"[::1]:{port}", "--admin-bind", f"[::1]:{admin_port}")
+    else:
+        config["listeners"]["default"]["bind"] = f"[::1]:{port}"
+    path = tmp_path / "broker.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen([ECQ, "broker", "-c", str(path), *extra], stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        def listening() -> bool:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                socket.create_connection(("::1", port), timeout=0.2).close()
+                return True
+            except OSError:
+                return False
+        assert wait_until(listening, 20)
+        assert write_and_consume_over_ipv6(port, "v6") == b"over ipv6"
+        assert health_over_ipv6(admin_port) == {"status": "ok"}
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=15)
+        assert proc.returncode == 0, stderr
+        assert f"ECQ ready: MQTT on [::1]:{port} " in stderr
+        assert f"admin API http://[::1]:{admin_port}/" in stderr
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize("bind", ["::1:1883", "[::1:1883", "[localhost]:1883"])
+def test_an_ipv6_bind_needs_its_brackets(tmp_path, bind):
+    result = run_broker(tmp_path, ecq_config(data_dir=str(tmp_path / "d")), "--bind", bind)
+    refused(result, 2, f"{bind!r} is not HOST:PORT", "an IPv6 address in brackets: [::1]:1883")

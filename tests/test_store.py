@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 
-from ecq.queue.store import AckState, Append, Appended, Expire, SaveAck, StoreError
+from ecq.queue import committed
+from ecq.queue.committed import CommittedSeqnos, Missing, describe
+from ecq.queue.store import AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, SaveAck, StoreError
 from ecq.queue.leveldb import LevelDbStore as Store
+from ecq.testing import wait_until
 
 
 @pytest.fixture
@@ -116,3 +122,76 @@ def test_commits_wait_on_disk_only_with_fsync_or_a_crowded_level0(tmp_path):
     synced = Store(tmp_path / "synced", sync=True)
     assert not synced.commits_without_waiting()
     synced.close()
+
+
+# --- ECQ-COMMITTED: the last committed seqnos, which let a start see a lost LevelDB log ------------------
+
+def crash_image(store: Store, path) -> None:
+    """Copy the files of the open ``store`` to ``path``: what a kill -9 would leave of it."""
+    shutil.copytree(store.path, path)
+
+
+def claimed(path) -> list[Missing]:
+    """What the ECQ-COMMITTED file in ``path`` claims, as missing from an empty store."""
+    return CommittedSeqnos(path).missing(lambda _clientid: 0)
+
+
+def test_a_forgotten_queue_is_withdrawn_before_its_seqno_row_goes(tmp_path, monkeypatch):
+    """State GC deletes a queue's seqno row: ECQ-COMMITTED must stop claiming it first, or a crash after the
+    forget would look like a lost log at the next start."""
+    monkeypatch.setattr(committed, "CHECKPOINT_INTERVAL_S", 0.01)
+    store = Store(tmp_path / "db")
+    try:
+        store.commit([Append("idle", "k", b"v", 1000)])
+        store.commit([Expire("idle", (ExpiredRow(1, "k", 1000, 1),))])
+        assert wait_until(lambda: claimed(store.path) == [Missing("idle", 0, 1)])
+        assert store.commit([ForgetQueue("idle", cutoff_ms=2**62)]) == [True]
+        crash_image(store, tmp_path / "crashed")
+    finally:
+        store.close()
+    Store(tmp_path / "crashed").close()  # no "lost writes"
+
+
+def test_a_clean_close_claims_every_commit_and_the_next_open_starts_over(tmp_path, monkeypatch):
+    monkeypatch.setattr(committed, "CHECKPOINT_INTERVAL_S", 3600.0)
+    store = Store(tmp_path / "db")
+    store.commit([Append("c", f"k{i}", b"v", 1000) for i in range(3)])
+    assert claimed(store.path) == []  # no checkpoint yet: a crash now claims nothing
+    store.close()
+    assert claimed(store.path) == [Missing("c", 0, 3)]
+    Store(store.path).close()  # LevelDB moved its log into a table file
+    assert claimed(store.path) == []
+
+
+def test_a_checkpoint_cut_by_a_crash_claims_nothing(tmp_path, caplog):
+    path = tmp_path / "db"
+    path.mkdir()
+    checkpoint = CommittedSeqnos(path)
+    checkpoint.start_over()
+    checkpoint.note({"a": 5})
+    checkpoint.record()
+    checkpoint.note({"a": 9, "b": 2})
+    checkpoint.record()
+    os.truncate(checkpoint.file, checkpoint.file.stat().st_size - 3)
+    assert CommittedSeqnos(path).missing(lambda _cid: 0) == [Missing("a", 0, 5)]
+    assert "are not a whole checkpoint" in caplog.text
+
+
+def test_the_checkpoint_file_is_rewritten_once_it_grew(tmp_path, monkeypatch):
+    monkeypatch.setattr(committed, "_REWRITE_RECORDS", 10)
+    path = tmp_path / "db"
+    path.mkdir()
+    checkpoint = CommittedSeqnos(path)
+    checkpoint.start_over()
+    for seqno in range(1, 200):
+        checkpoint.note({"a": seqno, "b": seqno * 2})
+        checkpoint.record()
+    assert checkpoint.file.stat().st_size < 30 * 50  # about 12 rounds of two records at most
+    assert CommittedSeqnos(path).missing(lambda _cid: 1) == [Missing("a", 1, 199), Missing("b", 1, 398)]
+
+
+def test_missing_names_each_queue_and_the_seqnos():
+    missing = [Missing("a", 1941, 3000), Missing("b", 6, 7)] + [Missing(f"q{i}", 0, 1) for i in range(5)]
+    assert describe(missing) == ("queue 'a' seqnos 1942-3000 (1059), queue 'b' seqno 7, queue 'q0' seqno 1, "
+                                 "queue 'q1' seqno 1, queue 'q2' seqno 1, and 2 more queues; "
+                                 "1065 seqnos of 7 queues in all")

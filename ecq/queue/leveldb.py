@@ -32,7 +32,9 @@ import plyvel
 
 from ecq.queue.store import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, IndexEntry, Message, Op,
                              QueueQuota, QuotaExceeded, SaveAck, StoreError, StoreReadError)
-from ecq.queue.leveldb_files import Gate, cut_logs, reason as _reason, repair_hint, space_for
+from ecq.queue.committed import CommittedSeqnos, Missing, describe as _describe_missing
+from ecq.queue.leveldb_files import Gate, cut_logs, reason as _reason, repair_command, repair_hint, room_to_reopen
+from ecq.queue.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +61,17 @@ def _payload_key(clientid: str, key: str, seqno: int, ts_ms: int) -> bytes:
 
 
 _L0_INLINE_LIMIT = 4  # level-0 files; LevelDB slows writes at 8 and stops them at 12
+ROOM_LOG_INTERVAL_S = 30.0  # while writes are suspended for want of space: one line saying what is waited for
 
 
 class LevelDbStore:
     """The ECQ LevelDB database at ``path`` (created if missing), opened with ``paranoid_checks``.
 
-    Raises StoreError when the database cannot be opened. ``sync=True`` fsyncs every commit. ``quota`` bounds
-    each queue, checked in the append's own write batch (entry and byte counts of a queue are read once, then
-    kept in memory while quotas are on). ``max_open_files`` and ``cache_bytes`` are LevelDB's table cache size
+    Raises StoreError when the database cannot be opened, or when it stores less than ECQ committed (its log
+    was truncated or deleted: see ecq.queue.committed), naming the queues and seqnos missing; with
+    ``accept_lost_writes`` it opens anyway and lists them in ``accepted_loss`` (``ecq repair``). ``sync=True``
+    fsyncs every commit. ``quota`` bounds each queue, checked in the append's own write batch (entry and byte
+    counts of a queue are read once, then kept in memory while quotas are on). ``max_open_files`` and ``cache_bytes`` are LevelDB's table cache size
     (its open table files are memory-mapped: this bounds the store's file-backed RSS) and block cache size in
     bytes; None keeps LevelDB's defaults (1000 files, 8 MiB). A broker
     that may call :meth:`reopen_if_space` runs its reads through :meth:`run`, so that no read uses the
@@ -76,7 +81,8 @@ class LevelDbStore:
     shared = False  # one broker holds the LevelDB lock
 
     def __init__(self, path: Path, sync: bool = False, quota: QueueQuota = QueueQuota(),
-                 max_open_files: int | None = None, cache_bytes: int | None = None) -> None:
+                 max_open_files: int | None = None, cache_bytes: int | None = None,
+                 accept_lost_writes: bool = False) -> None:
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._sync = sync
@@ -87,10 +93,36 @@ class LevelDbStore:
         self._seqno_lock = threading.Lock()
         self._gate = Gate()
         self.write_error: str | None = None  # the I/O error that suspended commits; None again after a reopen
+        self._room_log = LogThrottle(ROOM_LOG_INTERVAL_S)
         for log_file, cut in cut_logs(path):
             log.warning("LevelDB log %s ends inside a record (%d bytes): its last write was cut off (power loss, "
                         "full disk or a truncated file); what followed it, if anything, is lost", log_file, cut)
         self._db = self._open()
+        self._committed = CommittedSeqnos(path)
+        self.accepted_loss = self._check_committed(accept_lost_writes)
+        self._committed.start()
+
+    def _check_committed(self, accept: bool) -> list[Missing]:
+        """Compare the opened database with what ECQ committed (ecq.queue.committed), then start that record over:
+        opening turned LevelDB's log into a table file. Returns what is missing when ``accept``; otherwise
+        raises StoreError naming it. Closes the database when it raises."""
+        try:
+            missing = self._committed.missing(self.last_seqno)
+            if missing and not accept:
+                raise StoreError(f"LevelDB at {self.path} lost writes that ECQ had committed and acknowledged (its "
+                                 f"log was truncated or deleted, or files were removed, while the broker was "
+                                 f"stopped): {_describe_missing(missing)}; {repair_command(self.path)} accepts the "
+                                 f"loss, then the broker starts with what is left")
+            if missing:
+                log.warning("LevelDB at %s: accepted the loss of %s", self.path, _describe_missing(missing))
+            self._committed.start_over()
+            return missing
+        except OSError as exc:
+            self._db.close()
+            raise StoreError(f"cannot check what LevelDB at {self.path} lost: {exc}") from exc
+        except BaseException:
+            self._db.close()
+            raise
 
     def _open(self) -> plyvel.DB:
         """Open with ``paranoid_checks``: LevelDB then fails the open on a damaged log or table metadata
@@ -135,9 +167,16 @@ class LevelDbStore:
         """None: LevelDB reads run in reader threads."""
 
     def close(self) -> None:
-        """Close the database; pending writes were already committed by :meth:`commit`."""
+        """Close the database (pending writes were already committed by :meth:`commit`), then record the seqnos
+        committed since the last checkpoint (ecq.queue.committed); a failure to do so is logged."""
+        self._committed.stop()
         with self._gate.exclusive():
             self._db.close()
+        try:
+            self._committed.record()
+        except OSError as exc:
+            log.error("ECQ cannot record the committed seqnos in %s at close (%s): a LevelDB log lost before the "
+                      "next start would go unnoticed", self._committed.file, exc)
 
     def run(self, func: Callable, *args):
         """``func(*args)`` while no :meth:`reopen_if_space` can close the database under it (for reads that iterate)."""
@@ -145,15 +184,21 @@ class LevelDbStore:
             return func(*args)
 
     def reopen_if_space(self) -> bool:
-        """After a failed commit: once the disk has room (twice the log plus 8 MiB free), close and reopen
-        LevelDB, which starts a new log and clears the error LevelDB keeps after a failed background write (a
-        memtable flush that hit ENOSPC fails every later write until the database is reopened); then
-        commits are accepted again. Blocks until no read or commit is running. Returns True when the
-        database was reopened. Raises StoreError if it cannot be reopened (then every operation fails
-        until a later call succeeds).
+        """After a failed commit: once the volume has room (ecq.queue.leveldb_files.room_to_reopen: twice the
+        log plus 8 MiB free, less on a small volume), close and reopen LevelDB, which starts a new log and clears
+        the error LevelDB keeps after a failed background write (a memtable flush that hit ENOSPC fails every
+        later write until the database is reopened); then commits are accepted again. While there is not room,
+        logs what it waits for (bytes free, bytes needed) every ROOM_LOG_INTERVAL_S. Blocks until no read or
+        commit is running. Returns True when the database was reopened. Raises StoreError if it cannot be
+        reopened (then every operation fails until a later call succeeds).
         """
-        if not space_for(self.path):
+        room = room_to_reopen(self.path)
+        if not room.enough:
+            if self._room_log.due() is not None:
+                log.warning("ECQ store writes stay suspended (%s) until LevelDB at %s can be reopened: %s",
+                            self.write_error, self.path, room)
             return False
+        self._room_log = LogThrottle(ROOM_LOG_INTERVAL_S)  # the next time space runs out is told at once
         with self._gate.exclusive():
             self._db.close()
             self._seqnos.clear()  # seqnos handed out by failed batches were never stored
@@ -201,6 +246,8 @@ class LevelDbStore:
             with self._seqno_lock:
                 if self._seqnos.get(clientid) == 0:  # not written again in the same batch
                     del self._seqnos[clientid]
+        if done.appended:
+            self._committed.note(done.appended)
         return results
 
     def _commit(self, ops: Sequence[Op], done: _BatchState) -> list[Appended | QuotaExceeded | tuple[ExpiredRow, ...]
@@ -244,6 +291,7 @@ class LevelDbStore:
             batch.delete(payload_prefix + _U64.pack(old_seqno) + _U64.pack(old_ts))
             done.deleted.add((clientid, old_seqno))
         done.latest[slot] = (seqno, op.ts_ms, size)
+        done.appended[clientid] = seqno
         done.touched.add(clientid)
         evicted: tuple[ExpiredRow, ...] = ()
         if self._quota:
@@ -346,6 +394,7 @@ class LevelDbStore:
             return False
         if seqno_row is None and state_row is None:
             return False
+        self._committed.withdraw(clientid)  # its seqno starts again at 1: ECQ-COMMITTED must not claim more
         batch.delete(_SEQNO + queue)
         batch.delete(_STATE + queue)
         with self._seqno_lock:
@@ -525,12 +574,13 @@ class LevelDbStore:
 class _BatchState:
     """What the earlier ops of one commit did, which the database shows only once the batch is written."""
 
-    __slots__ = ("latest", "deleted", "added", "touched", "forgotten")
+    __slots__ = ("latest", "deleted", "added", "appended", "touched", "forgotten")
 
     def __init__(self) -> None:
         self.latest: dict[tuple[str, str], tuple[int, int, int]] = {}  # (clientid, key) -> (seqno, ms, bytes) appended
         self.deleted: set[tuple[str, int]] = set()  # (clientid, seqno) deleted: compaction, Expire, quota eviction
         self.added: dict[str, list[ExpiredRow]] = {}  # clientid -> rows appended, in seqno order (quotas on only)
+        self.appended: dict[str, int] = {}  # clientid -> the last seqno appended
         self.touched: set[str] = set()  # queues appended to or acked: state GC leaves them
         self.forgotten: list[str] = []  # queues whose seqno and state rows were deleted (ForgetQueue)
 

@@ -1,5 +1,5 @@
-"""LevelDB's files seen from outside the database: repair, a log cut inside a record, free space for a
-reopen, and the gate that lets a reopen close the database while no read or commit uses it."""
+"""LevelDB's files seen from outside the database: repair, a log cut inside a record, the room a reopen
+needs, and the gate that lets a reopen close the database while no read or commit uses it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import shutil
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import plyvel
@@ -15,13 +16,20 @@ from ecq import storage_layout
 from ecq.queue.store import StoreError
 
 _REOPEN_SPARE_BYTES = 8 << 20  # free space beyond twice the log before a failed store is reopened (2 memtables)
+_REOPEN_MIN_SPARE_BYTES = 1 << 20  # on a small volume: free space beyond the log, at least
+
+
+def repair_command(path: Path) -> str:
+    """The command that repairs the LevelDB at ``path``, in backquotes: ``ecq repair`` takes the broker's
+    data_dir, which is the parent of ``<data_dir>/queues`` (ecq.storage_layout), or ``path`` itself in the old
+    layout."""
+    data_dir = path.parent if path.name == storage_layout.QUEUES else path
+    return f"`ecq repair --data-dir {data_dir}`"
 
 
 def repair_hint(path: Path) -> str:
-    """The command that repairs the LevelDB at ``path``: ``ecq repair`` takes the broker's data_dir, which is
-    the parent of ``<data_dir>/queues`` (ecq.storage_layout), or ``path`` itself in the old layout."""
-    data_dir = path.parent if path.name == storage_layout.QUEUES else path
-    return f"`ecq repair --data-dir {data_dir}` keeps what can be read"
+    """What to do about a damaged LevelDB at ``path``: :func:`repair_command`, which keeps what can be read."""
+    return f"{repair_command(path)} keeps what can be read"
 
 
 def repair(path: Path) -> None:
@@ -83,11 +91,44 @@ def reason(exc: Exception) -> str:
     return arg.decode(errors="replace") if isinstance(arg, bytes) else str(arg)
 
 
-def space_for(path: Path) -> bool:
-    """True when the filesystem of ``path`` has room to reopen LevelDB and go on writing: recovery turns
-    the log into a table file (at most the log's size), then the next memtable flush needs its own."""
+@dataclass(frozen=True)
+class Room:
+    """Bytes free on the volume of a LevelDB directory, bytes needed free to reopen it, the volume's size and
+    the size of LevelDB's log(s)."""
+
+    free: int
+    needed: int
+    volume: int
+    log: int
+
+    @property
+    def enough(self) -> bool:
+        return self.free >= self.needed
+
+    def __str__(self) -> str:
+        return (f"{_mib(self.needed)} free needed, {_mib(self.free)} free now on a volume of {_mib(self.volume)} "
+                f"(LevelDB's log: {_mib(self.log)})")
+
+
+def room_to_reopen(path: Path) -> Room:
+    """How much room the volume of the LevelDB at ``path`` has, and needs, to reopen it and go on writing.
+
+    Recovery turns the log into a table file (at most the log's size) before deleting it, then the next
+    memtable flush needs a table of its own, and LevelDB's compactions some more: twice the log plus 8 MiB.
+    A small volume can never free that much (a 20 MB one holding a 4 MB log would need 16 MB): the need is
+    capped at half of what the volume would have free if it held nothing but LevelDB's files, and never below
+    the log plus 1 MiB, which recovery cannot do without. Raises OSError when ``path`` cannot be read.
+    """
+    files = [f.stat() for f in path.iterdir() if f.is_file()]
     log_bytes = sum(f.stat().st_size for f in path.glob("*.log"))
-    return shutil.disk_usage(path).free >= 2 * log_bytes + _REOPEN_SPARE_BYTES
+    usage = shutil.disk_usage(path)
+    reachable = usage.total - sum(f.st_size for f in files)
+    needed = max(log_bytes + _REOPEN_MIN_SPARE_BYTES, min(2 * log_bytes + _REOPEN_SPARE_BYTES, reachable // 2))
+    return Room(usage.free, needed, usage.total, log_bytes)
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):.1f} MiB"
 
 
 class Gate:
