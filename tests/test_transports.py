@@ -131,10 +131,12 @@ def test_ecq_writes_and_deliveries_with_paho(every_transport, paho, transport):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_ecq_writes_and_deliveries_with_mqttjs(every_transport, certificate, transport):
-    """The same over each transport with MQTT.js 5 (Node.js): writes PUBACKed, delivered in order, acks kept."""
+    """The same over each transport with MQTT.js 5 (Node.js, which sends each packet in several WebSocket
+    messages): pipelined and large writes PUBACKed, delivered whole and in order, acks kept."""
     broker, ports = every_transport
     port, queue = ports[transport], f"js-{transport}"
     sent = [(topic, payload.decode()) for topic, payload in writes(queue, PIPELINED)]
+    sent.append((f"$ECQ/w/{queue}/large", "L" * LARGE))
     assert mqttjs(transport, port, certificate, clientId=f"producer-{transport}", publish=sent)["acked"] == len(sent)
     consumer = mqttjs(transport, port, certificate, clientId=queue, subscribe=f"$ECQ/{queue}/#", expect=len(sent))
     assert consumer["granted"] == [1]
