@@ -27,8 +27,8 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   take the largest packet.
 
 Several corrections wrap the same amqtt method (``init_from_connect``, ``handle_puback``,
-``_handle_message_delivery``, ``_broadcast_message``, ``_handle_client_session``, ``_client_connected``): the order of :func:`install` is
-the order of wrapping.
+``_handle_message_delivery``, ``_broadcast_message``, ``_handle_client_session``, ``_client_connected``): the order
+of :func:`install` is the order of wrapping.
 """
 
 from __future__ import annotations
