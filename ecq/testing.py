@@ -53,10 +53,13 @@ class BrokerProcess:
     ``plugin_options`` are ECQ plugin options (see ecq.config.EcqSettings); ``heartbeat_interval``
     defaults to 1 s here so that tests never wait long on a missed wake-up, and the admin API gets a
     free port of its own (``admin_port``). ``max_open_files``, when given, is the broker's file
-    descriptor limit (``ulimit -n``, set with util-linux ``prlimit``).
+    descriptor limit (``ulimit -n``, set with util-linux ``prlimit``). ``listeners`` are more amqtt listeners
+    (name -> listener mapping, e.g. ``{"ws": {"type": "ws", "bind": "127.0.0.1:PORT"}}``) beside the default
+    TCP one on ``port`` (opened before it: once ``port`` accepts, they do too).
     """
 
-    def __init__(self, workdir: Path, *, max_open_files: int | None = None, **plugin_options) -> None:
+    def __init__(self, workdir: Path, *, max_open_files: int | None = None, listeners: dict | None = None,
+                 **plugin_options) -> None:
         self.workdir = workdir
         self.max_open_files = max_open_files
         self.data_dir = workdir / "data"
@@ -68,10 +71,10 @@ class BrokerProcess:
         self.options = options = {"data_dir": str(self.data_dir), "heartbeat_interval": "1s",
                                   "admin_bind": f"127.0.0.1:{self.admin_port}", **plugin_options}
         config = {
-            "listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{self.port}"}},
+            "listeners": {**(listeners or {}), "default": {"type": "tcp", "bind": f"127.0.0.1:{self.port}"}},
             "plugins": {**ANONYMOUS_AUTH, "ecq.broker.plugin.EcqPlugin": options},
         }
-        self.config_path.write_text(yaml.safe_dump(config))
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))  # listeners open in this order
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> BrokerProcess:

@@ -32,29 +32,38 @@ class Received:
 class Client:
     """A paho-mqtt 3.1.1 client with bounded waits.
 
-    ``manual_ack=True`` withholds PUBACKs until :meth:`ack` is called (to test redelivery).
+    ``manual_ack=True`` withholds PUBACKs until :meth:`ack` is called (to test redelivery). ``transport``
+    is ``"tcp"`` or ``"websockets"``; ``ca`` (a PEM file) makes it TLS, trusting that certificate. A CONNACK
+    that refuses the connection raises ConnectionRefusedError naming the reason.
     """
 
     def __init__(self, port: int, client_id: str = "", clean_session: bool = True, manual_ack: bool = False,
-                 username: str | None = None) -> None:
+                 username: str | None = None, password: str | None = None, transport: str = "tcp",
+                 ca: str | None = None, keepalive: int = 30) -> None:
         self.messages: queue.Queue[Received] = queue.Queue()
         self.suback: queue.Queue[list[int]] = queue.Queue()
         self.disconnected = threading.Event()
         self._c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean_session,
-                              protocol=mqtt.MQTTv311, manual_ack=manual_ack)
+                              protocol=mqtt.MQTTv311, manual_ack=manual_ack, transport=transport)
         self._c.max_inflight_messages_set(1000)
         if username is not None:
-            self._c.username_pw_set(username)
+            self._c.username_pw_set(username, password)
+        if ca is not None:
+            self._c.tls_set(ca_certs=ca)
         self._c.on_message = lambda _c, _u, m: self.messages.put(Received(m.topic, m.payload, m.qos, m.mid, m.dup))
         self._c.on_subscribe = lambda _c, _u, _mid, codes, _p: self.suback.put([c.value for c in codes])
         self._c.on_disconnect = lambda *_args: self.disconnected.set()
         connected = threading.Event()
-        self._c.on_connect = lambda *_args: connected.set()
-        self._c.connect("127.0.0.1", port, keepalive=30)
+        connack: list[mqtt.ReasonCode] = []
+        self._c.on_connect = lambda _c, _u, _flags, reason, _p: (connack.append(reason), connected.set())
+        self._c.connect("127.0.0.1", port, keepalive=keepalive)
         self._c.loop_start()
         if not connected.wait(10):
             self.close()
             raise TimeoutError(f"no CONNACK for {client_id!r}")
+        if connack[0].is_failure:
+            self.close(clean=False)
+            raise ConnectionRefusedError(f"CONNACK for {client_id!r}: {connack[0]}")
 
     def subscribe(self, topic_filter: str, qos: int = 1) -> int:
         """SUBSCRIBE and return the SUBACK return code (0, 1, 2 granted QoS or 0x80 failure)."""

@@ -87,7 +87,8 @@ def break_by_a_failing_python(venv: Path) -> None:
     (venv / "bin" / "python").chmod(0o755)
 
 
-@pytest.mark.skipif(not all(map(shutil.which, ("mosquitto_pub", "ss", "curl", "chromium"))) or java_major() < 17,
+@pytest.mark.skipif(not all(map(shutil.which, ("mosquitto_pub", "ss", "curl", "chromium", "node", "npm")))
+                    or java_major() < 17,
                     reason="scripts/setup would install Debian packages here")
 @pytest.mark.parametrize("breakage", [break_by_removing_pip, break_by_a_failing_python])
 def test_setup_rebuilds_a_broken_venv_then_does_nothing(tmp_path, breakage):
@@ -95,8 +96,11 @@ def test_setup_rebuilds_a_broken_venv_then_does_nothing(tmp_path, breakage):
     shutil.copy(SCRIPTS / "setup", tmp_path / "scripts" / "setup")
     (tmp_path / "pyproject.toml").write_text(PROBE_PYPROJECT)
     (tmp_path / "probe_backend.py").write_text(PROBE_BACKEND)
+    shutil.copytree(SCRIPTS.parent / "tests" / "mqttjs", tmp_path / "tests" / "mqttjs",
+                    ignore=shutil.ignore_patterns("node_modules"))
     breakage(tmp_path / ".venv")
-    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DRY_RUN": "1"}
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DRY_RUN": "1", "npm_config_offline": "true",
+           "npm_config_dry_run": "true"}
     first = subprocess.run([tmp_path / "scripts" / "setup"], env=env, capture_output=True, text=True, timeout=60)
     assert first.returncode == 0, first.stderr
     assert "setup: rebuilding .venv: it is broken" in first.stderr

@@ -22,17 +22,19 @@ docstring names the amqtt behaviour it replaces. One module per concern:
 - :mod:`.cluster`: ordinary MQTT messages forwarded to and from the other brokers of a cluster;
 - :mod:`.start_up`: start-up failures are reported, not hidden;
 - :mod:`.framer`: the packet reader (``fast_path``): buffered framing, ECQ writes and PUBACKs without amqtt's
-  packet objects and tasks.
+  packet objects and tasks;
+- :mod:`.websocket`: WebSocket listeners send what ECQ writes without a drain, end a packet cut by a close, and
+  take the largest packet.
 
 Several corrections wrap the same amqtt method (``init_from_connect``, ``handle_puback``,
-``_handle_message_delivery``, ``_broadcast_message``, ``_handle_client_session``): the order of :func:`install` is
-the order of wrapping.
+``_handle_message_delivery``, ``_broadcast_message``, ``_handle_client_session``, ``_client_connected``): the order
+of :func:`install` is the order of wrapping.
 """
 
 from __future__ import annotations
 
 from ecq.broker.amqtt_hooks import (acks, bad_clients, cluster, conformance, ecq_guards, ecq_paths, framer, start_up,
-                                    target)
+                                    target, websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import broadcast_from_cluster
 from ecq.broker.amqtt_hooks.conformance import set_session_expiry
@@ -79,3 +81,6 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     start_up.raise_pre_start_failure()
     start_up.quiet_start_failure_traceback()
     framer.read_with_the_framer()
+    websocket.send_websocket_writes_at_once()  # after close_abandoned_connections: its checks see these adapters
+    websocket.end_websocket_reads_at_the_close()
+    websocket.take_websocket_messages_of_the_largest_packet()
