@@ -300,6 +300,12 @@ class QueueEngine:
         if consumer := self.consumers.get(clientid):
             consumer.detach()
 
+    def stop_sending(self, clientid: str) -> None:
+        """``clientid`` unsubscribed from its queue: start no new delivery to it, but complete those in flight
+        (their PUBACKs are taken and saved; see :meth:`Consumer.stop_sending`)."""
+        if consumer := self.consumers.get(clientid):
+            consumer.stop_sending()
+
     async def release(self, clientid: str) -> None:
         """Stop delivering to ``clientid`` and return once the acks it sent are saved (at most ACK_SETTLE_S):
         another broker of the cluster is taking the queue over and reads the saved position next (and an attach
