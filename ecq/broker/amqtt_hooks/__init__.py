@@ -25,7 +25,8 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   packet objects and tasks.
 
 Several corrections wrap the same amqtt method (``init_from_connect``, ``handle_puback``,
-``_handle_message_delivery``, ``_broadcast_message``, ``_handle_client_session``): the order of :func:`install` is
+``_handle_message_delivery``, ``_broadcast_message``, ``_handle_client_session``,
+``_publish_session_retained_messages``): the order of :func:`install` is
 the order of wrapping.
 """
 
@@ -72,6 +73,7 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     conformance.release_handlers_of_offline_sessions()
     conformance.retained_only_for_new_subscriptions()
     conformance.offline_messages_not_retained()
+    conformance.offline_queue_first_on_reconnect()  # wraps offline_messages_not_retained's replacement
     conformance.conformant_fan_out()
     conformance.resend_unacked_on_reconnect()
     conformance.enforce_keepalive()
