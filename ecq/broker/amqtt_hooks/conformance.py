@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 
 _PUBLISH_QOS: contextvars.ContextVar[int | None] = contextvars.ContextVar("ecq_publish_qos", default=None)
 _closing: set[asyncio.Task] = set()  # keepalive closes in progress (a reference keeps each task alive)
-# id -> reconnected persistent session whose offline queue is not yet sent (amqtt's Session is unhashable)
-_resuming: dict[int, Any] = {}
+# id of a reconnected persistent session whose offline queue is not yet sent (amqtt's Session is unhashable) ->
+# the handler of that connection
+_resuming: dict[int, BrokerProtocolHandler] = {}
 
 
 def keep_persistent_sessions() -> None:
@@ -163,11 +164,12 @@ def offline_queue_first_on_reconnect() -> None:
     async def handle_client_session(broker: Broker, reader: Any, writer: Any, session: Any,
                                     handler: BrokerProtocolHandler, *args: Any) -> None:
         if find_target(broker.plugins_manager) is not None and session.clean_session is False:
-            _resuming[id(session)] = session
+            _resuming[id(session)] = handler
         try:
             return await original_session(broker, reader, writer, session, handler, *args)
         finally:
-            _resuming.pop(id(session), None)
+            if _resuming.get(id(session)) is handler:  # not a newer connection's (a takeover) mark
+                del _resuming[id(session)]
 
     async def publish_queued(broker: Broker, session: Any) -> None:
         _resuming.pop(id(session), None)  # the queue is taken before this coroutine first yields: nothing comes between
