@@ -388,7 +388,8 @@ def gc(admin: str, token: str | None, as_json: bool) -> None:
 def rewind(clientid: str, point: str, admin: str, token: str | None, as_json: bool) -> None:
     """Rewind the queue of CLIENTID on the running broker, online or offline: the next delivery is the first stored
     entry after seqno N, the oldest stored entry (earliest), the next write (latest), or the first entry published
-    at or after MS, ms since the Unix epoch (since:MS). Prints the new acked seqno."""
+    at or after MS, ms since the Unix epoch (since:MS). Prints the new acked seqno. Exits 1 for an N above the
+    queue's last seqno and for a queue the broker knows nothing of (nothing is created)."""
     try:
         parse_rewind_point(point)
     except BadWrite as exc:

@@ -109,3 +109,59 @@ def test_pubacks_leave_in_the_order_the_publishes_arrived(make_broker):
     assert {header for header, _body in answers} == {0x40}
     assert [struct.unpack(">H", body)[0] for _header, body in answers] == list(range(1, 501))
     raw.close()
+
+
+UNSUBACK = 0xB0
+
+
+def _unsubscribe(raw: RawClient, topic_filter: bytes, packet_id: int = 2) -> None:
+    """UNSUBSCRIBE ``topic_filter`` and read the answer, which must be its UNSUBACK (nothing sent before it)."""
+    raw.send(0xA2, struct.pack(">H", packet_id) + struct.pack(">H", len(topic_filter)) + topic_filter)
+    assert raw.receive() == (UNSUBACK, struct.pack(">H", packet_id))
+
+
+@pytest.mark.parametrize("acked_before", [(), (0, 2), (1,)], ids=["all-after", "first-third-before", "second-before"])
+def test_pubacks_after_unsubscribe_complete_the_deliveries_in_flight(make_broker, connect, acked_before):
+    # MQTT-3.10.4-3: deliveries already started when the UNSUBSCRIBE comes are completed. Four messages are in
+    # flight (all that is stored, window 4); some are acked before the UNSUBSCRIBE, the rest after its UNSUBACK,
+    # with two writes made in between: no new delivery starts, and on the next subscribe only those two come.
+    broker = make_broker(reader_batch_size=4)
+    producer = connect(broker.port, "producer")
+    clientid = "ua" + "".join(map(str, acked_before))
+    for i in range(4):
+        write(producer, clientid, f"k{i}", f"v{i}")
+    raw = RawClient(broker.port, clientid)
+    assert raw.subscribe(f"$ECQ/{clientid}/#".encode()) == (0x90, b"\x00\x01\x01")
+    sent = [raw.receive_publish() for _ in range(4)]
+    assert [topic for topic, _id, _payload in sent] == [f"$ECQ/{clientid}/k{i}".encode() for i in range(4)]
+    raw.puback(*(sent[i][1] for i in acked_before))
+    _unsubscribe(raw, f"$ECQ/{clientid}/#".encode())
+    write(producer, clientid, "k4", "v4")
+    write(producer, clientid, "k5", "v5")
+    raw.puback(*(packet_id for i, (_topic, packet_id, _payload) in enumerate(sent) if i not in acked_before))
+    assert raw.ping(), "a PUBLISH came after the UNSUBSCRIBE instead of PINGRESP"
+    raw.send_raw(DISCONNECT)
+    raw.close()
+    assert drain(connect, broker.port, clientid, 2) == [(f"$ECQ/{clientid}/k4", b"v4"), (f"$ECQ/{clientid}/k5", b"v5")]
+
+
+def test_resubscribe_on_the_same_connection_after_acks_sent_after_unsubscribe(make_broker, connect):
+    # The same flow without reconnecting: after the late PUBACKs, a SUBSCRIBE on the same connection resumes with
+    # the messages never sent; nothing acked comes again.
+    broker = make_broker(reader_batch_size=2)
+    producer = connect(broker.port, "producer")
+    for i in range(4):
+        write(producer, "ur", f"k{i}", f"v{i}")
+    raw = RawClient(broker.port, "ur")
+    assert raw.subscribe(b"$ECQ/ur/#") == (0x90, b"\x00\x01\x01")
+    sent = [raw.receive_publish() for _ in range(2)]
+    _unsubscribe(raw, b"$ECQ/ur/#")
+    raw.puback(*(packet_id for _topic, packet_id, _payload in sent))
+    assert raw.ping()
+    assert raw.subscribe(b"$ECQ/ur/#", packet_id=3) == (0x90, b"\x00\x03\x01")
+    again = [raw.receive_publish() for _ in range(2)]
+    assert [(topic, payload) for topic, _id, payload in again] == [(b"$ECQ/ur/k2", b"v2"), (b"$ECQ/ur/k3", b"v3")]
+    raw.puback(*(packet_id for _topic, packet_id, _payload in again))
+    raw.send_raw(DISCONNECT)
+    raw.close()
+    assert drain(connect, broker.port, "ur", 0) == []

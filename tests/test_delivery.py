@@ -211,6 +211,38 @@ async def test_a_window_emptied_by_compaction_reads_on_when_the_acks_came_during
         store.close()
 
 
+async def test_after_stop_sending_the_inflight_acks_count_and_nothing_new_is_sent(parts):
+    # An unsubscribe (MQTT 3.1.1 section 3.10.4): a and b in flight complete, c is not sent; the consumer
+    # detaches once b's PUBACK came, and the next attach starts at c.
+    store = parts[0]
+    await write(parts, "a", "b", "c")
+    consumer, seen = make_consumer(parts, window=2)
+    connection = FakeConnection()
+    consumer.attach(connection)
+    await settle(lambda: len(connection.sent) == 2)
+    consumer.stop_sending()
+    connection.ack(1)
+    await settle(lambda: store.ack_state("q").acked == 1)
+    assert consumer.online and len(connection.sent) == 2
+    connection.ack()
+    await settle(lambda: store.ack_state("q").acked == 2 and not consumer.online)
+    assert len(connection.sent) == 2 and seen.acks == [1, 2]
+    consumer.attach(connection)
+    await settle(lambda: len(connection.sent) == 3)
+    assert connection.sent[2] == ("$ECQ/q/c", b"c")
+
+
+async def test_a_rewind_after_stop_sending_detaches(parts):
+    await write(parts, "a", "b")
+    consumer, _seen = make_consumer(parts, window=2)
+    connection = FakeConnection()
+    consumer.attach(connection)
+    await settle(lambda: len(connection.sent) == 2)
+    consumer.stop_sending()
+    await consumer.rewind(0)
+    assert not consumer.online and not consumer.inflight and len(connection.sent) == 2
+
+
 async def test_a_rewind_while_online_forgets_the_inflight_and_redelivers_from_the_rewind_point(parts):
     store = parts[0]
     await write(parts, "a", "b", "c")

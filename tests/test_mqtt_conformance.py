@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from tests.census_plugin import ANSWER as CENSUS_ANSWER, ASK as CENSUS_ASK, PLUGIN_PATH as CENSUS
-from tests.harness import RawClient, metrics_text, wait_until, write
+from tests.harness import RawClient, fixed_header, metrics_text, wait_until, write
 
 PUBLISH, PUBACK, PUBREC, PUBREL, PUBCOMP, SUBACK, PINGRESP = 3, 4, 5, 6, 7, 9, 13
 SESSION_MONITOR_WAIT_S = 2.5  # amqtt's session monitor runs every 1 s; nothing a client sees tells it ran
@@ -366,6 +366,43 @@ def test_offline_queue_keeps_the_newest_messages_and_counts_the_dropped(make_bro
         payloads.append(got.payload)
     assert sorted(payloads) == [b"m2", b"m3", b"m4"]
     assert back.nothing_within(0.5)
+
+
+def test_a_reconnecting_session_gets_its_offline_queue_before_newer_messages(make_broker):
+    """``session_max_queued`` and section 4.6 (ordered topics) across a reconnect. The session subscribes to its
+    ECQ queue and to an ordinary topic in one segment, leaves one message unacked and goes away; 60 more come
+    while it is offline (the newest 50 kept). While it reconnects, amqtt resends the unacked one and waits for its
+    PUBACK before it sends the queue; a message published in that window was sent at once, ahead of the 50 queued
+    and beyond the bound. It joins the queue instead: exactly the newest 50 come, in order, each once."""
+    broker = make_broker(session_max_queued=50)
+    sub = Mqtt(broker.port, "ps", clean=False)
+    sub.send_raw(b"".join(fixed_header(0x82, 2 + len(_utf8(f)) + 1) + struct.pack(">H", pid) + _utf8(f) + b"\x01"
+                          for pid, f in ((1, "$ECQ/ps/#"), (2, "plain/#"))))
+    assert [sub.expect(SUBACK) for _ in range(2)] == [b"\x00\x01\x01", b"\x00\x02\x01"]
+    sender, watcher = Mqtt(broker.port, "ps-pub"), Mqtt(broker.port, "ps-watch")
+    assert watcher.subscribe("plain/#", 0) == 0
+    sender.publish("plain/t", b"0", qos=1)
+    assert sub.next_publish().payload == b"0"
+    sub.disconnect()  # without its PUBACK: kept for a resend
+    for i in range(1, 61):
+        sender.publish("plain/t", str(i).encode(), qos=1, packet_id=i + 1)
+    assert wait_until(lambda: metric(broker, 'ecq_session_dropped_total{reason="queue_full"}') == 10)
+
+    back = Mqtt(broker.port, "ps", clean=False)
+    resent = back.next_publish()
+    assert (resent.payload, resent.dup) == (b"0", True)
+    sender.publish("plain/t", b"61", qos=1, packet_id=62)  # while the resend waits for its PUBACK
+    while watcher.next_publish().payload != b"61":  # fanned out to every subscriber by now
+        pass
+    back.ack(PUBACK, resent.packet_id)
+    received = []
+    for _ in range(50):
+        message = back.next_publish()
+        back.ack(PUBACK, message.packet_id)
+        received.append(int(message.payload))
+    assert received == list(range(12, 62))
+    assert back.nothing_within(0.5)
+    assert metric(broker, 'ecq_session_dropped_total{reason="queue_full"}') == 11
 
 
 def test_overlapping_subscriptions_deliver_once_at_the_highest_qos(broker, connect):

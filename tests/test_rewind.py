@@ -198,3 +198,75 @@ def test_a_rewind_on_one_cluster_node_then_acks_on_the_other_are_not_undone_by_t
     assert ecq("rewind", "hop", "earliest", admin=node1.admin_port).returncode == 0
     assert len(consume_and_leave(node2, connect, "hop", 3)) == 3
     assert consume_and_leave(node1, connect, "hop", 0) == []
+
+
+def _refused_events(lake) -> list[tuple]:
+    if not any(lake.rglob("*.parquet")):
+        return []
+    rows = ds.dataset(lake, format="parquet", partitioning="hive").to_table(columns=list(COLUMNS)).to_pylist()
+    return [(r["clientid"], r["reason"], r["topic"]) for r in rows if r["type"] == "refused"]
+
+
+def test_a_rewind_to_a_seqno_past_the_end_is_refused_and_later_writes_are_delivered(backend_broker, tmp_path):
+    # README's example without `since:`: a time taken for a seqno, far above the last one. Stored, it made every
+    # later write count as acked: PUBACKed, never delivered, pending 0. It is refused as bad_rewind (PUBACKed,
+    # counted, logged, a refused event), the position stays, and the next write is delivered.
+    lake = tmp_path / "lake"
+    broker = backend_broker(lake_dir=str(lake), export_interval="200ms", lake_file_age="200ms")
+    port = str(broker.port)
+    pub = ["mosquitto_pub", "-h", "127.0.0.1", "-p", port, "-q", "1"]
+
+    def consume(count: int) -> list[str]:
+        out = subprocess.run(["mosquitto_sub", "-h", "127.0.0.1", "-p", port, "-i", "car7", "-q", "1", "-t",
+                              "$ECQ/car7/#", "-C", str(count), "-W", "10", "-F", "%t %p"],
+                             capture_output=True, text=True, timeout=15)
+        return out.stdout.splitlines()
+
+    for key in ("k0", "k1"):
+        subprocess.run([*pub, "-t", f"$ECQ/w/car7/{key}", "-m", "old"], check=True, timeout=10)
+    assert consume(2) == ["$ECQ/car7/k0 old", "$ECQ/car7/k1 old"]
+    assert wait_until(lambda: queue(broker, "car7")["pending"] == 0, 5)
+    acked, last = queue(broker, "car7")["acked"], queue(broker, "car7")["last_seqno"]
+    for payload in ("1767225600000", str(last + 1)):
+        subprocess.run([*pub, "-i", "car7", "-t", "$ECQ/ctl/car7/rewind", "-m", payload], check=True, timeout=10)
+    assert queue(broker, "car7")["acked"] == acked
+    subprocess.run([*pub, "-t", "$ECQ/w/car7/k2", "-m", "new"], check=True, timeout=10)
+    assert queue(broker, "car7")["pending"] == 1
+    assert consume(1) == ["$ECQ/car7/k2 new"]
+    assert scrape(broker)["ecq_writes_refused_total{reason=bad_rewind}"] == 2
+    assert f"to seqno 1767225600000: above its last seqno {last}" in broker.log()
+    assert "(publisher car7, reason bad_rewind)" in broker.log()
+    refused = [("car7", "bad_rewind", "$ECQ/ctl/car7/rewind")] * 2
+    assert wait_until(lambda: _refused_events(lake) == refused, 10), _refused_events(lake)
+    subprocess.run([*pub, "-i", "car7", "-t", "$ECQ/ctl/car7/rewind", "-m", str(last)], check=True, timeout=10)
+    assert queue(broker, "car7")["acked"] == last  # the last seqno itself is a position like any
+
+
+def test_ecq_rewind_and_the_admin_api_refuse_a_seqno_past_the_end(broker, connect):
+    producer = connect(broker.port, "producer")
+    write(producer, "far", "k", "v")
+    result = ecq("rewind", "far", "1767225600000", admin=broker.admin_port)
+    assert result.returncode == 1
+    assert "to seqno 1767225600000: above its last seqno 1" in result.stderr
+    status, body = admin_post(broker, "/api/v1/queues/far/rewind?to=2")
+    assert status == 400 and "to seqno 2: above its last seqno 1" in body["error"]
+    assert queue(broker, "far")["acked"] == 0 and queue(broker, "far")["pending"] == 1
+    assert "ECQ admin API refused rewind of the queue of 'far' to seqno 2" in broker.log()
+    status, body = admin_post(broker, "/api/v1/queues/far/rewind?to=1")
+    assert (status, body) == (200, {"clientid": "far", "acked": 1})
+
+
+def test_ecq_rewind_of_an_unknown_queue_is_refused_and_creates_nothing(broker, connect):
+    producer = connect(broker.port, "producer")
+    write(producer, "known", "k", "v")
+    for point in ("latest", "earliest", "0", "since:0"):
+        result = ecq("rewind", "nosuch", point, admin=broker.admin_port)
+        assert result.returncode == 1, (point, result.stdout)
+        assert "no queue for clientid 'nosuch'" in result.stderr
+    status, body = admin_post(broker, "/api/v1/queues/nosuch/rewind?to=latest")
+    assert status == 404 and "no queue for clientid 'nosuch'" in body["error"]
+    status = json.loads(ecq("status", "--json", admin=broker.admin_port).stdout)
+    assert [c["clientid"] for c in status["consumers"]] == []
+    assert ecq("inspect", "nosuch", admin=broker.admin_port).returncode == 1
+    assert scrape(broker).get("ecq_rewinds_total") == 0
+    assert ecq("rewind", "known", "latest", admin=broker.admin_port).returncode == 0  # a write is enough to know it

@@ -60,9 +60,10 @@ class QueueSessions:
             await self._attach(client_id, hooks.live_connection(self._context, client_id))
 
     async def unsubscribed(self, client_id: str, topic: str) -> None:
-        """Stop delivering when the consumer unsubscribes from its queue."""
+        """Start no new delivery once the consumer unsubscribed from its queue; the deliveries in flight are
+        completed: their PUBACKs, until the connection closes, count (MQTT 3.1.1 section 3.10.4)."""
         if topic == queue_filter(client_id):
-            self._engine.detach(client_id)
+            self._engine.stop_sending(client_id)
 
     async def disconnected(self, client_id: str) -> None:
         """Detach a consumer whose connection closed; a newer connection (takeover) keeps or gets it."""

@@ -20,8 +20,9 @@ GET    /api/v1/queues/{clientid}    one queue (see ecq.ops.status.queue_info); 4
 POST   /api/v1/gc                   run GC now: ``{"deleted": rows}``
 POST   /api/v1/queues/{clientid}/   rewind the queue (``to``: ``N``, ``earliest``, ``latest`` or ``since:<unix ms>``):
        rewind?to=POINT              ``{"clientid": ..., "acked": N}`` once stored (the next delivery is the
-                                    first stored entry above N); 400 for a bad ``to``, 503 when it cannot be
-                                    stored now
+                                    first stored entry above N); 400 for a bad ``to`` or a seqno above the
+                                    queue's last one, 404 for a queue with no seqno and no consumer state
+                                    (nothing is created), 503 when it cannot be stored now
 POST   /api/v1/queues/{clientid}/   write a tombstone for KEY through the normal write path:
        delete?key=KEY               ``{"clientid": ..., "key": ..., "seqno": N}`` once committed; 400 without a
                                     key, 409 with ``tombstones: false``, 503 when it cannot be stored now
@@ -52,6 +53,7 @@ from ecq.ops.metrics import EcqMetrics
 from ecq.ops.status import broker_status, queue_info
 from ecq.queue.engine import QueueEngine
 from ecq.queue.lag import check_top
+from ecq.queue.rewind import UnknownQueue
 from ecq.queue.store import StoreError
 from ecq.queue.tombstones import TombstonesOff
 from ecq.queue.topics import RESERVED_CLIENTIDS, BadWrite, parse_rewind_point, parse_write
@@ -203,7 +205,12 @@ async def _rewind(request: web.Request) -> web.Response:
     except BadWrite as exc:
         return web.json_response({"error": str(exc)}, status=400)
     try:
-        acked = await request.app[_ENGINE].rewind(clientid, point)
+        acked = await request.app[_ENGINE].rewind(clientid, point, must_exist=True)
+    except UnknownQueue as exc:
+        return web.json_response({"error": str(exc)}, status=404)
+    except BadWrite as exc:
+        log.warning("ECQ admin API %s", exc)
+        return web.json_response({"error": str(exc)}, status=400)
     except (TimeoutError, StoreError, PoolClosed) as exc:
         return web.json_response({"error": f"rewind of {clientid!r} not stored: {exc or type(exc).__name__}"},
                                  status=503)

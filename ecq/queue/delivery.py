@@ -5,8 +5,10 @@ holds the ``$ECQ/<clientid>/#`` subscription. It keeps at most ``window`` (``rea
 unacked QoS 1 PUBLISHes in flight. Each PUBACK marks its seqno acked; ``acked`` advances to the
 highest seqno below which every message handed to the connection is acked, and is saved through the
 writer pool. Seqnos acked out of order are saved too, so a reconnect never redelivers them.
-Detaching (disconnect, takeover, unsubscribe) drops the inflight window; the next attach resumes
-after ``acked``: what was sent but not acked is delivered again (MQTT 3.1.1 section 4.4).
+Detaching (disconnect, takeover) drops the inflight window; the next attach resumes after ``acked``: what was
+sent but not acked is delivered again (MQTT 3.1.1 section 4.4). An unsubscribe (:meth:`Consumer.stop_sending`)
+starts no new delivery but completes those in flight (MQTT 3.1.1 section 3.10.4): their PUBACKs still count
+and are saved, and the consumer detaches once none is left.
 
 Nothing new is sent to a consumer while one of its PUBACKs is not yet stored: an ack is committed to
 LevelDB before the next delivery to that consumer leaves, so after a crash only acks received after the
@@ -72,6 +74,7 @@ class Consumer:
         self.clientid = clientid
         self.state = state
         self.connection: Any = None
+        self._sending = False               # attached and subscribed: new deliveries may start
         self.inflight: dict[int, asyncio.Task] = {}
         self.saves_pending = 0              # SaveAck ops submitted and not yet committed (0 or 1)
         self._save_due = False              # the state changed while a save was in flight
@@ -100,10 +103,11 @@ class Consumer:
         """Start delivering to ``connection``; a different connection already attached is detached first."""
         self._newest = _UNKNOWN  # appends made while detached were not told: read until a short read
         if connection is self.connection:
+            self._sending = True
             self.wake()
             return
         self.detach()
-        self.connection = connection
+        self.connection, self._sending = connection, True
         self._pump_task = asyncio.create_task(self._pump(), name=f"ecq-deliver-{self.clientid}")
         self.wake()
 
@@ -117,8 +121,17 @@ class Consumer:
         self._handed.clear()
         self._ready.clear()
         self._read_cursor = self.state.acked
-        self.connection = None
+        self.connection, self._sending = None, False
         self._pump_task = None
+
+    def stop_sending(self) -> None:
+        """The consumer unsubscribed: start no new delivery, but complete those in flight (MQTT 3.1.1 section
+        3.10.4, MQTT-3.10.4-3): their PUBACKs are folded into the ack state and saved like any other. Detaches
+        once no delivery is left in flight (at once when there is none), or when the connection closes first.
+        A later :meth:`attach` of the same connection (a new SUBSCRIBE) resumes sending."""
+        self._sending = False
+        if not self.inflight:
+            self.detach()
 
     def rewind(self, acked: int) -> asyncio.Future:
         """Move the queue's position to ``acked``: the next delivery is the first stored entry with a seqno above it.
@@ -128,8 +141,11 @@ class Consumer:
         attached, delivery restarts from ``acked`` at once (after the save below, like any ack). The new state is
         saved through the writer pool after any save of this consumer already in flight, so an older snapshot
         cannot overwrite it. Returns a future resolved once a save holding this rewind is committed; it fails
-        with PoolClosed when the broker is shutting down.
+        with PoolClosed when the broker is shutting down. A consumer that unsubscribed and was waiting only for
+        the PUBACKs of its last deliveries is detached: nothing is left for it to wait for.
         """
+        if self.connection is not None and not self._sending:
+            self.detach()
         for task in self.inflight.values():
             task.cancel()
         self.inflight.clear()
@@ -200,6 +216,8 @@ class Consumer:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if not self._sending:
+                continue
             free = self._window - len(self.inflight)
             if free <= 0:
                 continue
@@ -273,7 +291,10 @@ class Consumer:
             self._acked_tombstones.append(ExpiredRow(message.seqno, message.key, message.ts_ms, 0))
         self._fold_acked()
         self._save()
-        self.wake()
+        if self._sending:
+            self.wake()
+        elif not self.inflight:  # the last delivery in flight when the consumer unsubscribed is complete
+            self.detach()
 
     def _fold_acked(self) -> bool:
         """Advance ``acked`` over the contiguous acked head of what was handed out; True if it moved."""

@@ -248,17 +248,20 @@ class QueueEngine:
             read=self._read_soon, window=self.settings.reader_batch_size, read_deadline=self._read_deadline,
             retention_s=self.settings.data_retention, tombstones=self.settings.tombstones))
 
-    async def rewind(self, clientid: str, point: RewindPoint) -> int:
+    async def rewind(self, clientid: str, point: RewindPoint, *, must_exist: bool = False) -> int:
         """Rewind the queue of ``clientid`` to ``point``; returns the new acked seqno once it is stored.
 
         The next delivery is the first stored entry with a seqno above it (see ecq.queue.rewind for each
         kind of point); entries compaction or GC removed are not brought back. An online consumer's inflight
         sends are forgotten and its delivery restarts from there at once; an offline one resumes from there on
         its next attach. The state is saved through the queue's writer agent behind the consumer's own saves.
-        Raises TimeoutError (not stored within ``write_timeout``), PoolClosed (shutting down), or what the
-        store's reads and commits raise.
+        With ``must_exist`` (an operator's rewind) a queue with no consumer here and nothing in the store is not
+        created. Raises BadWrite ``bad_rewind`` (a seqno above the queue's last one), UnknownQueue (``must_exist``),
+        TimeoutError (not stored within ``write_timeout``), PoolClosed (shutting down), or what the store's reads
+        and commits raise; nothing is changed when it raises before the save.
         """
-        acked = await self.read(rewind_seqno, self.store, clientid, point)
+        must_exist = must_exist and clientid not in self.consumers
+        acked = await self.read(rewind_seqno, self.store, clientid, point, must_exist)
         if clientid not in self.consumers:
             state = await self._load_ack_state(clientid, lambda: True)
             self._consumer(clientid, state)
@@ -299,6 +302,12 @@ class QueueEngine:
         """Stop delivering to ``clientid``; what was sent and not acked is delivered again on the next attach."""
         if consumer := self.consumers.get(clientid):
             consumer.detach()
+
+    def stop_sending(self, clientid: str) -> None:
+        """``clientid`` unsubscribed from its queue: start no new delivery to it, but complete those in flight
+        (their PUBACKs are taken and saved; see :meth:`Consumer.stop_sending`)."""
+        if consumer := self.consumers.get(clientid):
+            consumer.stop_sending()
 
     async def release(self, clientid: str) -> None:
         """Stop delivering to ``clientid`` and return once the acks it sent are saved (at most ACK_SETTLE_S):

@@ -27,8 +27,8 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   take the largest packet.
 
 Several corrections wrap the same amqtt method (``init_from_connect``, ``handle_puback``,
-``_handle_message_delivery``, ``_broadcast_message``, ``_handle_client_session``, ``_client_connected``): the order
-of :func:`install` is the order of wrapping.
+``_handle_message_delivery``, ``_broadcast_message``, ``_handle_client_session``, ``_client_connected``,
+``_publish_session_retained_messages``): the order of :func:`install` is the order of wrapping.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     conformance.release_handlers_of_offline_sessions()
     conformance.retained_only_for_new_subscriptions()
     conformance.offline_messages_not_retained()
+    conformance.offline_queue_first_on_reconnect()  # wraps offline_messages_not_retained's replacement
     conformance.conformant_fan_out()
     conformance.resend_unacked_on_reconnect()
     conformance.enforce_keepalive()

@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 _PUBLISH_QOS: contextvars.ContextVar[int | None] = contextvars.ContextVar("ecq_publish_qos", default=None)
 _closing: set[asyncio.Task] = set()  # keepalive closes in progress (a reference keeps each task alive)
+# id of a reconnected persistent session whose offline queue is not yet sent (amqtt's Session is unhashable) ->
+# the handler of that connection
+_resuming: dict[int, BrokerProtocolHandler] = {}
 
 
 def keep_persistent_sessions() -> None:
@@ -146,12 +149,42 @@ def offline_messages_not_retained() -> None:
     Broker._publish_session_retained_messages = publish_queued
 
 
+def offline_queue_first_on_reconnect() -> None:
+    """amqtt 0.12.1's ``Broker._handle_client_session`` marks a reconnecting persistent session connected before it
+    resends the unacknowledged messages (``_retry_deliveries``, which waits for their acknowledgements) and only
+    then sends the messages queued while the session was offline (``_publish_session_retained_messages``). A
+    message published in between went out at once: ahead of the older queued ones (MQTT 3.1.1 section 4.6,
+    ordered topics) and outside ``session_max_queued``. So from the CONNECT of a CleanSession=0 client until its
+    queue is taken for sending, its QoS 1 and 2 messages join that queue (see :func:`_fan_out`), within the bound;
+    later ones are sent after the queue's."""
+    original_session = Broker._handle_client_session
+    original_queued = Broker._publish_session_retained_messages
+
+    async def handle_client_session(broker: Broker, reader: Any, writer: Any, session: Any,
+                                    handler: BrokerProtocolHandler, *args: Any) -> None:
+        if find_target(broker.plugins_manager) is not None and session.clean_session is False:
+            _resuming[id(session)] = handler
+        try:
+            return await original_session(broker, reader, writer, session, handler, *args)
+        finally:
+            if _resuming.get(id(session)) is handler:  # not a newer connection's (a takeover) mark
+                del _resuming[id(session)]
+
+    async def publish_queued(broker: Broker, session: Any) -> None:
+        _resuming.pop(id(session), None)  # the queue is taken before this coroutine first yields: nothing comes between
+        await original_queued(broker, session)
+
+    Broker._handle_client_session = handle_client_session
+    Broker._publish_session_retained_messages = publish_queued
+
+
 def conformant_fan_out() -> None:
     """amqtt 0.12.1's ``Broker._run_broadcast`` sends a message once per matching filter of a client (twice
     to a client subscribed to ``a/#`` and ``a/+``), at the subscription's QoS whatever the PUBLISH's QoS, and
     keeps nothing for an anonymous session. MQTT 3.1.1 sections 3.3.5 and 3.8.4: one delivery per client at
     min(PUBLISH QoS, highest granted QoS of its matching subscriptions); a disconnected CleanSession=0 session
-    gets its QoS 1 and 2 messages queued (section 3.1.2.4), within ``session_max_queued``.
+    gets its QoS 1 and 2 messages queued (section 3.1.2.4), within ``session_max_queued``, and so does a
+    reconnecting one until that queue is sent (:func:`offline_queue_first_on_reconnect`).
 
     amqtt does not put the PUBLISH's QoS in its broadcast, so ``_handle_message_delivery`` records it for
     ``_broadcast_message`` (same task) in a context variable. A broadcast with a QoS (the Will, a plugin's)
@@ -205,7 +238,7 @@ async def _fan_out(broker: Broker, plugin: EcqHooksTarget, broadcast: dict[str, 
         qos = min(publish_qos, granted)
         if not await broker._topic_filtering(session, topic=topic, action=Action.RECEIVE):
             continue
-        if session.transitions.state != "connected":
+        if session.transitions.state != "connected" or (qos > QOS_0 and id(session) in _resuming):
             if not session.clean_session and qos > QOS_0:
                 _make_room(session.retained_messages, plugin, session.client_id)
                 await broker._retain_broadcast_message(broadcast, qos, session)
