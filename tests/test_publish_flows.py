@@ -84,6 +84,35 @@ def test_qos0_writes_before_a_qos1_write_keep_their_order(make_broker, connect, 
                                                       ("$ECQ/ord0/c", b"2")]
 
 
+# --- what was read before DISCONNECT is processed, on ordinary topics too ----------------------------------
+
+def test_pubacked_plain_messages_all_reach_the_subscriber_after_the_publisher_disconnects(make_broker, connect,
+                                                                                          fast_path):
+    """amqtt PUBACKs a QoS 1 PUBLISH once queued for routing, and its message loop ended at DISCONNECT with the
+    rest of that queue unrouted: 100 PUBACKed messages reached a subscriber 35 times."""
+    broker = make_broker(fast_path=fast_path)
+    watcher = connect(broker.port, "watcher")
+    assert watcher.subscribe("plain/#") == 1
+    publisher = connect(broker.port, "pub")
+    infos = publisher.publish_many([(f"plain/{n}", b"x") for n in range(100)])
+    assert all(info.is_published() for info in infos)
+    publisher.close()
+    got = watcher.expect(100)
+    assert sorted(m.topic for m in got) == sorted(f"plain/{n}" for n in range(100))
+
+
+def test_a_subscribe_sent_with_disconnect_is_recorded(make_broker, connect, fast_path):
+    broker = make_broker(fast_path=fast_path)
+    subscribe = fixed_header(0x82, 2 + 2 + 7 + 1) + struct.pack(">HH", 1, 7) + b"plain/#" + b"\x01"
+    with socket.create_connection(("127.0.0.1", broker.port), timeout=5) as sock:
+        sock.sendall(connect_packet("sub1", clean_session=False) + subscribe + DISCONNECT)
+    connect(broker.port, "pub").publish("plain/x", b"kept for sub1")
+    returning = RawClient(broker.port, "sub1", clean_session=False)
+    topic, _packet_id, payload = returning.receive_publish()
+    returning.close()
+    assert (topic, payload) == (b"plain/x", b"kept for sub1")
+
+
 # --- point 2: QoS 2 exactly once ------------------------------------------------------------------------------
 
 def test_qos2_retransmit_before_pubrel_is_stored_once(make_broker, connect, fast_path):

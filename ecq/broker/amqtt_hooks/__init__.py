@@ -17,7 +17,7 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   before a body is read, ``$``-topics no longer end a client's loop, a bounded log of accept failures;
 - :mod:`.ecq_guards`: nothing reaches ``$ECQ/<clientid>/...`` but ECQ's delivery (Wills, broadcasts,
   retained messages);
-- :mod:`.conformance`: MQTT 3.1.1 for ordinary topics (persistent sessions, without their dead connection's
+- :mod:`.conformance`: MQTT 3.1.1 for ordinary topics (what was read before a disconnect is routed, persistent sessions, without their dead connection's
   handler, retained messages, QoS of a fan-out, resend on reconnect, keepalive, with per-session bounds);
 - :mod:`.cluster`: ordinary MQTT messages forwarded to and from the other brokers of a cluster;
 - :mod:`.start_up`: start-up failures are reported, not hidden;
@@ -76,6 +76,7 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     conformance.retained_only_for_new_subscriptions()
     conformance.offline_messages_not_retained()
     conformance.offline_queue_first_on_reconnect()  # wraps offline_messages_not_retained's replacement
+    conformance.route_what_was_read_before_the_disconnect()  # outside keep_the_new_connection's: on takeovers too
     conformance.conformant_fan_out()
     conformance.resend_unacked_on_reconnect()
     conformance.enforce_keepalive()

@@ -1,6 +1,7 @@
 """MQTT 3.1.1 for ordinary topics: where amqtt 0.12.1 departs from the specification, corrected.
 
-Persistent sessions are kept, retained messages go only to new subscriptions, a fan-out sends one copy
+Persistent sessions are kept, what a client sent before it disconnected is routed, retained messages go only to
+new subscriptions, a fan-out sends one copy
 per client at the right QoS, unacknowledged messages are resent on reconnect and a silent client is closed
 after 1.5 x its keepalive, with per-session bounds (``session_max_queued``, ``session_max_inflight``).
 Each function below corrects one amqtt behaviour on a broker that runs the ECQ plugin and is installed
@@ -176,6 +177,37 @@ def offline_queue_first_on_reconnect() -> None:
 
     Broker._handle_client_session = handle_client_session
     Broker._publish_session_retained_messages = publish_queued
+
+
+def route_what_was_read_before_the_disconnect() -> None:
+    """amqtt 0.12.1's ``Broker._client_message_loop`` ends at the client's disconnect, and with it go the messages it
+    had read and already PUBACKed (its reader acknowledges a QoS 1 PUBLISH once the message is queued in
+    ``session.delivered_message_queue``, which the loop routes one at a time) and the SUBSCRIBEs and UNSUBSCRIBEs
+    still in the handler's pending queues: 100 pipelined QoS 1 PUBLISHes, each PUBACKed, then DISCONNECT reached
+    a subscriber 35 times; a persistent session's SUBSCRIBE sent with its DISCONNECT was never recorded.
+    MQTT 3.1.1 sections 4.3.2 and 3.14.4: a PUBACKed message is the server's to deliver, and what was read
+    before DISCONNECT is processed. So ``Broker._handle_disconnect`` first handles what is queued, as the loop
+    would have: subscriptions, unsubscriptions, then messages in arrival order (a Will, if due, comes after)."""
+    original = Broker._handle_disconnect
+
+    async def handle_disconnect(broker: Broker, session: Any, handler: BrokerProtocolHandler,
+                                disconnect_waiter: asyncio.Future) -> None:
+        if find_target(broker.plugins_manager) is not None:
+            for queue, handle in ((handler._pending_subscriptions, broker._handle_subscription),
+                                  (handler._pending_unsubscriptions, broker._handle_unsubscription),
+                                  (session.delivered_message_queue, broker._handle_message_delivery)):
+                while not queue.empty():
+                    await handle(session, handler, _resolved(queue.get_nowait()))
+        await original(broker, session, handler, disconnect_waiter)
+
+    Broker._handle_disconnect = handle_disconnect
+
+
+def _resolved(value: Any) -> asyncio.Future:
+    """A future already holding ``value``: what amqtt's handlers take from the message loop's waiters."""
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
 
 
 def conformant_fan_out() -> None:

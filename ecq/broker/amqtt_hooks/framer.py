@@ -22,7 +22,8 @@ packets from those bytes:
   connection): one timer re-armed at most once per keepalive period, not a ``wait_for`` per packet;
 - the end (EOF, a reset, which ``acks.read_to_the_end_after_a_reset`` turns into EOF after the bytes received,
   a protocol violation, the cancel of a takeover, keepalive close or broker stop) runs amqtt's exit path once:
-  the pending handler tasks are cancelled, then ``handle_connection_closed``, ``_reader_stopped``, ``stop``.
+  the pending handler tasks are run out (bounded, not on a cancel) or cancelled, then
+  ``handle_connection_closed``, ``_reader_stopped``, ``stop``.
 
 Packets the fast path takes are not seen by amqtt's PACKET_RECEIVED plugins (e.g. the ``$SYS`` counters);
 ``ecq_fast_path_packets_total{packet}`` counts them.
@@ -54,6 +55,8 @@ from ecq.queue.topics import PREFIX, is_ecq_topic
 log = logging.getLogger(__name__)
 
 READ_SIZE = 64 * 1024  # bytes taken from the socket's StreamReader per read
+RUN_OUT_S = 5.0  # at the end of a connection, the longest its last packets' handlers are waited for
+_QOS_2_FLAGS = 0x04  # PUBLISH flags & 0x06 for QoS 2
 _ECQ_PREFIX = PREFIX.encode()
 _HANDLERS = {CONNACK: "handle_connack", SUBSCRIBE: "handle_subscribe", UNSUBSCRIBE: "handle_unsubscribe",
              SUBACK: "handle_suback", UNSUBACK: "handle_unsuback", PUBACK: "handle_puback", PUBREC: "handle_pubrec",
@@ -97,7 +100,8 @@ class Framer:
         self._stream: asyncio.StreamReader = handler.reader._reader
         self._max_packet_bytes = checked_connection(self._adapter).max_packet_bytes
         self._packets = _PacketReader()  # also names the connection in violations until the reader's exit
-        self._running: collections.deque[asyncio.Task] = collections.deque()  # amqtt handler tasks
+        self._running: collections.deque[tuple[asyncio.Task, bool]] = collections.deque()  # amqtt handler tasks,
+        # each with whether it ends by itself (see _run_out)
         self._loop = asyncio.get_running_loop()
         keep_alive = handler.session.keep_alive
         self._keepalive_s = keep_alive if keep_alive and keep_alive > 0 else None
@@ -106,7 +110,7 @@ class Framer:
 
     async def run(self) -> None:
         """Read until the connection ends, then run amqtt's reader exit path (once)."""
-        handler = self._handler
+        handler, cancelled = self._handler, False
         handler._reader_ready.set()
         with checks_shared_with(self._adapter, self._packets):
             self._arm_keepalive()
@@ -114,6 +118,7 @@ class Framer:
                 await self._read()
             except asyncio.CancelledError:
                 log.debug("reader of %s cancelled", client_id(handler))
+                cancelled = True
             except asyncio.IncompleteReadError:
                 log.debug("%s: end of stream inside a packet", client_id(handler))
             except ProtocolViolation:
@@ -123,11 +128,24 @@ class Framer:
             finally:
                 if self._timer is not None:
                     self._timer.cancel()
-        while self._running:
-            self._running.popleft().cancel()
+        await self._run_out(cancelled)
         await handler.handle_connection_closed()
         handler._reader_stopped.set()
         await handler.stop()
+
+    async def _run_out(self, cancelled: bool) -> None:
+        """End the handler tasks of the packets read. Every packet read before a DISCONNECT or the end of the stream
+        is processed (MQTT 3.1.1 section 3.14.4): the tasks that end by themselves (all but a QoS 2 PUBLISH waiting
+        for its PUBREL) get up to :data:`RUN_OUT_S` to do so, unless the reader itself was cancelled (takeover,
+        broker stop). amqtt's reader cancels them all at once, before a SUBSCRIBE sent with DISCONNECT has run."""
+        finishing = [task for task, finishes in self._running if finishes and not task.done()]
+        if finishing and not cancelled:
+            try:
+                await asyncio.wait(finishing, timeout=RUN_OUT_S)
+            except asyncio.CancelledError:
+                log.debug("reader of %s cancelled while its last packets were handled", client_id(self._handler))
+        while self._running:
+            self._running.popleft()[0].cancel()
 
     async def _read(self) -> None:
         """Cut and hand on packets until EOF; a partial fixed header waits for the next read."""
@@ -140,7 +158,7 @@ class Framer:
             if not chunk:
                 return
             pending = await self._cut(pending + chunk if pending else chunk)
-            while self._running and self._running[0].done():
+            while self._running and self._running[0][0].done():
                 self._running.popleft()
 
     async def _cut(self, data: bytes) -> bytes:
@@ -236,7 +254,8 @@ class Framer:
         if kind == CONNECT:
             await handler.handle_connect(packet)
         else:
-            self._running.append(asyncio.create_task(getattr(handler, _HANDLERS[kind])(packet)))
+            task = asyncio.create_task(getattr(handler, _HANDLERS[kind])(packet))
+            self._running.append((task, not (kind == PUBLISH and first & 0x06 == _QOS_2_FLAGS)))
 
     def _arm_keepalive(self) -> None:
         if self._keepalive_s is not None:
