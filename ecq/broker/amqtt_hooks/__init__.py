@@ -83,6 +83,5 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     start_up.raise_pre_start_failure()
     start_up.quiet_start_failure_traceback()
     framer.read_with_the_framer()
-    websocket.send_websocket_writes_at_once()  # after close_abandoned_connections: its checks see these adapters
-    websocket.end_websocket_reads_at_the_close()
+    websocket.correct_websocket_adapters()  # after close_abandoned_connections: its checks see these adapters
     websocket.take_websocket_messages_of_the_largest_packet()

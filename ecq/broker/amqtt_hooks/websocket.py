@@ -6,11 +6,11 @@ brokers that run the ECQ plugin:
 - ``WebSocketsWriter.write()`` only appends to a buffer that ``drain()`` sends. ECQ's own packets (write PUBACKs,
   deliveries) are written without a drain (``ecq_paths.send_soon``: one write per connection and event-loop
   iteration), so over WebSocket an ECQ write got no PUBACK and a consumer no delivery, while TCP and TLS worked:
-  :func:`send_websocket_writes_at_once`;
+  :func:`correct_websocket_adapters`;
 - ``WebSocketsReader`` appends the last message it received again and again when the connection closes in the
   middle of a packet, until the packet is "complete": a write whose connection dropped after part of its payload
   was stored with a payload its publisher never sent (MQTT.js sends each packet in several WebSocket messages):
-  :func:`end_websocket_reads_at_the_close`;
+  :func:`correct_websocket_adapters` too;
 - the listener takes at most websockets' default of 1 MiB per incoming message, below the largest packet ECQ
   reads, and closed a larger one without a word: :func:`take_websocket_messages_of_the_largest_packet`.
 """
@@ -68,30 +68,20 @@ class _WebSocketsReaderEndingAtTheClose(WebSocketsReader):
         self._stream = io.BytesIO(buffer)
 
 
-def send_websocket_writes_at_once() -> None:
-    """Correct amqtt 0.12.1 ``WebSocketsWriter``, whose ``write()`` sends nothing until ``drain()`` (and whose
-    ``drain()`` dropped what was written while its send was under way): ``Broker._client_connected`` gets a
-    :class:`_SendingWebSocketsWriter` on the same connection instead, for a broker that runs the ECQ plugin."""
+def correct_websocket_adapters() -> None:
+    """Correct amqtt 0.12.1's WebSocket adapters for a broker that runs the ECQ plugin: ``WebSocketsWriter.write()``
+    sends nothing until ``drain()`` (whose send also dropped what was written meanwhile), and
+    ``WebSocketsReader._feed_buffer`` keeps the last message it received when ``recv()`` raises ConnectionClosed
+    and appends it again until it has the bytes it was asked for. ``Broker._client_connected`` gets a
+    :class:`_SendingWebSocketsWriter` and a :class:`_WebSocketsReaderEndingAtTheClose` on the same connection."""
     original = Broker._client_connected
 
     async def client_connected(broker: Broker, listener_name: str, reader: Any, writer: Any) -> None:
-        if type(writer) is WebSocketsWriter and find_target(broker.plugins_manager) is not None:
-            writer = _SendingWebSocketsWriter(writer._protocol)
-        await original(broker, listener_name, reader, writer)
-
-    Broker._client_connected = client_connected
-
-
-def end_websocket_reads_at_the_close() -> None:
-    """Correct amqtt 0.12.1 ``WebSocketsReader._feed_buffer``, which keeps the last message it received when
-    ``recv()`` raises ConnectionClosed and appends it again until it has the bytes it was asked for:
-    ``Broker._client_connected`` gets a :class:`_WebSocketsReaderEndingAtTheClose` on the same connection
-    instead, for a broker that runs the ECQ plugin."""
-    original = Broker._client_connected
-
-    async def client_connected(broker: Broker, listener_name: str, reader: Any, writer: Any) -> None:
-        if type(reader) is WebSocketsReader and find_target(broker.plugins_manager) is not None:
-            reader = _WebSocketsReaderEndingAtTheClose(reader._protocol)
+        if find_target(broker.plugins_manager) is not None:
+            if type(writer) is WebSocketsWriter:
+                writer = _SendingWebSocketsWriter(writer._protocol)
+            if type(reader) is WebSocketsReader:
+                reader = _WebSocketsReaderEndingAtTheClose(reader._protocol)
         await original(broker, listener_name, reader, writer)
 
     Broker._client_connected = client_connected
