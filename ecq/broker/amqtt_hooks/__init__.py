@@ -12,7 +12,7 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   (:func:`send_soon`), the QoS 1 delivery and acknowledgement flows, connection accessors, listen backlog, a
   subscriptions map whose repr does not format every subscriber;
 - :mod:`.acks`: an acknowledged message stays acknowledged; a persistent-session takeover closes only the
-  old connection;
+  old connection; a stopped connection's reader stops;
 - :mod:`.bad_clients`: sockets closed on every path, CONNECT timeout, packet size and protocol checks
   before a body is read, ``$``-topics no longer end a client's loop, a bounded log of accept failures;
 - :mod:`.ecq_guards`: nothing reaches ``$ECQ/<clientid>/...`` but ECQ's delivery (Wills, broadcasts,
@@ -60,6 +60,7 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     acks.resolve_pubacks_at_once()
     acks.read_to_the_end_after_a_reset()
     acks.keep_the_new_connection_on_persistent_takeover()
+    acks.stop_readers_that_missed_their_cancel()
     bad_clients.close_abandoned_connections()
     bad_clients.time_limit_connect()
     bad_clients.check_fixed_headers()

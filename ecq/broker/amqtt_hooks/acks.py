@@ -19,6 +19,7 @@ from amqtt.mqtt.puback import PubackPacket
 from amqtt.session import Session
 
 from ecq.broker.amqtt_hooks.ecq_paths import client_id, no_op
+from ecq.broker.amqtt_hooks.target import find_target
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,30 @@ def read_to_the_end_after_a_reset() -> None:
             del reader.set_exception  # transport and socket waited for Python's cyclic GC (1,853 of 2,000 seen)
 
     Broker.stream_connected = stream_connected
+
+
+def stop_readers_that_missed_their_cancel() -> None:
+    """amqtt 0.12.1's ``ProtocolHandler.stop`` cancels the connection's reader task once, then waits for it. amqtt's
+    reader reads each packet under ``asyncio.wait_for``, which on Python 3.11 can swallow a cancel that arrives as
+    the read completes (CPython gh-86296): the reader reads on, and ``stop`` waits until the client sends again or
+    its keepalive runs out. A broker's SIGTERM (and a takeover) waited 15 s and more with such a client connected.
+    So the cancel is repeated every :data:`RECANCEL_S` until the reader begins its exit (``_reader_stopped``,
+    which its exit path sets before it yields) or ends."""
+    original = BrokerProtocolHandler.stop
+
+    async def stop(handler: BrokerProtocolHandler) -> None:
+        reader = handler._reader_task
+        if (reader is not None and reader is not asyncio.current_task()
+                and find_target(handler.plugins_manager) is not None):
+            while not reader.done() and not handler._reader_stopped.is_set():
+                reader.cancel()
+                await asyncio.wait([reader], timeout=RECANCEL_S)
+        await original(handler)
+
+    BrokerProtocolHandler.stop = stop
+
+
+RECANCEL_S = 0.1
 
 
 def keep_the_new_connection_on_persistent_takeover() -> None:
