@@ -13,6 +13,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -250,3 +251,36 @@ def test_websocket_message_over_the_largest_packet_is_refused_and_logged(broker_
             ws.recv(timeout=5)
     assert closed.value.rcvd.code == 1009
     assert wait_until(lambda: "ECQ closed the WebSocket connection" in broker.log(), 5), broker.log()
+
+
+def silent_websocket_client(port: int, client_id: str) -> socket.socket:
+    """A persistent-session MQTT client over a WebSocket opened by hand, which then stops reading: it never
+    answers a close frame, as a client whose network went away does not."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(b"GET /mqtt HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+                 b"Sec-WebSocket-Protocol: mqtt\r\n\r\n")
+    response = b""
+    while b"\r\n\r\n" not in response:
+        response += sock.recv(1024)
+    assert response.startswith(b"HTTP/1.1 101"), response
+    connect = b"\x00\x04MQTT\x04\x00\x00\x3c" + struct.pack(">H", len(client_id)) + client_id.encode()
+    packet, mask = fixed_header(0x10, len(connect)) + connect, b"\x01\x02\x03\x04"
+    masked = bytes(byte ^ mask[i % 4] for i, byte in enumerate(packet))
+    sock.sendall(bytes([0x82, 0x80 | len(packet)]) + mask + masked)  # one masked binary frame (RFC 6455 5.2)
+    assert sock.recv(16)[2:4] == b"\x20\x02"  # a binary frame holding the CONNACK
+    return sock
+
+
+def test_a_persistent_takeover_of_a_websocket_client_that_never_answers_the_close_is_not_held(every_transport,
+                                                                                            paho):
+    """On a persistent session's takeover amqtt closed the old WebSocket and waited for its close frame
+    (websockets' close_timeout, 10 s) before it went on: the new connection got its CONNACK 10 s late."""
+    _broker, ports = every_transport
+    old = silent_websocket_client(ports["ws"], "twice")
+    try:
+        started = time.monotonic()
+        paho("ws", ports["ws"], "twice", clean_session=False)
+        assert time.monotonic() - started < 3
+    finally:
+        old.close()

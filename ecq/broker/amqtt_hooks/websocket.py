@@ -3,7 +3,8 @@
 amqtt 0.12.1 serves a WebSocket connection through the adapters of amqtt/adapters.py, and corrected here for the
 brokers that run the ECQ plugin:
 
-- ``WebSocketsWriter.write()`` only appends to a buffer that ``drain()`` sends. ECQ's own packets (write PUBACKs,
+- ``WebSocketsWriter.write()`` only appends to a buffer that ``drain()`` sends (and its ``close()`` waits up to 10 s
+  for the client's close frame, which held a persistent session's takeover). ECQ's own packets (write PUBACKs,
   deliveries) are written without a drain (``ecq_paths.send_soon``: one write per connection and event-loop
   iteration), so over WebSocket an ECQ write got no PUBACK and a consumer no delivery, while TCP and TLS worked:
   :func:`correct_websocket_adapters`;
@@ -17,6 +18,7 @@ brokers that run the ECQ plugin:
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 from functools import partial
@@ -33,6 +35,7 @@ from websockets.frames import CloseCode
 from ecq.broker.amqtt_hooks.target import find_target
 
 log = logging.getLogger(__name__)
+_closing: set[asyncio.Task] = set()  # closing handshakes under way (referenced, so that they are not collected)
 FIXED_HEADER_MAX_BYTES = 5  # packet type and flags, and a remaining length of up to 4 bytes (MQTT 3.1.1 section 2.2)
 
 
@@ -51,6 +54,13 @@ class _SendingWebSocketsWriter(WebSocketsWriter):
 
     async def drain(self) -> None:
         await self._protocol.drain()
+
+    async def close(self) -> None:
+        """Start the closing handshake without waiting for the client's close frame: amqtt's ``close()`` waits for it
+        (websockets' ``close_timeout``, 10 s), and a persistent session's takeover held the new connection's CONNACK
+        that long; websockets ends the TCP connection itself once the handshake is done or timed out."""
+        _closing.add(task := asyncio.ensure_future(self._protocol.close()))
+        task.add_done_callback(_closing.discard)
 
 
 class _WebSocketsReaderEndingAtTheClose(WebSocketsReader):
