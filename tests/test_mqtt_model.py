@@ -347,7 +347,10 @@ class BrokerMachine(RuleBasedStateMachine):
     def _connect(self, client_id: str, clean: bool, transport: str) -> Link:
         """Connect and check CONNACK's session present against the model (MQTT 3.1.1 section 3.2.2.2)."""
         session = self.sessions.get(client_id)
-        wire, present = WireClient.connected(self._port(transport), client_id, clean, transport)
+        try:
+            wire, present = WireClient.connected(self._port(transport), client_id, clean, transport)
+        except TimeoutError:
+            raise AssertionError(f"{client_id} ({transport}, clean {clean}): no CONNACK within {WAIT_S} s") from None
         expected = not clean and session is not None and session.persistent
         assert present == expected, f"{client_id}: CONNACK session present {present}, expected {expected}"
         if clean or not expected:
