@@ -156,6 +156,24 @@ def fixed_header(first_byte: int, remaining_length: int) -> bytes:
             return bytes([first_byte]) + bytes(encoded)
 
 
+def split_packet(data: bytes) -> tuple[int, bytes, bytes] | None:
+    """The first whole MQTT packet of ``data``: (first byte, body, the bytes after it); None while it is incomplete.
+    The inverse of :func:`fixed_header` followed by the body (MQTT 3.1.1 section 2.2.3: at most 4 length bytes,
+    ValueError beyond)."""
+    size, shift, index = 0, 0, 1
+    while index < len(data):
+        byte = data[index]
+        index += 1
+        size |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            end = index + size
+            return (data[0], data[index:end], data[end:]) if end <= len(data) else None
+        shift += 7
+        if shift == 28:
+            raise ValueError("a remaining length longer than 4 bytes")
+    return None
+
+
 class RawClient:
     """A minimal MQTT 3.1.1 client on a plain socket, for packets that paho and mosquitto refuse to send
     (wildcards or NUL in a PUBLISH topic, protocol violations)."""
