@@ -113,6 +113,25 @@ def test_a_subscribe_sent_with_disconnect_is_recorded(make_broker, connect, fast
     assert (topic, payload) == (b"plain/x", b"kept for sub1")
 
 
+def test_a_clean_session_ends_with_its_connection(make_broker, connect):
+    """A persistent CONNECT right after a clean session's DISCONNECT starts a new session: session present 0 and
+    none of the clean session's subscriptions (MQTT 3.1.1 section 3.1.2.4; amqtt kept it up to 1 s)."""
+    broker = make_broker()
+    subscribe = fixed_header(0x82, 2 + 2 + 7 + 1) + struct.pack(">HH", 1, 7) + b"plain/#" + b"\x01"
+    with socket.create_connection(("127.0.0.1", broker.port), timeout=5) as sock:
+        sock.sendall(connect_packet("cs1") + subscribe)
+        assert sock.recv(4) == b"\x20\x02\x00\x00" and sock.recv(5)[0] == 0x90
+        sock.sendall(DISCONNECT)
+        assert sock.recv(1) == b""  # the broker closed the connection: the session is over
+    with socket.create_connection(("127.0.0.1", broker.port), timeout=5) as sock:
+        sock.sendall(connect_packet("cs1", clean_session=False))
+        assert sock.recv(4) == b"\x20\x02\x00\x00"  # session present 0
+        connect(broker.port, "pub").publish("plain/x", b"not for cs1")
+        sock.settimeout(1.0)
+        with pytest.raises(TimeoutError):
+            sock.recv(1)
+
+
 # --- point 2: QoS 2 exactly once ------------------------------------------------------------------------------
 
 def test_qos2_retransmit_before_pubrel_is_stored_once(make_broker, connect, fast_path):

@@ -78,6 +78,7 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     conformance.offline_messages_not_retained()
     conformance.offline_queue_first_on_reconnect()  # wraps offline_messages_not_retained's replacement
     conformance.route_what_was_read_before_the_disconnect()  # outside keep_the_new_connection's: on takeovers too
+    conformance.end_clean_sessions_with_their_connection()
     conformance.conformant_fan_out()
     conformance.resend_unacked_on_reconnect()
     conformance.enforce_keepalive()

@@ -203,6 +203,24 @@ def route_what_was_read_before_the_disconnect() -> None:
     Broker._handle_disconnect = handle_disconnect
 
 
+def end_clean_sessions_with_their_connection() -> None:
+    """amqtt 0.12.1 removes a clean session (CleanSession=1) only in its session monitor, once a second: a
+    CleanSession=0 CONNECT of the same clientid within that second was given the clean session (session present
+    1, its subscriptions, which then persisted). MQTT 3.1.1 section 3.1.2.4: a clean session lasts as long as
+    its network connection. So ``Broker._handle_disconnect`` ends it at once."""
+    original = Broker._handle_disconnect
+
+    async def handle_disconnect(broker: Broker, session: Any, handler: BrokerProtocolHandler,
+                                disconnect_waiter: asyncio.Future) -> None:
+        await original(broker, session, handler, disconnect_waiter)
+        stored, _ = broker._sessions.get(session.client_id, (None, None))
+        if (find_target(broker.plugins_manager) is not None and session.clean_session and stored is session
+                and session.transitions.state == "disconnected"):
+            await broker._cleanup_session(session.client_id)
+
+    Broker._handle_disconnect = handle_disconnect
+
+
 def _resolved(value: Any) -> asyncio.Future:
     """A future already holding ``value``: what amqtt's handlers take from the message loop's waiters."""
     future = asyncio.get_running_loop().create_future()
