@@ -15,8 +15,9 @@ import time
 import pytest
 
 from tests.harness import RawClient, drain, fixed_header, metrics_text, wait_until
+from tests.mqtt_wire import DISCONNECT_PACKET, connect_packet, publish_packet, pubrel_packet
 
-PUBREC, PUBREL, PUBCOMP = 0x50, 0x62, 0x70
+PUBREC, PUBCOMP = 0x50, 0x70  # first bytes of the broker's answers
 
 
 @pytest.fixture(params=[True, False], ids=["fast_path", "amqtt_reader"])
@@ -24,33 +25,10 @@ def fast_path(request) -> bool:
     return request.param
 
 
-def publish_packet(topic: str, payload: bytes, qos: int, packet_id: int | None = None, dup: bool = False) -> bytes:
-    """One encoded PUBLISH (MQTT 3.1.1 section 3.3)."""
-    raw_topic = topic.encode()
-    body = struct.pack(">H", len(raw_topic)) + raw_topic
-    if qos:
-        body += struct.pack(">H", packet_id)
-    first = 0x30 | qos << 1 | (0x08 if dup else 0)
-    return fixed_header(first, len(body) + len(payload)) + body + payload
-
-
-def connect_packet(client_id: str, clean_session: bool = True) -> bytes:
-    cid = client_id.encode()
-    variable = b"\x00\x04MQTT\x04" + (b"\x02" if clean_session else b"\x00") + b"\x00\x3c"
-    return fixed_header(0x10, len(variable) + 2 + len(cid)) + variable + struct.pack(">H", len(cid)) + cid
-
-
-def ack_packet(first: int, packet_id: int) -> bytes:
-    return bytes([first, 2]) + struct.pack(">H", packet_id)
-
-
-DISCONNECT = b"\xe0\x00"
-
-
 def one_shot(port: int, packets: bytes, disconnect: bool = True) -> None:
     """What mosquitto_pub does: CONNECT, the packets and DISCONNECT in one send, then close without reading."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        sock.sendall(connect_packet("oneshot") + packets + (DISCONNECT if disconnect else b""))
+        sock.sendall(connect_packet("oneshot") + packets + (DISCONNECT_PACKET if disconnect else b""))
 
 
 # --- point 1: QoS 0 writes of one-shot publishers -------------------------------------------------------------
@@ -105,7 +83,7 @@ def test_a_subscribe_sent_with_disconnect_is_recorded(make_broker, connect, fast
     broker = make_broker(fast_path=fast_path)
     subscribe = fixed_header(0x82, 2 + 2 + 7 + 1) + struct.pack(">HH", 1, 7) + b"plain/#" + b"\x01"
     with socket.create_connection(("127.0.0.1", broker.port), timeout=5) as sock:
-        sock.sendall(connect_packet("sub1", clean_session=False) + subscribe + DISCONNECT)
+        sock.sendall(connect_packet("sub1", clean_session=False) + subscribe + DISCONNECT_PACKET)
     connect(broker.port, "pub").publish("plain/x", b"kept for sub1")
     returning = RawClient(broker.port, "sub1", clean_session=False)
     topic, _packet_id, payload = returning.receive_publish()
@@ -121,7 +99,7 @@ def test_a_clean_session_ends_with_its_connection(make_broker, connect):
     with socket.create_connection(("127.0.0.1", broker.port), timeout=5) as sock:
         sock.sendall(connect_packet("cs1") + subscribe)
         assert sock.recv(4) == b"\x20\x02\x00\x00" and sock.recv(5)[0] == 0x90
-        sock.sendall(DISCONNECT)
+        sock.sendall(DISCONNECT_PACKET)
         assert sock.recv(1) == b""  # the broker closed the connection: the session is over
     with socket.create_connection(("127.0.0.1", broker.port), timeout=5) as sock:
         sock.sendall(connect_packet("cs1", clean_session=False))
@@ -141,11 +119,11 @@ def test_qos2_retransmit_before_pubrel_is_stored_once(make_broker, connect, fast
     assert raw.receive() == (PUBREC, struct.pack(">H", 9))
     raw.send_raw(publish_packet("$ECQ/w/cq/k", b"X", 2, 9, dup=True))  # as if the PUBREC was lost
     assert raw.receive() == (PUBREC, struct.pack(">H", 9))
-    raw.send_raw(ack_packet(PUBREL, 9))
+    raw.send_raw(pubrel_packet(9))
     assert raw.receive() == (PUBCOMP, struct.pack(">H", 9))
     raw.send_raw(publish_packet("$ECQ/w/cq/k", b"Y", 2, 9))  # after PUBCOMP the id is free: a new write
     assert raw.receive() == (PUBREC, struct.pack(">H", 9))
-    raw.send_raw(ack_packet(PUBREL, 9))
+    raw.send_raw(pubrel_packet(9))
     assert raw.receive() == (PUBCOMP, struct.pack(">H", 9))
     raw.close()
     assert drain(connect, broker.port, "cq", 1) == [("$ECQ/cq/k", b"Y")]  # compaction: Y replaced X
@@ -163,7 +141,7 @@ def test_qos2_retransmit_after_a_persistent_reconnect_is_stored_once(make_broker
     raw = RawClient(broker.port, "q2p", clean_session=False)
     raw.send_raw(publish_packet("$ECQ/w/cq2/k", b"X", 2, 9, dup=True))
     assert raw.receive() == (PUBREC, struct.pack(">H", 9))
-    raw.send_raw(ack_packet(PUBREL, 9))
+    raw.send_raw(pubrel_packet(9))
     assert raw.receive() == (PUBCOMP, struct.pack(">H", 9))
     raw.close()
     assert [m.payload for m in consumer.expect(1)] == [b"X"]
@@ -178,7 +156,7 @@ def test_pubrel_after_a_persistent_reconnect_gets_its_pubcomp(make_broker, conne
     assert raw.receive() == (PUBREC, struct.pack(">H", 4))
     raw.close()
     raw = RawClient(broker.port, "q2r", clean_session=False)
-    raw.send_raw(ack_packet(PUBREL, 4))
+    raw.send_raw(pubrel_packet(4))
     assert raw.receive() == (PUBCOMP, struct.pack(">H", 4))
     raw.close()
     assert drain(connect, broker.port, "cq3", 1) == [("$ECQ/cq3/k", b"X")]
