@@ -40,12 +40,12 @@ from ecq.ops.client import (EXIT_NOT_FOUND, Unreachable, call_admin, check_answe
 from ecq.ops.status import broker_status, queue_info
 from ecq.queue.clock import now_ms
 from ecq.queue.lag import TOP_MAX, TOP_ORDERS, scan_lag, top_report
-from ecq.queue.store import StoreError
+from ecq.store.protocol import StoreError
 from ecq.queue.topics import BadWrite, parse_rewind_point
-from ecq.queue.committed import describe as describe_missing
-from ecq.queue.leveldb import LevelDbStore
-from ecq.queue.leveldb_files import repair as repair_store
-from ecq.storage_layout import QUEUES, leveldb_dir
+from ecq.store.committed import describe as describe_missing
+from ecq.store.leveldb import LevelDbStore
+from ecq.store.leveldb_files import repair as repair_store
+from ecq.store.layout import QUEUES, leveldb_dir
 
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections of Python's cyclic GC (CPython: 700)
 GIL_SWITCH_INTERVAL_S = 0.0005  # how long a thread may hold the GIL while another waits (CPython: 0.005)
@@ -128,7 +128,7 @@ def amqtt_bind(bind: str) -> str:
 
 def check_data_dir(path: Path) -> None:
     """Refuse a ``data_dir`` that is a file, cannot be created or is not writable, or whose ``queues``
-    (LevelDB's directory, see ecq.storage_layout) is a file or not writable (click.UsageError)."""
+    (LevelDB's directory, see ecq.store.layout) is a file or not writable (click.UsageError)."""
     if path.exists() and not path.is_dir():
         raise click.UsageError(f"data_dir {path}: exists and is not a directory")
     try:
@@ -310,7 +310,7 @@ def admin_options(func):
 
 def read_data_dir(data_dir: Path, admin: str, reader):
     """Run ``reader(store)`` on the LevelDB of a data dir (either layout, read in place: see
-    ecq.storage_layout.leveldb_dir) when no broker answers; raises Unreachable if it cannot be read."""
+    ecq.store.layout.leveldb_dir) when no broker answers; raises Unreachable if it cannot be read."""
     try:
         queues = leveldb_dir(data_dir)
         if queues is None:

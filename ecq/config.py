@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, StrictBool,
                       StrictInt, field_validator, model_validator)
 
-from ecq import storage_layout
+from ecq.store import layout as storage_layout
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -75,7 +75,7 @@ class EcqSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     data_dir: Path = Field(default=Path("storage"), description="data directory, created if missing: LevelDB in "
-                           "queues/, the event buffer in events/, the lake in lake/ (see ecq.storage_layout)")
+                           "queues/, the event buffer in events/, the lake in lake/ (see ecq.store.layout)")
     writer_pool_size: Int = Field(default=0, ge=0, le=10240, description="writer agents; 0 = CPU count")
     data_retention: Retention = Field(default=7 * 86400.0, description="age after which GC deletes a write")
     tombstones: StrictBool = Field(default=True, description="an empty payload deletes its key: delivered once as an "

@@ -56,7 +56,7 @@ def broker_with_plugin(broker_process, monkeypatch):
 def nats_cluster(tmp_path_factory):
     """A 3-server NATS JetStream cluster on loopback, shared by the tests of a session (each test keeps to a
     namespace of its own: see jetstream_options); stopped at the end."""
-    from ecq.cluster.local import LocalNatsCluster
+    from ecq.testing.nats import LocalNatsCluster
     cluster = LocalNatsCluster(tmp_path_factory.mktemp("nats")).start()
     yield cluster
     cluster.stop()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import paho.mqtt.client as mqtt
 import pytest
 
-from ecq.cluster.local import LocalNatsCluster
+from ecq.testing.nats import LocalNatsCluster
 from tests.harness import RawClient, drain, topics_payloads, wait_until, write
 
 NAMESPACE = "ECQT"  # the namespace cluster_nodes gives nodes on a cluster of the test's own

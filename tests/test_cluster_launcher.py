@@ -1,4 +1,4 @@
-"""The local NATS JetStream cluster (ecq/cluster/local.py) and scripts/cluster, with real nats-server processes
+"""The local NATS JetStream cluster (ecq/testing/nats.py) and scripts/cluster, with real nats-server processes
 on loopback and nats-py clients over TCP."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import yaml
 from nats.js.errors import APIError
 
-from ecq.cluster.local import LocalNatsCluster, NatsPorts, NatsServer, monitor_json, nats_server_binary
+from ecq.testing.nats import LocalNatsCluster, NatsPorts, NatsServer, monitor_json, nats_server_binary
 from ecq.config import EcqSettings
 from ecq.testing import free_port, port_open, wait_until
 
@@ -264,7 +264,7 @@ def test_shipped_configs_are_the_template_for_the_default_layout(tmp_path):
 
 
 def test_a_write_through_node_1_is_delivered_through_node_2(script_cluster, connect):
-    pytest.importorskip("ecq.cluster.jetstream", reason="runs once the JetStream backend exists")
+    pytest.importorskip("ecq.store.jetstream", reason="runs once the JetStream backend exists")
     assert script_cluster.run("start").returncode == 0
     node1, node2 = script_cluster.port_base + 9, script_cluster.port_base + 10
     connect(node1, "writer").publish("$ECQ/w/cl1/k", "via-node-1")  # returns once PUBACKed

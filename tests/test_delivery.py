@@ -11,9 +11,9 @@ import pytest
 
 from ecq.queue.deadlines import SharedDeadline
 from ecq.queue.delivery import Consumer
-from ecq.queue.leveldb import LevelDbStore
+from ecq.store.leveldb import LevelDbStore
 from ecq.queue.readers import BatchedReader
-from ecq.queue.store import Append, AckState, Message, SaveAck
+from ecq.store.protocol import Append, AckState, Message, SaveAck
 from ecq.queue.clock import now_ms
 from ecq.queue.writer import WriterPool
 from tests.fake_connection import FakeConnection, publish, settle

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from ecq.queue import committed
-from ecq.queue.store import Append
-from ecq.queue.leveldb import LevelDbStore as Store
+from ecq.store import committed
+from ecq.store.protocol import Append
+from ecq.store.leveldb import LevelDbStore as Store
 from tests.harness import ECQ, BrokerProcess, Client, drain, metrics_text, wait_until, write
 
 START_BOUND_S = 30  # `ecq broker` must have exited (or be running) within this

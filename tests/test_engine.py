@@ -11,9 +11,10 @@ import ecq.queue.rewind
 from ecq.config import EcqSettings
 from ecq.queue.clock import now_ms
 from ecq.queue.engine import QueueEngine
-from ecq.queue.leveldb import LevelDbStore
+from ecq.store.backends import open_store
+from ecq.store.leveldb import LevelDbStore
 from ecq.queue.snapshots import ConsumerSnapshot, Totals
-from ecq.queue.store import Append, Appended
+from ecq.store.protocol import Append, Appended
 from ecq.queue.topics import RewindPoint
 from ecq.queue.writer import PoolClosed
 from tests.fake_connection import FakeConnection, publish, settle
@@ -59,7 +60,7 @@ def settings(tmp_path) -> EcqSettings:
 
 async def started_engine(tmp_path) -> tuple[QueueEngine, Noted]:
     """A started engine over ``tmp_path``'s store with a Noted observer (close it after use)."""
-    queue_engine = QueueEngine(settings(tmp_path), publish)
+    queue_engine = QueueEngine(settings(tmp_path), open_store(settings(tmp_path)), publish)
     noted = Noted()
     queue_engine.observers.append(noted)
     await queue_engine.start()
@@ -139,7 +140,7 @@ async def test_gc_deletes_entries_older_than_retention_and_tells_observers(tmp_p
 
 
 async def test_a_closed_engine_refuses_writes(tmp_path):
-    engine = QueueEngine(settings(tmp_path), publish)
+    engine = QueueEngine(settings(tmp_path), open_store(settings(tmp_path)), publish)
     await engine.start()
     await engine.close()
     with pytest.raises(PoolClosed):
@@ -196,7 +197,7 @@ class CountedReads(LevelDbStore):
 
 
 async def test_an_online_consumer_gets_this_brokers_writes_without_a_store_read(tmp_path):
-    engine = QueueEngine(settings(tmp_path), publish, store=CountedReads(tmp_path / "db"))
+    engine = QueueEngine(settings(tmp_path), CountedReads(tmp_path / "db"), publish)
     await engine.start()
     try:
         connection = FakeConnection()

@@ -30,7 +30,7 @@ def without(tmp_path: Path, *packages: str) -> dict[str, str]:
 
 
 def test_broker_modules_import_none_of_the_extras(tmp_path):
-    code = ("import sys, ecq.cli, ecq.broker.plugin, ecq.events, ecq.ops.admin, ecq.queue.store\n"
+    code = ("import sys, ecq.cli, ecq.broker.plugin, ecq.events, ecq.ops.admin, ecq.store.protocol\n"
             f"print(sorted(set({EXTRAS!r}) & set(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", code], env=without(tmp_path, *EXTRAS),
                             capture_output=True, text=True, timeout=60)

@@ -11,8 +11,8 @@ import pytest
 
 from ecq.events.schema import COLUMNS
 from ecq.queue.gc import GcPacer
-from ecq.queue.leveldb import LevelDbStore as Store
-from ecq.queue.store import Append, Expire
+from ecq.store.leveldb import LevelDbStore as Store
+from ecq.store.protocol import Append, Expire
 from tests.harness import BrokerProcess, wait_until
 
 HOUR_MS = 3_600_000

@@ -1,4 +1,4 @@
-"""ecq.cluster.jetstream.JetStreamStore on the session's real 3-server NATS cluster: the QueueStore contract
+"""ecq.store.jetstream.JetStreamStore on the session's real 3-server NATS cluster: the QueueStore contract
 (order, compaction, ack states, GC steps, totals) and the subject tokens that carry any clientid or key."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ecq.cluster.jetstream import JetStreamStore
-from ecq.cluster.jsapi import token, untoken
+from ecq.store.jetstream import JetStreamStore
+from ecq.store.jsapi import token, untoken
 from ecq.config import EcqSettings
-from ecq.queue.store import AckState, Append, Appended, Expire, SaveAck
+from ecq.store.protocol import AckState, Append, Appended, Expire, SaveAck
 
 SUBJECT_TOKEN = re.compile(r"[A-Za-z0-9_-]+")  # no '.', '*', '>', whitespace: one NATS subject token
 

@@ -13,9 +13,10 @@ import pytest
 from ecq.config import EcqSettings
 from ecq.ops.status import queue_info
 from ecq.queue.engine import QueueEngine
+from ecq.store.backends import open_store
 from ecq.queue.lag import LagIndex, read_queues, scan_lag, top_report
-from ecq.queue.leveldb import LevelDbStore
-from ecq.queue.store import AckState, Append, Expire, ExpiredRow, ForgetQueue, Message, SaveAck, stored_pages
+from ecq.store.leveldb import LevelDbStore
+from ecq.store.protocol import AckState, Append, Expire, ExpiredRow, ForgetQueue, Message, SaveAck, stored_pages
 from ecq.queue.topics import RewindPoint
 from tests.fake_connection import FakeConnection, publish, settle
 
@@ -149,7 +150,7 @@ async def test_acks_of_deleted_inflight_entries_are_not_counted_twice(tmp_path):
 
 
 async def test_a_queue_state_gc_forgot_counts_its_new_entries_from_seqno_1(tmp_path):
-    engine = QueueEngine(settings(tmp_path), publish)
+    engine = QueueEngine(settings(tmp_path), open_store(settings(tmp_path)), publish)
     await engine.start()
     try:
         for _ in range(5):
@@ -182,7 +183,7 @@ def inspected(engine: QueueEngine, clientid: str) -> tuple[int, int]:
 
 
 async def test_the_engine_keeps_the_index_through_delivery_purge_and_rewind_and_a_restart_finds_it_again(tmp_path):
-    engine = QueueEngine(settings(tmp_path), publish)
+    engine = QueueEngine(settings(tmp_path), open_store(settings(tmp_path)), publish)
     await engine.start()
     for i in range(12):
         await engine.write("a", f"k{i % 5}", b"x" * (i + 1))
@@ -209,7 +210,7 @@ async def test_the_engine_keeps_the_index_through_delivery_purge_and_rewind_and_
     before = index_of(engine)
     assert before == {"a": (1, 2, 13, before["a"][3])}
     await engine.close()
-    again = QueueEngine(settings(tmp_path), publish)
+    again = QueueEngine(settings(tmp_path), open_store(settings(tmp_path)), publish)
     await again.start()
     try:
         assert index_of(again) == before
@@ -219,7 +220,7 @@ async def test_the_engine_keeps_the_index_through_delivery_purge_and_rewind_and_
 
 @pytest.mark.parametrize("when", ["before the read", "after the read"])
 async def test_writes_and_acks_during_a_recount_count_once(tmp_path, when):
-    engine = QueueEngine(settings(tmp_path), publish)
+    engine = QueueEngine(settings(tmp_path), open_store(settings(tmp_path)), publish)
     await engine.start()
     try:
         for i in range(6):
@@ -255,7 +256,7 @@ async def test_writes_and_acks_during_a_recount_count_once(tmp_path, when):
 
 
 async def test_a_deletion_during_a_recount_is_read_again(tmp_path):
-    engine = QueueEngine(settings(tmp_path), publish)
+    engine = QueueEngine(settings(tmp_path), open_store(settings(tmp_path)), publish)
     await engine.start()
     try:
         for i in range(5):

@@ -209,8 +209,8 @@ def test_admin_api_answers_json(broker, path):
 
 def test_sigterm_during_a_long_gc_pass_stops_promptly_and_keeps_the_rest(tmp_path):
     from ecq.testing import BrokerProcess
-    from ecq.queue.store import Append
-    from ecq.queue.leveldb import LevelDbStore as Store
+    from ecq.store.protocol import Append
+    from ecq.store.leveldb import LevelDbStore as Store
 
     broker = BrokerProcess(tmp_path, data_retention="1s", gc_interval="1h")
     store = Store(broker.queues_dir)  # entries published in 1970: all expired

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ecq.queue.leveldb import LevelDbStore
-from ecq.queue.store import Append, Appended, AckState, Expire, ForgetQueue, QueueQuota, QuotaExceeded, SaveAck
+from ecq.store.leveldb import LevelDbStore
+from ecq.store.protocol import Append, Appended, AckState, Expire, ForgetQueue, QueueQuota, QuotaExceeded, SaveAck
 
 DAY_MS = 86_400_000
 

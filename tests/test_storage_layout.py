@@ -1,4 +1,4 @@
-"""The data directory's layout (ecq/storage_layout.py), with real `ecq broker` processes, the real LevelDB and
+"""The data directory's layout (ecq/store/layout.py), with real `ecq broker` processes, the real LevelDB and
 a real event buffer and lake: a fresh start makes queues/, events/ and lake/; the old layout (LevelDB's files
 directly in data_dir) is moved into queues/ on start, also when a move was interrupted, and its consumers then
 get exactly what they had not acked; conflicting layouts and a LevelDB in use are refused with nothing moved;
@@ -16,9 +16,9 @@ import pytest
 
 from ecq.events import EventRecorder, LakeExporter
 from ecq.queue.clock import now_ms
-from ecq.queue.leveldb import LevelDbStore
-from ecq.queue.store import AckState, Append, SaveAck
-from ecq.storage_layout import MIGRATING, LayoutError, leveldb_files, migrate
+from ecq.store.leveldb import LevelDbStore
+from ecq.store.protocol import AckState, Append, SaveAck
+from ecq.store.layout import MIGRATING, LayoutError, leveldb_files, migrate
 from tests.harness import ECQ, BrokerProcess, drain, free_port, wait_until
 
 START_BOUND_S = 30  # `ecq broker` must have exited (or be running) within this

@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from ecq.queue import committed
-from ecq.queue.committed import CommittedSeqnos, Missing, describe
-from ecq.queue.store import AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, SaveAck, StoreError
-from ecq.queue.leveldb import LevelDbStore as Store
+from ecq.store import committed
+from ecq.store.committed import CommittedSeqnos, Missing, describe
+from ecq.store.protocol import AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, SaveAck, StoreError
+from ecq.store.leveldb import LevelDbStore as Store
 from ecq.testing import wait_until
 
 

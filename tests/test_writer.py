@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from ecq.queue.leveldb import LevelDbStore
-from ecq.queue.store import Append, Appended, Expire, ExpiredRow, StoreError
+from ecq.store.leveldb import LevelDbStore
+from ecq.store.protocol import Append, Appended, Expire, ExpiredRow, StoreError
 from ecq.queue.writer import PoolClosed, WriterPool
 
 

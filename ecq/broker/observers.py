@@ -12,7 +12,7 @@ from typing import Any
 
 from ecq.config import EcqSettings
 from ecq.queue.clock import now_ms
-from ecq.queue.store import Append, Appended, ExpiredRow, Message
+from ecq.store.protocol import Append, Appended, ExpiredRow, Message
 from ecq.queue.topics import RewindPoint
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class QueueEvents:
                    publish_ts_ms=op.ts_ms, replaced_seqno=old)
 
     def expired(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str = "retention") -> None:
-        """One ``expired`` event per row, ``reason`` saying why (see ecq.queue.store.Expire), or ``evicted`` for
+        """One ``expired`` event per row, ``reason`` saying why (see ecq.store.protocol.Expire), or ``evicted`` for
         rows the queue quota deleted (reason ``quota``); GC makes them by the million, so with the least per-row
         work."""
         record, ts_ms, kind = self.recorder.record, now_ms(), "evicted" if reason == "quota" else "expired"

@@ -30,6 +30,7 @@ from ecq.config import EcqSettings, split_host_port
 from ecq.ops import admin
 from ecq.ops.metrics import EcqMetrics, MetricsObserver
 from ecq.queue.engine import QueueEngine
+from ecq.store.backends import open_store
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,8 @@ class EcqPlugin(BaseTopicPlugin):
     """amqtt broker plugin for exclusive compacted queues.
 
     Raises (through amqtt's PluginInitError) pydantic.ValidationError for a bad option,
-    ecq.queue.store.StoreError when the data directory cannot be opened or its old layout cannot be moved
-    (ecq.storage_layout.LayoutError), ecq.broker.acl.AclError for a bad ACL file.
+    ecq.store.protocol.StoreError when the data directory cannot be opened or its old layout cannot be moved
+    (ecq.store.layout.LayoutError), ecq.broker.acl.AclError for a bad ACL file.
     """
 
     # amqtt fills this dataclass from the YAML mapping (and refuses unknown keys); EcqSettings validates it.
@@ -56,11 +57,11 @@ class EcqPlugin(BaseTopicPlugin):
         self.settings = EcqSettings(**self._origin)
         self.access = AccessControl(self.settings)
         self.events = QueueEvents(self.settings) if self.settings.events else None
-        self.engine = QueueEngine(self.settings, hooks.publish_qos1,
+        self.engine = QueueEngine(self.settings, open_store(self.settings), hooks.publish_qos1,
                                   gc_lagging=lambda: self.events is not None and self.events.lagging())
         self.start_error: Exception | None = None  # raised by ecq.broker.amqtt_hooks from Broker.start
         totals = self.engine.totals
-        self.bus: Any = None  # ecq.cluster.bus.ClusterBus with backend: jetstream
+        self.bus: Any = None  # ecq.broker.bus.ClusterBus with backend: jetstream
         cluster = self.settings.backend == "jetstream"
         self.metrics = EcqMetrics({
             **({"ecq_nats_connected": self._nats_connected} if cluster else {}),
@@ -116,7 +117,7 @@ class EcqPlugin(BaseTopicPlugin):
             log.info("ECQ admin API on http://%s/ (metrics at /metrics)", self.settings.admin_bind)
 
     async def _join_cluster(self) -> None:
-        from ecq.cluster.bus import ClusterBus  # needs the [cluster] extra
+        from ecq.broker.bus import ClusterBus  # needs the [cluster] extra
         loop = asyncio.get_running_loop()
         self.bus = ClusterBus(self.settings, loop, deliver=self._deliver_from_cluster, release=self.sessions.release)
         await loop.run_in_executor(None, self.bus.start)

@@ -16,7 +16,7 @@ from ecq.queue.engine import QueueEngine
 from ecq.queue.topics import queue_filter
 
 if TYPE_CHECKING:
-    from ecq.cluster.bus import ClusterBus
+    from ecq.broker.bus import ClusterBus
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class QueueSessions:
         A persistent session keeps its ``$ECQ/<clientid>/#`` subscription across disconnects (until
         ``session_expiry``; see ``amqtt_hooks.conformance.keep_persistent_sessions``), so its reconnect resumes delivery
         (MQTT 3.1.1 section 3.1.2.4). A clean session has none. In a cluster, another broker's connection of
-        ``client_id`` is closed first (:meth:`ecq.cluster.bus.ClusterBus.claim`).
+        ``client_id`` is closed first (:meth:`ecq.broker.bus.ClusterBus.claim`).
         """
         if self.bus is not None:
             claim = self._claims[client_id] = asyncio.ensure_future(self.bus.claim(client_id))

@@ -54,7 +54,7 @@ from ecq.ops.status import broker_status, queue_info
 from ecq.queue.engine import QueueEngine
 from ecq.queue.lag import check_top
 from ecq.queue.rewind import UnknownQueue
-from ecq.queue.store import StoreError
+from ecq.store.protocol import StoreError
 from ecq.queue.tombstones import TombstonesOff
 from ecq.queue.topics import RESERVED_CLIENTIDS, BadWrite, parse_rewind_point, parse_write
 from ecq.queue.writer import PoolClosed

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from ecq.queue.lag import LagIndex
-from ecq.queue.store import Append, Appended, ExpiredRow, Message
+from ecq.store.protocol import Append, Appended, ExpiredRow, Message
 from ecq.queue.topics import RewindPoint
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest

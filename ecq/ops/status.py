@@ -11,7 +11,7 @@ from typing import Any
 
 from ecq.queue.clock import now_ms
 from ecq.queue.snapshots import ConsumerSnapshot, EngineSnapshot
-from ecq.queue.store import AckState, IndexEntry, QueueStore, stored_pages
+from ecq.store.protocol import AckState, IndexEntry, QueueStore, stored_pages
 
 CONSUMERS_LISTED = 100
 

@@ -1,1 +1,1 @@
-"""Everything about queues, with no MQTT library below it: topic grammar, storage, writers, reads, delivery, GC, the engine."""
+"""Everything about queues, with no MQTT library and no storage backend below it: topic grammar, writers, reads, delivery, GC, the engine (stores live in ecq.store)."""

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 from ecq.queue.clock import now_ms, retention_cutoff_ms
 from ecq.queue.deadlines import SharedDeadline
-from ecq.queue.store import AckState, Expire, ExpiredRow, Message, QueueStore, SaveAck, StoreReadError
+from ecq.store.protocol import AckState, Expire, ExpiredRow, Message, QueueStore, SaveAck, StoreReadError
 from ecq.queue.topics import delivery_topic
 from ecq.queue.writer import PoolClosed, WriterPool
 

@@ -27,8 +27,7 @@ from ecq.queue.observer import QueueObserver
 from ecq.queue.readers import BatchedReader
 from ecq.queue.rewind import rewind_seqno
 from ecq.queue.snapshots import ConsumerSnapshot, EngineSnapshot, Totals, consumer_snapshot
-from ecq.queue.stores import open_store
-from ecq.queue.store import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, Message, Op, QueueStore,
+from ecq.store.protocol import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, Message, Op, QueueStore,
                              StoreError, StoreReadError)
 from ecq.queue.tombstones import TombstonesOff, stored_rows
 from ecq.queue.topics import BadWrite, RewindPoint
@@ -43,17 +42,16 @@ ACK_SETTLE_S = 5.0               # on close, how long to wait for consumers' las
 
 
 class QueueEngine:
-    """Queues of one broker over ``store`` (LevelDB in ``<data_dir>/queues`` when None).
+    """Queues of one broker over ``store``, opened by the caller (``ecq.store.backends.open_store``).
 
     ``publish(connection, topic, payload)`` sends one QoS 1 PUBLISH on a connection given to :meth:`attach`
     and returns once its PUBACK came (raising ConnectionError when the connection is gone). ``gc_lagging()``
-    True makes GC wait between steps (an observer has not caught up). Raises StoreError when the store
-    cannot be opened or fails its start-up check.
+    True makes GC wait between steps (an observer has not caught up).
     """
 
-    def __init__(self, settings: EcqSettings, publish: Publish, *, store: QueueStore | None = None,
+    def __init__(self, settings: EcqSettings, store: QueueStore, publish: Publish, *,
                  gc_lagging: Callable[[], bool] = lambda: False) -> None:
-        self.store = store = store if store is not None else open_store(settings)
+        self.store = store
         self.settings = settings
         self.observers: list[QueueObserver] = []
         self.consumers: dict[str, Consumer] = {}
@@ -124,7 +122,7 @@ class QueueEngine:
 
         Synchronous so that writes keep their arrival order; the returned future resolves with
         :class:`Appended` once committed, or fails with TimeoutError after ``write_timeout``, with
-        :class:`ecq.queue.store.QuotaExceeded` (the queue quota refused it) or with the commit's error.
+        :class:`ecq.store.protocol.QuotaExceeded` (the queue quota refused it) or with the commit's error.
         Raises :class:`ecq.queue.writer.PoolClosed` once the engine is closing, and BadWrite ``store_full`` while
         the stored payload bytes and this payload would exceed ``max_store_bytes`` (an empty payload, which only
         deletes, is always taken).

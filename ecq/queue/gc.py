@@ -2,7 +2,7 @@
 in paced steps so that delivery keeps its latency while GC runs.
 
 A pass walks the index table in steps: each step is read in a reader thread
-(:meth:`ecq.queue.store.QueueStore.expired_step`), then deleted through the writer agents of the queues it
+(:meth:`ecq.store.protocol.QueueStore.expired_step`), then deleted through the writer agents of the queues it
 touched (serialized with their appends). The commit fan-out tells observers of each deleted row.
 """
 
@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from ecq.queue.store import Expire, ExpiredRow, QueueStore
+from ecq.store.protocol import Expire, ExpiredRow, QueueStore
 from ecq.queue.writer import WriterPool
 
 LAG_WAIT_S = 0.02  # how often a paused GC looks again whether the observers caught up

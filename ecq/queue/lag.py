@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 from ecq.queue.clock import now_ms
-from ecq.queue.store import Append, Appended, ExpiredRow, Message, QueueStore
+from ecq.store.protocol import Append, Appended, ExpiredRow, Message, QueueStore
 from ecq.queue.topics import RewindPoint
 
 log = logging.getLogger(__name__)

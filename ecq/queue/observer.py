@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ecq.queue.store import Append, Appended, ExpiredRow, Message
+from ecq.store.protocol import Append, Appended, ExpiredRow, Message
 from ecq.queue.topics import RewindPoint
 
 
@@ -16,7 +16,7 @@ class QueueObserver(Protocol):
 
     def expired(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str = "retention") -> None:
         """``rows`` of the queue of ``clientid`` were deleted; ``reason`` is ``retention`` or ``tombstone_retention``
-        (GC), ``tombstone_acked`` (a tombstone's PUBACK), ``purge`` (see ecq.queue.store.Expire) or ``quota``
+        (GC), ``tombstone_acked`` (a tombstone's PUBACK), ``purge`` (see ecq.store.protocol.Expire) or ``quota``
         (evicted by the queue quota to make room for an append)."""
 
     def delivered(self, clientid: str, message: Message, attempt: int) -> None:

@@ -1,6 +1,6 @@
 """Where a rewind puts a queue: a :class:`ecq.queue.topics.RewindPoint` turned into the acked seqno to store.
 
-Built on :class:`ecq.queue.store.QueueStore` reads only, so it works on every backend. Seqnos are never
+Built on :class:`ecq.store.protocol.QueueStore` reads only, so it works on every backend. Seqnos are never
 assumed contiguous (on JetStream they are stream sequence numbers shared by the queues of a shard): the point
 "before entry E" is ``E.seqno - 1``, which no other entry of the queue can hold.
 
@@ -10,7 +10,7 @@ acked, and never be delivered.
 
 from __future__ import annotations
 
-from ecq.queue.store import AckState, QueueStore, stored_pages
+from ecq.store.protocol import AckState, QueueStore, stored_pages
 from ecq.queue.topics import BadWrite, RewindPoint
 
 PAGE = 256  # entries per read while looking for the first entry published at or after a time

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from ecq.queue.delivery import Consumer
-from ecq.queue.store import AckState
+from ecq.store.protocol import AckState
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Deleting keys and whole queues, built on QueueStore operations every backend has (no backend code).
 
-A tombstone is an :class:`ecq.queue.store.Append` with an empty payload (option ``tombstones``): it takes the
+A tombstone is an :class:`ecq.store.protocol.Append` with an empty payload (option ``tombstones``): it takes the
 next seqno and compacts away the older values of its key like any write, is delivered once as an empty
 PUBLISH, and is then deleted on its PUBACK (ecq.queue.delivery) or by GC after ``tombstone_retention``
 (ecq.queue.engine.QueueEngine.run_gc). A purge deletes every stored entry of a queue with Expire ops; the
@@ -9,7 +9,7 @@ seqno counter and the ack state are left alone, so nothing acked is ever deliver
 
 from __future__ import annotations
 
-from ecq.queue.store import ExpiredRow, QueueStore, stored_pages
+from ecq.store.protocol import ExpiredRow, QueueStore, stored_pages
 
 PURGE_PAGE = 512  # entries read, and deleted in one Expire op, at a time
 

@@ -4,7 +4,7 @@ Every write op for one clientid (appends, ack-state saves, GC deletions) goes th
 picked by CRC32(clientid) modulo the pool size, so a queue's order is the order its writes arrived.
 An agent takes all ops pending on its queue (up to ``max_batch``) and commits them as one LevelDB
 write batch. A batch runs on the event loop itself when it cannot wait on the disk
-(:meth:`ecq.queue.store.QueueStore.commits_without_waiting`: no fsync, level 0 far from LevelDB's write stalls),
+(:meth:`ecq.store.protocol.QueueStore.commits_without_waiting`: no fsync, level 0 far from LevelDB's write stalls),
 otherwise in a thread pool. A commit is mostly Python (keys, compaction lookups) holding the GIL anyway,
 while a thread hop costs the event loop ~65 us and a small inline commit ~4 us (measured in the benchmark), and
 light traffic makes batches of one op. A batch that deletes many rows (GC, purge) always runs in a thread,
@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ecq.queue.store import Expire, Op, QueueStore
+from ecq.store.protocol import Expire, Op, QueueStore
 from ecq.queue.throttle import LogThrottle
 
 log = logging.getLogger(__name__)

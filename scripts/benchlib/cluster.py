@@ -1,6 +1,6 @@
 """The ``cluster`` scenario (issue 12): ECQ on NATS JetStream next to the single-node LevelDB broker.
 
-One 3-server LocalNatsCluster (ecq/cluster/local.py) runs under the scratch dir for the whole scenario; three
+One 3-server LocalNatsCluster (ecq/testing/nats.py) runs under the scratch dir for the whole scenario; three
 configurations are measured one after the other with the same load, each on fresh brokers:
 
 - ``leveldb``: one ECQ broker on LevelDB (the baseline of every ratio),
@@ -24,7 +24,7 @@ from benchlib.brokers import EcqBroker
 from benchlib.loadgen import ConsumeTask, Endpoints
 from benchlib.report import Row, ScenarioResult
 from benchlib.scenarios import ECQ_QUEUE, ECQ_WRITE, Bench, consume, flow, keys, phase_deadline_s, progress, publish
-from ecq.cluster.local import LocalNatsCluster, nats_server_binary
+from ecq.testing.nats import LocalNatsCluster, nats_server_binary
 
 CONFIGS = ("leveldb", "jetstream-1", "jetstream-2")
 TITLES = {"leveldb": "LevelDB, 1 node", "jetstream-1": "JetStream, 1 node", "jetstream-2": "JetStream, 2 nodes"}

@@ -26,8 +26,8 @@ from benchlib.brokers import EcqBroker, ExternalBroker, StockBroker, elapsed_s
 from benchlib.loadgen import ConsumeTask, FlowTask, LoadPool, Messages, PublishTask, identified_payload, split
 from benchlib.report import Row, ScenarioResult, source_digest
 from benchlib.sampler import ResourceSampler, listen_drops, rss_split_bytes
-from ecq.queue.leveldb import LevelDbStore as Store
-from ecq.queue.store import Append
+from ecq.store.leveldb import LevelDbStore as Store
+from ecq.store.protocol import Append
 from ecq.queue.topics import queue_filter, write_topic
 
 SETUP_ALLOWANCE_S = 180.0     # connecting thousands of clients before a phase's barrier, and the way back
@@ -511,7 +511,7 @@ SCALE_DRAINERS = 1000         # consumers draining their queues at each checkpoi
 
 def scale(bench: Bench, out: ScenarioResult) -> None:
     """--scale-entries / 10 queues: first 1 key each written over MQTT (the small checkpoint), then keys
-    k1..k9 added straight into the data dir with ecq.queue.leveldb.LevelDbStore while the broker is stopped (this preload
+    k1..k9 added straight into the data dir with ecq.store.leveldb.LevelDbStore while the broker is stopped (this preload
     bypasses MQTT), then one more MQTT write per queue. At each checkpoint: broker RSS after traffic that
     touched every queue, and disk bytes per stored entry. Finally GC of every entry, with the p99 of a
     paced realtime flow during GC next to the same flow without GC."""

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import plyvel
 
-from ecq import storage_layout
-from ecq.queue.store import StoreError
+from ecq.store import layout as storage_layout
+from ecq.store.protocol import StoreError
 
 _REOPEN_SPARE_BYTES = 8 << 20  # free space beyond twice the log before a failed store is reopened (2 memtables)
 _REOPEN_MIN_SPARE_BYTES = 1 << 20  # on a small volume: free space beyond the log, at least
@@ -21,7 +21,7 @@ _REOPEN_MIN_SPARE_BYTES = 1 << 20  # on a small volume: free space beyond the lo
 
 def repair_command(path: Path) -> str:
     """The command that repairs the LevelDB at ``path``, in backquotes: ``ecq repair`` takes the broker's
-    data_dir, which is the parent of ``<data_dir>/queues`` (ecq.storage_layout), or ``path`` itself in the old
+    data_dir, which is the parent of ``<data_dir>/queues`` (ecq.store.layout), or ``path`` itself in the old
     layout."""
     data_dir = path.parent if path.name == storage_layout.QUEUES else path
     return f"`ecq repair --data-dir {data_dir}`"

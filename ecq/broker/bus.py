@@ -2,7 +2,7 @@
 stored): ordinary MQTT messages, so that a subscriber on any broker gets a PUBLISH made on any other, and
 session takeover, so that a clientid is connected to one broker of the cluster at a time.
 
-Subjects, ``NS`` being ``jetstream_namespace`` and ``T(x)`` the subject token of :func:`ecq.cluster.jetstream.token`:
+Subjects, ``NS`` being ``jetstream_namespace`` and ``T(x)`` the subject token of :func:`ecq.store.jetstream.token`:
 
 - ``NS.mqtt``: one NATS message per MQTT message broadcast on a broker (headers ``Ecq-Origin``: the broker's
   node name, ``Ecq-Topic``: T(topic), ``Ecq-Qos``); every other broker broadcasts it to its own subscribers
@@ -23,8 +23,8 @@ from typing import Any
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from ecq.cluster.jsapi import token, untoken
-from ecq.cluster.link import NatsLink
+from ecq.store.jsapi import token, untoken
+from ecq.store.link import NatsLink
 from ecq.config import EcqSettings
 
 log = logging.getLogger(__name__)

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import plyvel
 
-from ecq.queue.store import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, IndexEntry, Message, Op,
+from ecq.store.protocol import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, IndexEntry, Message, Op,
                              QueueQuota, QuotaExceeded, SaveAck, StoreError, StoreReadError)
-from ecq.queue.committed import CommittedSeqnos, Missing, describe as _describe_missing
-from ecq.queue.leveldb_files import Gate, cut_logs, reason as _reason, repair_command, repair_hint, room_to_reopen
+from ecq.store.committed import CommittedSeqnos, Missing, describe as _describe_missing
+from ecq.store.leveldb_files import Gate, cut_logs, reason as _reason, repair_command, repair_hint, room_to_reopen
 from ecq.queue.throttle import LogThrottle
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class LevelDbStore:
     """The ECQ LevelDB database at ``path`` (created if missing), opened with ``paranoid_checks``.
 
     Raises StoreError when the database cannot be opened, or when it stores less than ECQ committed (its log
-    was truncated or deleted: see ecq.queue.committed), naming the queues and seqnos missing; with
+    was truncated or deleted: see ecq.store.committed), naming the queues and seqnos missing; with
     ``accept_lost_writes`` it opens anyway and lists them in ``accepted_loss`` (``ecq repair``). ``sync=True``
     fsyncs every commit. ``quota`` bounds each queue, checked in the append's own write batch (entry and byte
     counts of a queue are read once, then kept in memory while quotas are on). ``max_open_files`` and ``cache_bytes`` are LevelDB's table cache size
@@ -103,7 +103,7 @@ class LevelDbStore:
         self._committed.start()
 
     def _check_committed(self, accept: bool) -> list[Missing]:
-        """Compare the opened database with what ECQ committed (ecq.queue.committed), then start that record over:
+        """Compare the opened database with what ECQ committed (ecq.store.committed), then start that record over:
         opening turned LevelDB's log into a table file. Returns what is missing when ``accept``; otherwise
         raises StoreError naming it. Closes the database when it raises."""
         try:
@@ -168,7 +168,7 @@ class LevelDbStore:
 
     def close(self) -> None:
         """Close the database (pending writes were already committed by :meth:`commit`), then record the seqnos
-        committed since the last checkpoint (ecq.queue.committed); a failure to do so is logged."""
+        committed since the last checkpoint (ecq.store.committed); a failure to do so is logged."""
         self._committed.stop()
         with self._gate.exclusive():
             self._db.close()
@@ -184,7 +184,7 @@ class LevelDbStore:
             return func(*args)
 
     def reopen_if_space(self) -> bool:
-        """After a failed commit: once the volume has room (ecq.queue.leveldb_files.room_to_reopen: twice the
+        """After a failed commit: once the volume has room (ecq.store.leveldb_files.room_to_reopen: twice the
         log plus 8 MiB free, less on a small volume), close and reopen LevelDB, which starts a new log and clears
         the error LevelDB keeps after a failed background write (a memtable flush that hit ENOSPC fails every
         later write until the database is reopened); then commits are accepted again. While there is not room,

@@ -1,11 +1,11 @@
-"""The ECQ tables on NATS JetStream: a :class:`ecq.queue.store.QueueStore` that many brokers share.
+"""The ECQ tables on NATS JetStream: a :class:`ecq.store.protocol.QueueStore` that many brokers share.
 
 JetStream is the core of the cluster (Raft-replicated streams on the NATS servers); every ECQ broker is a
 stateless replicant that reads and writes through it. ``NS`` is ``jetstream_namespace``; ``T(x)`` is one
 subject token holding any string: ``x`` then the URL-safe base64 of its UTF-8, unpadded.
 
 ==========================  ==================================================================================
-ECQ table (ecq.queue.leveldb)  on JetStream
+ECQ table (ecq.store.leveldb)  on JetStream
 ==========================  ==================================================================================
 index + payload             stream ``NS_Q_<shard>``, one message per entry on ``NS.q.<shard>.T(clientid).T(key)``
                             with header ``Ecq-Ts`` (publish ms); ``max_msgs_per_subject: 1``, so JetStream
@@ -45,11 +45,11 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import DiscardPolicy, RePublish, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError
 
-from ecq.cluster.jsapi import (REQUEST_TIMEOUT_S, RETRY_PAUSE_S, TS_HEADER, JetStreamApi, Retry, index_entry_of,
+from ecq.store.jsapi import (REQUEST_TIMEOUT_S, RETRY_PAUSE_S, TS_HEADER, JetStreamApi, Retry, index_entry_of,
                               message_of, queue_subject_parts, stream_ms, token, until, untoken)
-from ecq.cluster.link import NatsLink
+from ecq.store.link import NatsLink
 from ecq.config import EcqSettings
-from ecq.queue.store import (AckState, Append, Appended, CommitResult, Expire, ExpiredRow, ForgetQueue, IndexEntry,
+from ecq.store.protocol import (AckState, Append, Appended, CommitResult, Expire, ExpiredRow, ForgetQueue, IndexEntry,
                              Message, Op, SaveAck, StoreError, stored_pages)
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ SCAN_PAGE = 256              # entries per direct get of stored_entries
 class JetStreamStore:
     """ECQ queues in the JetStream streams of ``settings.jetstream_namespace`` (created when missing).
 
-    Raises :class:`ecq.cluster.link.NatsUnavailable` when no NATS server answers, and StoreError when the
+    Raises :class:`ecq.store.link.NatsUnavailable` when no NATS server answers, and StoreError when the
     streams cannot be created or were made with another shard count. Methods block; none may run on the
     link's loop. Writes that fail for lack of NATS set ``write_error`` until the link is back.
     """

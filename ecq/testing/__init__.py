@@ -48,7 +48,7 @@ def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) -> bool:
 
 class BrokerProcess:
     """`ecq broker` in a subprocess with its config, data dir (``workdir/data``, its LevelDB in ``queues_dir``,
-    see ecq.storage_layout) and log file under ``workdir``.
+    see ecq.store.layout) and log file under ``workdir``.
 
     ``plugin_options`` are ECQ plugin options (see ecq.config.EcqSettings); ``heartbeat_interval``
     defaults to 1 s here so that tests never wait long on a missed wake-up, and the admin API gets a
@@ -111,7 +111,7 @@ class BrokerProcess:
         """The broker's queue store, opened from its options as the broker opens it: LevelDB in its data dir
         (stop the broker first: LevelDB takes a lock) or its JetStream streams. Close it after use."""
         from ecq.config import EcqSettings
-        from ecq.queue.stores import open_store
+        from ecq.store.backends import open_store
         return open_store(EcqSettings(**self.options))
 
     def log(self) -> str:

@@ -5,8 +5,8 @@ A store holds, per queue (a clientid): entries numbered by a seqno that starts a
 with a compaction key, a payload and its publish time; the consumer's ack state; and the last seqno ever
 assigned. Writes come as ops (:data:`Op`) committed in batches, each batch atomically. All timestamps are
 milliseconds since the Unix epoch; sizes are payload bytes. The methods block (disk I/O) and are run off
-the event loop, in reader or writer threads. :class:`ecq.queue.leveldb.LevelDbStore` is the embedded
-implementation, :class:`ecq.cluster.jetstream.JetStreamStore` the one a cluster of brokers shares.
+the event loop, in reader or writer threads. :class:`ecq.store.leveldb.LevelDbStore` is the embedded
+implementation, :class:`ecq.store.jetstream.JetStreamStore` the one a cluster of brokers shares.
 """
 
 from __future__ import annotations

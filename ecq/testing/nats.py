@@ -53,7 +53,7 @@ def render_nats_config(name: str, ports: NatsPorts, store_dir: Path, route_ports
                        clustered: bool = True) -> str:
     """nats-server config text: JetStream storing under ``store_dir``, every listener on 127.0.0.1, and,
     when ``clustered``, the cluster "ecq" with routes to ``route_ports`` (the other servers' route ports)."""
-    lines = ["# nats-server config written from the template in ecq/cluster/local.py (render_nats_config).",
+    lines = ["# nats-server config written from the template in ecq/testing/nats.py (render_nats_config).",
              f"server_name: {name}",
              f"listen: 127.0.0.1:{ports.client}",
              f"http: 127.0.0.1:{ports.http}",
@@ -79,7 +79,7 @@ def render_node_config(node_name: str, mqtt_port: int, admin_port: int, nats_url
                "admin_bind": f"127.0.0.1:{admin_port}"}
     config = {"listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{mqtt_port}"}},
               "plugins": {**ANONYMOUS_AUTH, "ecq.broker.plugin.EcqPlugin": options}}
-    header = "# ECQ cluster node config written from the template in ecq/cluster/local.py (render_node_config).\n"
+    header = "# ECQ cluster node config written from the template in ecq/testing/nats.py (render_node_config).\n"
     return header + yaml.safe_dump(config, sort_keys=False)
 
 

@@ -1,6 +1,6 @@
 """JetStream's API as the ECQ store uses it: subject tokens for any text, retries until a deadline, direct
 gets (any current replica, single or batched), the JSON API (``$JS.API.*``) and the decoding of stored
-messages. Everything here runs on the NATS link's event loop (ecq/cluster/link.py)."""
+messages. Everything here runs on the NATS link's event loop (ecq/store/link.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from ecq.cluster.link import NatsLink
-from ecq.queue.store import IndexEntry, Message, StoreError
+from ecq.store.link import NatsLink
+from ecq.store.protocol import IndexEntry, Message, StoreError
 
 TS_HEADER = "Ecq-Ts"         # the publish time in ms, as the broker that took the write stamped it
 REQUEST_TIMEOUT_S = 2.0      # one NATS request; a commit retries within write_timeout

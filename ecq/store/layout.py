@@ -3,12 +3,12 @@
 Layout of ``data_dir`` (default ``storage``)::
 
     <data_dir>/queues/   LevelDB (backend leveldb only), with ``lost/`` after an ``ecq repair``, and
-                         ``ECQ-COMMITTED`` (the last committed seqnos, ecq.queue.committed)
+                         ``ECQ-COMMITTED`` (the last committed seqnos, ecq.store.committed)
     <data_dir>/events/   the ReplayQ event buffer and its ``lake-stream-id``
     <data_dir>/lake/     the Parquet lake, unless ``lake_dir`` is set
 
 Before, LevelDB's directory was ``data_dir`` itself (its files ``CURRENT``, ``LOCK``, ``LOG``, ``MANIFEST-*``,
-``*.ldb``, ``*.log`` directly in it, and ECQ's ``ECQ-COMMITTED`` beside them, see ecq.queue.committed), with ``events/`` and ``lake/`` inside it; those two keep their paths.
+``*.ldb``, ``*.log`` directly in it, and ECQ's ``ECQ-COMMITTED`` beside them, see ecq.store.committed), with ``events/`` and ``lake/`` inside it; those two keep their paths.
 :func:`migrate` moves the LevelDB files of that old layout into ``queues/``, crash-safely: each file is
 renamed into ``queues.migrating/``, which is renamed to ``queues/`` once it holds them all, so an
 interrupted move leaves every file in one of two known places and the next start finishes it.
@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ecq.queue.store import StoreError
+from ecq.store.protocol import StoreError
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,0 @@
-"""ECQ as a cluster: stateless broker nodes over a NATS JetStream core (issue 12)."""
