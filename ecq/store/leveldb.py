@@ -1,28 +1,14 @@
-"""The ECQ tables in one LevelDB database.
+"""The ECQ tables in one LevelDB database: opening, checking and committing (the reads are in
+ecq.store.leveldb_reads, the key layout and encodings in ecq.store.leveldb_tables).
 
-Key layout (one leading byte per table; ``S(x)`` = 2-byte big-endian length + UTF-8 bytes, so a prefix
-scan over ``S(clientid)`` returns exactly one client's rows and ``a`` never collides with ``a/b``;
-``U64`` = 8-byte big-endian unsigned, so seqnos and timestamps sort numerically):
-
-=======  ========================================  ==================================================
-table    key                                       value
-=======  ========================================  ==================================================
-seqno    ``s`` S(clientid)                         U64 last assigned seqno (seqnos start at 1), U64 its publish ms
-state    ``a`` S(clientid)                         U64 acked seqno, U64 last-ack ms, U64* acked above it
-index    ``i`` S(clientid) U64(seqno)              U64 publish ms, U32 payload bytes, key bytes
-payload  ``p`` S(clientid) S(key) U64(seqno) U64(ms)  payload bytes
-=======  ========================================  ==================================================
-
-All timestamps are milliseconds since the Unix epoch (a seqno row written before ECQ kept the last publish time
-holds the seqno alone, read as published at 0). :meth:`LevelDbStore.commit` applies a list of operations
-as one LevelDB write batch, so a crash leaves all of it or none. The methods block (LevelDB I/O, with
-the GIL released by plyvel) and are meant to run in a thread pool, off the event loop.
+:meth:`LevelDbStore.commit` applies a list of operations as one LevelDB write batch, so a crash leaves all of
+it or none. The methods block (LevelDB I/O, with the GIL released by plyvel) and are meant to run in a thread
+pool, off the event loop.
 """
 
 from __future__ import annotations
 
 import logging
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -30,51 +16,32 @@ from pathlib import Path
 
 import plyvel
 
-from ecq.store.protocol import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, IndexEntry, Message, Op,
-                             QueueQuota, QuotaExceeded, SaveAck, StoreError, StoreReadError)
+from ecq.queue.throttle import LogThrottle
 from ecq.store.committed import CommittedSeqnos, Missing, describe as _describe_missing
 from ecq.store.leveldb_files import Gate, cut_logs, reason as _reason, repair_command, repair_hint, room_to_reopen
-from ecq.queue.throttle import LogThrottle
+from ecq.store.leveldb_reads import LevelDbReads
+from ecq.store.leveldb_tables import (INDEX, INDEX_VALUE, PAYLOAD, SEQNO, STATE, U64, BatchState, decode_state, encode_s,
+                                      encode_state, payload_key)
+from ecq.store.protocol import (Append, Appended, Expire, ExpiredRow, ForgetQueue, Op, QueueQuota, QuotaExceeded, SaveAck,
+                                StoreError)
 
 log = logging.getLogger(__name__)
-
-_U64 = struct.Struct(">Q")
-_INDEX_VALUE = struct.Struct(">QI")  # publish ms, payload size in bytes; the key follows
-_SEQNO, _STATE, _INDEX, _PAYLOAD = b"s", b"a", b"i", b"p"
-_MAX_U64 = b"\xff" * 8
-_INDEX_END = bytes([_INDEX[0] + 1])  # first key after the index table
-
-
-def _s(text: str) -> bytes:
-    raw = text.encode()
-    return len(raw).to_bytes(2, "big") + raw
-
-
-def _read_s(buf: bytes, offset: int) -> tuple[str, int]:
-    size = int.from_bytes(buf[offset:offset + 2], "big")
-    end = offset + 2 + size
-    return buf[offset + 2:end].decode(), end
-
-
-def _payload_key(clientid: str, key: str, seqno: int, ts_ms: int) -> bytes:
-    return _PAYLOAD + _s(clientid) + _s(key) + _U64.pack(seqno) + _U64.pack(ts_ms)
-
 
 _L0_INLINE_LIMIT = 4  # level-0 files; LevelDB slows writes at 8 and stops them at 12
 ROOM_LOG_INTERVAL_S = 30.0  # while writes are suspended for want of space: one line saying what is waited for
 
 
-class LevelDbStore:
+class LevelDbStore(LevelDbReads):
     """The ECQ LevelDB database at ``path`` (created if missing), opened with ``paranoid_checks``.
 
     Raises StoreError when the database cannot be opened, or when it stores less than ECQ committed (its log
     was truncated or deleted: see ecq.store.committed), naming the queues and seqnos missing; with
     ``accept_lost_writes`` it opens anyway and lists them in ``accepted_loss`` (``ecq repair``). ``sync=True``
     fsyncs every commit. ``quota`` bounds each queue, checked in the append's own write batch (entry and byte
-    counts of a queue are read once, then kept in memory while quotas are on). ``max_open_files`` and ``cache_bytes`` are LevelDB's table cache size
-    (its open table files are memory-mapped: this bounds the store's file-backed RSS) and block cache size in
-    bytes; None keeps LevelDB's defaults (1000 files, 8 MiB). A broker
-    that may call :meth:`reopen_if_space` runs its reads through :meth:`run`, so that no read uses the
+    counts of a queue are read once, then kept in memory while quotas are on). ``max_open_files`` and
+    ``cache_bytes`` are LevelDB's table cache size (its open table files are memory-mapped: this bounds the
+    store's file-backed RSS) and block cache size in bytes; None keeps LevelDB's defaults (1000 files, 8 MiB). A
+    broker that may call :meth:`reopen_if_space` runs its reads through :meth:`run`, so that no read uses the
     database while it is closed and opened again; :meth:`commit` takes care of itself.
     """
 
@@ -232,7 +199,7 @@ class LevelDbStore:
         """
         if self.write_error:
             raise StoreError(f"writes suspended until LevelDB is reopened: {self.write_error}")
-        done = _BatchState()
+        done = BatchState()
         try:
             with self._gate:
                 results = self._commit(ops, done)
@@ -250,7 +217,7 @@ class LevelDbStore:
             self._committed.note(done.appended)
         return results
 
-    def _commit(self, ops: Sequence[Op], done: _BatchState) -> list[Appended | QuotaExceeded | tuple[ExpiredRow, ...]
+    def _commit(self, ops: Sequence[Op], done: BatchState) -> list[Appended | QuotaExceeded | tuple[ExpiredRow, ...]
                                                                      | bool | None]:
         results: list[Appended | QuotaExceeded | tuple[ExpiredRow, ...] | bool | None] = []
         # one iterator, re-seeked per append, is several times cheaper than a new one per compaction scan
@@ -260,7 +227,7 @@ class LevelDbStore:
                 if isinstance(op, Append):
                     results.append(self._append(batch, payload_keys, op, done))
                 elif isinstance(op, SaveAck):
-                    batch.put(_STATE + _s(op.clientid), _encode_state(op.state))
+                    batch.put(STATE + encode_s(op.clientid), encode_state(op.state))
                     done.touched.add(op.clientid)
                     results.append(None)
                 elif isinstance(op, Expire):
@@ -269,10 +236,10 @@ class LevelDbStore:
                     results.append(self._forget(batch, op, done))
         return results
 
-    def _append(self, batch, payload_keys, op: Append, done: _BatchState) -> Appended | QuotaExceeded:
+    def _append(self, batch, payload_keys, op: Append, done: BatchState) -> Appended | QuotaExceeded:
         clientid, size = op.clientid, len(op.payload)
-        queue = _s(clientid)
-        index_prefix, payload_prefix = _INDEX + queue, _PAYLOAD + queue + _s(op.key)
+        queue = encode_s(clientid)
+        index_prefix, payload_prefix = INDEX + queue, PAYLOAD + queue + encode_s(op.key)
         slot = (clientid, op.key)
         if slot in done.latest:  # older rows in the database were already deleted by that earlier op
             older = [done.latest[slot]]
@@ -283,12 +250,12 @@ class LevelDbStore:
         if self._quota and (refused := self._refusal(clientid, size, len(older), replaced_bytes, done)):
             return refused
         seqno = self._next_seqno(clientid)
-        batch.put(_SEQNO + queue, _U64.pack(seqno) + _U64.pack(op.ts_ms))
-        batch.put(index_prefix + _U64.pack(seqno), _INDEX_VALUE.pack(op.ts_ms, size) + op.key.encode())
-        batch.put(payload_prefix + _U64.pack(seqno) + _U64.pack(op.ts_ms), op.payload)
+        batch.put(SEQNO + queue, U64.pack(seqno) + U64.pack(op.ts_ms))
+        batch.put(index_prefix + U64.pack(seqno), INDEX_VALUE.pack(op.ts_ms, size) + op.key.encode())
+        batch.put(payload_prefix + U64.pack(seqno) + U64.pack(op.ts_ms), op.payload)
         for old_seqno, old_ts, _size in older:
-            batch.delete(index_prefix + _U64.pack(old_seqno))
-            batch.delete(payload_prefix + _U64.pack(old_seqno) + _U64.pack(old_ts))
+            batch.delete(index_prefix + U64.pack(old_seqno))
+            batch.delete(payload_prefix + U64.pack(old_seqno) + U64.pack(old_ts))
             done.deleted.add((clientid, old_seqno))
         done.latest[slot] = (seqno, op.ts_ms, size)
         done.appended[clientid] = seqno
@@ -303,13 +270,13 @@ class LevelDbStore:
                 evicted = self._evict(batch, clientid, done)
         return Appended(seqno, tuple(old[0] for old in older), replaced_bytes, evicted)
 
-    def _expire(self, batch, op: Expire, done: _BatchState) -> tuple[ExpiredRow, ...]:
+    def _expire(self, batch, op: Expire, done: BatchState) -> tuple[ExpiredRow, ...]:
         """Delete the rows of ``op`` that are still stored; returns them. A row is gone when an append of
         its key replaced it (in this batch, or committed after GC read the row) or an Expire deleted it."""
         clientid = op.clientid
-        queue = _s(clientid)
-        index_prefix, payload_prefix = _INDEX + queue, _PAYLOAD + queue
-        pack, get = _U64.pack, self._db.get
+        queue = encode_s(clientid)
+        index_prefix, payload_prefix = INDEX + queue, PAYLOAD + queue
+        pack, get = U64.pack, self._db.get
         deleted = []
         for row in op.rows:
             seqno_bytes = pack(row.seqno)
@@ -317,7 +284,7 @@ class LevelDbStore:
             if (clientid, row.seqno) in done.deleted or get(index_key) is None:
                 continue
             batch.delete(index_key)
-            batch.delete(payload_prefix + _s(row.key) + seqno_bytes + pack(row.ts_ms))
+            batch.delete(payload_prefix + encode_s(row.key) + seqno_bytes + pack(row.ts_ms))
             done.deleted.add((clientid, row.seqno))
             deleted.append(row)
         if deleted and (sizes := self._sizes.get(clientid)):
@@ -328,7 +295,7 @@ class LevelDbStore:
     # --- queue quotas -------------------------------------------------------------------------------
 
     def _refusal(self, clientid: str, size: int, replaced: int, replaced_bytes: int,
-                 done: _BatchState) -> QuotaExceeded | None:
+                 done: BatchState) -> QuotaExceeded | None:
         """Why the quota refuses an append of ``size`` bytes replacing ``replaced`` entries, or None."""
         quota = self._quota
         if quota.max_bytes and size > quota.max_bytes:
@@ -341,7 +308,7 @@ class LevelDbStore:
                                  f"max_queue_bytes {quota.max_bytes or 'unlimited'}, quota_policy refuse)")
         return None
 
-    def _queue_sizes(self, clientid: str, done: _BatchState) -> list[int]:
+    def _queue_sizes(self, clientid: str, done: BatchState) -> list[int]:
         """[entries, payload bytes] the queue of ``clientid`` stores, this batch's ops so far included (read
         from the index table the first time, then kept up to date by the commits)."""
         if (sizes := self._sizes.get(clientid)) is None:
@@ -351,27 +318,27 @@ class LevelDbStore:
                 sizes[1] += size
         return sizes
 
-    def _stored_rows(self, clientid: str, done: _BatchState) -> Iterator[ExpiredRow]:
+    def _stored_rows(self, clientid: str, done: BatchState) -> Iterator[ExpiredRow]:
         """The rows of ``clientid``'s queue in seqno order as this batch leaves them so far: the database's
         rows this batch did not delete, then the rows it appended."""
-        prefix = _INDEX + _s(clientid)
+        prefix = INDEX + encode_s(clientid)
         for index_key, value in self._db.iterator(prefix=prefix):
-            seqno = _U64.unpack_from(index_key, len(prefix))[0]
+            seqno = U64.unpack_from(index_key, len(prefix))[0]
             if (clientid, seqno) not in done.deleted:
-                ts_ms, size = _INDEX_VALUE.unpack_from(value)
-                yield ExpiredRow(seqno, value[_INDEX_VALUE.size:].decode(), ts_ms, size)
+                ts_ms, size = INDEX_VALUE.unpack_from(value)
+                yield ExpiredRow(seqno, value[INDEX_VALUE.size:].decode(), ts_ms, size)
         yield from (row for row in done.added.get(clientid, ()) if (clientid, row.seqno) not in done.deleted)
 
-    def _evict(self, batch, clientid: str, done: _BatchState) -> tuple[ExpiredRow, ...]:
+    def _evict(self, batch, clientid: str, done: BatchState) -> tuple[ExpiredRow, ...]:
         """Delete the oldest entries of ``clientid``'s queue until it is within the quota again (the newest
         entry alone always fits: a larger one was refused). Returns them."""
         sizes, evicted = self._sizes[clientid], []
-        index_prefix, payload_prefix = _INDEX + _s(clientid), _PAYLOAD + _s(clientid)
+        index_prefix, payload_prefix = INDEX + encode_s(clientid), PAYLOAD + encode_s(clientid)
         for row in self._stored_rows(clientid, done):
             if not self._quota.over(*sizes):
                 break
-            batch.delete(index_prefix + _U64.pack(row.seqno))
-            batch.delete(payload_prefix + _s(row.key) + _U64.pack(row.seqno) + _U64.pack(row.ts_ms))
+            batch.delete(index_prefix + U64.pack(row.seqno))
+            batch.delete(payload_prefix + encode_s(row.key) + U64.pack(row.seqno) + U64.pack(row.ts_ms))
             done.deleted.add((clientid, row.seqno))
             if done.latest.get((clientid, row.key), (0,))[0] == row.seqno:
                 del done.latest[(clientid, row.key)]  # a later append of that key in this batch finds no older value
@@ -382,21 +349,21 @@ class LevelDbStore:
 
     # --- state GC -----------------------------------------------------------------------------------
 
-    def _forget(self, batch, op: ForgetQueue, done: _BatchState) -> bool:
+    def _forget(self, batch, op: ForgetQueue, done: BatchState) -> bool:
         """Delete the seqno and state rows of an empty queue idle since ``op.cutoff_ms`` (see ForgetQueue)."""
         clientid = op.clientid
-        queue = _s(clientid)
+        queue = encode_s(clientid)
         if clientid in done.touched or next(self._stored_rows(clientid, done), None) is not None:
             return False
-        seqno_row, state_row = self._db.get(_SEQNO + queue), self._db.get(_STATE + queue)
-        last_write_ms = _U64.unpack_from(seqno_row, 8)[0] if seqno_row and len(seqno_row) >= 16 else 0
-        if last_write_ms >= op.cutoff_ms or state_row and _decode_state(state_row).last_ack_ms >= op.cutoff_ms:
+        seqno_row, state_row = self._db.get(SEQNO + queue), self._db.get(STATE + queue)
+        last_write_ms = U64.unpack_from(seqno_row, 8)[0] if seqno_row and len(seqno_row) >= 16 else 0
+        if last_write_ms >= op.cutoff_ms or state_row and decode_state(state_row).last_ack_ms >= op.cutoff_ms:
             return False
         if seqno_row is None and state_row is None:
             return False
         self._committed.withdraw(clientid)  # its seqno starts again at 1: ECQ-COMMITTED must not claim more
-        batch.delete(_SEQNO + queue)
-        batch.delete(_STATE + queue)
+        batch.delete(SEQNO + queue)
+        batch.delete(STATE + queue)
         with self._seqno_lock:
             self._seqnos[clientid] = 0  # an append later in this batch starts again at seqno 1
         self._sizes.pop(clientid, None)
@@ -410,195 +377,15 @@ class LevelDbStore:
         for row in payload_keys:
             if not row.startswith(payload_prefix):
                 break
-            seqno, ts_ms = _U64.unpack_from(row, len(payload_prefix)), _U64.unpack_from(row, len(payload_prefix) + 8)
-            index_value = self._db.get(index_prefix + _U64.pack(seqno[0]))
-            yield seqno[0], ts_ms[0], _INDEX_VALUE.unpack_from(index_value)[1] if index_value else 0
+            seqno, ts_ms = U64.unpack_from(row, len(payload_prefix)), U64.unpack_from(row, len(payload_prefix) + 8)
+            index_value = self._db.get(index_prefix + U64.pack(seqno[0]))
+            yield seqno[0], ts_ms[0], INDEX_VALUE.unpack_from(index_value)[1] if index_value else 0
 
     def _next_seqno(self, clientid: str) -> int:
         with self._seqno_lock:
             last = self._seqnos.get(clientid)
             if last is None:
-                raw = self._db.get(_SEQNO + _s(clientid))
-                last = _U64.unpack_from(raw)[0] if raw else 0
+                raw = self._db.get(SEQNO + encode_s(clientid))
+                last = U64.unpack_from(raw)[0] if raw else 0
             self._seqnos[clientid] = last + 1
             return last + 1
-
-    # --- reads --------------------------------------------------------------------------------------
-
-    def read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0,
-                   known_last: int | None = None) -> list[Message]:
-        """Up to ``limit`` messages of ``clientid`` with seqno > ``after``, in seqno order.
-
-        Entries published before ``min_ts_ms`` (expired, not yet collected) are skipped. Blocks read from
-        disk are checksummed; raises StoreReadError when LevelDB finds one damaged or unreadable.
-        """
-        try:
-            return self._read_after(clientid, after, limit, min_ts_ms)
-        except (plyvel.CorruptionError, plyvel.IOError) as exc:
-            raise StoreReadError(f"LevelDB at {self.path}: {_reason(exc)}") from exc
-
-    def _read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int) -> list[Message]:
-        prefix = _INDEX + _s(clientid)
-        messages: list[Message] = []
-        with self._db.snapshot() as snap:
-            rows = snap.iterator(start=prefix + _U64.pack(after + 1), stop=prefix + _MAX_U64, include_stop=True,
-                                 verify_checksums=True)
-            for index_key, value in rows:
-                seqno = _U64.unpack_from(index_key, len(prefix))[0]
-                ts_ms, key = _U64.unpack_from(value)[0], value[_INDEX_VALUE.size:].decode()
-                if ts_ms < min_ts_ms:
-                    continue
-                payload = snap.get(_payload_key(clientid, key, seqno, ts_ms), verify_checksums=True)
-                if payload is not None:
-                    messages.append(Message(seqno, key, payload, ts_ms))
-                    if len(messages) >= limit:
-                        break
-        return messages
-
-    def ack_state(self, clientid: str) -> AckState:
-        """The stored progress of ``clientid``'s consumer (acked 0 when it never acked)."""
-        raw = self._db.get(_STATE + _s(clientid))
-        return _decode_state(raw) if raw else AckState()
-
-    def last_seqno(self, clientid: str) -> int:
-        """Last seqno assigned in the queue of ``clientid`` (0 when it never had a write)."""
-        raw = self._db.get(_SEQNO + _s(clientid))
-        return _U64.unpack_from(raw)[0] if raw else 0
-
-    def clientids(self) -> Iterator[str]:
-        """Every clientid that ever had a write, in key order (reads the seqno table)."""
-        for row in self._db.iterator(prefix=_SEQNO, include_value=False):
-            yield _read_s(row, 1)[0]
-
-    def expired_step(self, cutoff_ms: int, limit: int, start: bytes | None = None
-                     ) -> tuple[dict[str, list[ExpiredRow]], bytes | None]:
-        """One GC step: up to ``limit`` entries published before ``cutoff_ms``, scanning the index table
-        from ``start`` (None = its beginning) across queues. Returns them by clientid, oldest first, and
-        the ``start`` of the next step (None once the whole table was scanned).
-
-        Publish times grow with seqno within a queue, so the scan jumps to the next queue at the first
-        entry that is still fresh: a step costs about (expired entries + queues), not stored entries.
-        """
-        found: dict[str, list[ExpiredRow]] = {}
-        taken = 0
-        queue, rows_of_queue = b"", []  # rows of one queue are adjacent: decode each clientid once
-        unpack_value, unpack_seqno, key_at = _INDEX_VALUE.unpack_from, _U64.unpack_from, _INDEX_VALUE.size
-        with self._db.iterator(start=start or _INDEX, stop=_INDEX_END) as rows:
-            for index_key, value in rows:
-                seqno_at = len(index_key) - 8
-                ts_ms, size = unpack_value(value)
-                if ts_ms >= cutoff_ms:
-                    rows.seek(index_key[:seqno_at] + _MAX_U64 + b"\x00")  # past this queue's last seqno
-                    continue
-                if index_key[:seqno_at] != queue:
-                    queue = index_key[:seqno_at]
-                    rows_of_queue = found.setdefault(_read_s(queue, 1)[0], [])
-                rows_of_queue.append(ExpiredRow(unpack_seqno(index_key, seqno_at)[0], value[key_at:].decode(), ts_ms, size))
-                taken += 1
-                if taken >= limit:
-                    return found, index_key + b"\x00"
-        return found, None
-
-    def idle_queues(self, cutoff_ms: int) -> list[str]:
-        """Clientids whose queue stores no entry and had no write and no ack since ``cutoff_ms`` (state GC's
-        candidates): one pass over the seqno table, a state lookup and an index seek per queue."""
-        idle = []
-        with self._db.iterator(prefix=_INDEX, include_value=False) as index_keys:
-            for row, value in self._db.iterator(prefix=_SEQNO):
-                if len(value) >= 16 and _U64.unpack_from(value, 8)[0] >= cutoff_ms:
-                    continue
-                queue = row[1:]
-                state = self._db.get(_STATE + queue)
-                if state and _decode_state(state).last_ack_ms >= cutoff_ms:
-                    continue
-                index_keys.seek(_INDEX + queue)
-                if next(index_keys, b"").startswith(_INDEX + queue):
-                    continue
-                idle.append(_read_s(row, 1)[0])
-        return idle
-
-    def seqnos(self, clientid: str) -> Iterator[int]:
-        """Seqnos of the stored entries of ``clientid``, ascending."""
-        prefix = _INDEX + _s(clientid)
-        for row in self._db.iterator(prefix=prefix, include_value=False):
-            yield _U64.unpack_from(row, len(prefix))[0]
-
-    def queue_range(self, clientid: str) -> tuple[int, int, int] | None:
-        """(first seqno, last seqno, entry count) of the stored queue of ``clientid``, or None when empty."""
-        seqnos = list(self.seqnos(clientid))
-        return (seqnos[0], seqnos[-1], len(seqnos)) if seqnos else None
-
-    def stored_totals(self) -> tuple[int, int]:
-        """(entries, payload bytes) stored across all queues: a scan of the index table."""
-        entries = size = 0
-        for value in self._db.iterator(prefix=_INDEX, include_key=False):
-            entries += 1
-            size += _INDEX_VALUE.unpack_from(value)[1]
-        return entries, size
-
-    def count_queues(self) -> int:
-        """Queues that ever had a write (rows of the seqno table)."""
-        return sum(1 for _ in self._db.iterator(prefix=_SEQNO, include_value=False))
-
-    def edge_index_entries(self) -> tuple[IndexEntry | None, IndexEntry | None]:
-        """The first and the last row of the index table, by (clientid, seqno) key order."""
-        first = next(self._db.iterator(prefix=_INDEX), None)
-        last = next(self._db.iterator(prefix=_INDEX, reverse=True), None)
-        return _index_entry(first), _index_entry(last)
-
-    def ack_states(self) -> Iterator[tuple[str, AckState]]:
-        """Every stored consumer state as (clientid, state), in clientid key order."""
-        for row, value in self._db.iterator(prefix=_STATE):
-            yield _read_s(row, 1)[0], _decode_state(value)
-
-    def stored_entries(self, clientid: str | None = None, after: int = 0) -> Iterator[tuple[str, int, int, int]]:
-        """(clientid, seqno, publish ms, payload bytes) of every stored entry in (clientid, seqno) key order, one
-        pass over the index table; with ``clientid``, only that queue's entries with seqno > ``after``."""
-        if clientid is not None:
-            prefix = _INDEX + _s(clientid)
-            start = prefix + _U64.pack(after + 1)
-            for index_key, value in self._db.iterator(start=start, stop=prefix + _MAX_U64, include_stop=True):
-                ts_ms, size = _INDEX_VALUE.unpack_from(value)
-                yield clientid, _U64.unpack_from(index_key, len(prefix))[0], ts_ms, size
-            return
-        queue, name = b"", ""  # rows of one queue are adjacent: decode each clientid once
-        for index_key, value in self._db.iterator(prefix=_INDEX):
-            seqno_at = len(index_key) - 8
-            if index_key[:seqno_at] != queue:
-                queue = index_key[:seqno_at]
-                name = _read_s(queue, 1)[0]
-            ts_ms, size = _INDEX_VALUE.unpack_from(value)
-            yield name, _U64.unpack_from(index_key, seqno_at)[0], ts_ms, size
-
-
-class _BatchState:
-    """What the earlier ops of one commit did, which the database shows only once the batch is written."""
-
-    __slots__ = ("latest", "deleted", "added", "appended", "touched", "forgotten")
-
-    def __init__(self) -> None:
-        self.latest: dict[tuple[str, str], tuple[int, int, int]] = {}  # (clientid, key) -> (seqno, ms, bytes) appended
-        self.deleted: set[tuple[str, int]] = set()  # (clientid, seqno) deleted: compaction, Expire, quota eviction
-        self.added: dict[str, list[ExpiredRow]] = {}  # clientid -> rows appended, in seqno order (quotas on only)
-        self.appended: dict[str, int] = {}  # clientid -> the last seqno appended
-        self.touched: set[str] = set()  # queues appended to or acked: state GC leaves them
-        self.forgotten: list[str] = []  # queues whose seqno and state rows were deleted (ForgetQueue)
-
-
-def _index_entry(row: tuple[bytes, bytes] | None) -> IndexEntry | None:
-    if row is None:
-        return None
-    index_key, value = row
-    clientid, offset = _read_s(index_key, 1)
-    ts_ms, _size = _INDEX_VALUE.unpack_from(value)
-    return IndexEntry(clientid, _U64.unpack_from(index_key, offset)[0], value[_INDEX_VALUE.size:].decode(), ts_ms)
-
-
-def _encode_state(state: AckState) -> bytes:
-    above = sorted(s for s in state.above if s > state.acked)
-    return b"".join(_U64.pack(v) for v in (state.acked, state.last_ack_ms, *above))
-
-
-def _decode_state(raw: bytes) -> AckState:
-    values = [v for (v,) in _U64.iter_unpack(raw)]
-    return AckState(values[0], values[1], set(values[2:]))

@@ -1,0 +1,85 @@
+"""The ECQ tables in LevelDB: key layout and encodings (used by ecq.store.leveldb and its reads).
+
+Key layout (one leading byte per table; ``S(x)`` = 2-byte big-endian length + UTF-8 bytes, so a prefix
+scan over ``S(clientid)`` returns exactly one client's rows and ``a`` never collides with ``a/b``;
+``U64`` = 8-byte big-endian unsigned, so seqnos and timestamps sort numerically):
+
+=======  ========================================  ==================================================
+table    key                                       value
+=======  ========================================  ==================================================
+seqno    ``s`` S(clientid)                         U64 last assigned seqno (seqnos start at 1), U64 its publish ms
+state    ``a`` S(clientid)                         U64 acked seqno, U64 last-ack ms, U64* acked above it
+index    ``i`` S(clientid) U64(seqno)              U64 publish ms, U32 payload bytes, key bytes
+payload  ``p`` S(clientid) S(key) U64(seqno) U64(ms)  payload bytes
+=======  ========================================  ==================================================
+
+All timestamps are milliseconds since the Unix epoch (a seqno row written before ECQ kept the last publish time
+holds the seqno alone, read as published at 0).
+"""
+
+from __future__ import annotations
+
+import struct
+
+from ecq.store.protocol import AckState, ExpiredRow, IndexEntry
+
+U64 = struct.Struct(">Q")
+INDEX_VALUE = struct.Struct(">QI")  # publish ms, payload size in bytes; the key follows
+SEQNO, STATE, INDEX, PAYLOAD = b"s", b"a", b"i", b"p"
+MAX_U64 = b"\xff" * 8
+INDEX_END = bytes([INDEX[0] + 1])  # first key after the index table
+
+
+def encode_s(text: str) -> bytes:
+    """``S(text)``: 2-byte big-endian length, then the UTF-8 bytes."""
+    raw = text.encode()
+    return len(raw).to_bytes(2, "big") + raw
+
+
+def read_s(buf: bytes, offset: int) -> tuple[str, int]:
+    """The ``S(x)`` at ``offset`` of ``buf``: (x, offset just past it)."""
+    size = int.from_bytes(buf[offset:offset + 2], "big")
+    end = offset + 2 + size
+    return buf[offset + 2:end].decode(), end
+
+
+def payload_key(clientid: str, key: str, seqno: int, ts_ms: int) -> bytes:
+    """The payload table's key of an entry."""
+    return PAYLOAD + encode_s(clientid) + encode_s(key) + U64.pack(seqno) + U64.pack(ts_ms)
+
+
+def index_entry(row: tuple[bytes, bytes] | None) -> IndexEntry | None:
+    """The entry an index-table row (key, value) describes; None for None."""
+    if row is None:
+        return None
+    index_key, value = row
+    clientid, offset = read_s(index_key, 1)
+    ts_ms, _size = INDEX_VALUE.unpack_from(value)
+    return IndexEntry(clientid, U64.unpack_from(index_key, offset)[0], value[INDEX_VALUE.size:].decode(), ts_ms)
+
+
+def encode_state(state: AckState) -> bytes:
+    """A state-table value: acked seqno, last-ack ms, the seqnos acked above it (ascending)."""
+    above = sorted(s for s in state.above if s > state.acked)
+    return b"".join(U64.pack(v) for v in (state.acked, state.last_ack_ms, *above))
+
+
+def decode_state(raw: bytes) -> AckState:
+    """Inverse of :func:`encode_state`."""
+    values = [v for (v,) in U64.iter_unpack(raw)]
+    return AckState(values[0], values[1], set(values[2:]))
+
+
+class BatchState:
+    """What the earlier ops of one commit batch did to the tables, which the database shows only once the batch is
+    written (ecq.store.leveldb's commit)."""
+
+    __slots__ = ("latest", "deleted", "added", "appended", "touched", "forgotten")
+
+    def __init__(self) -> None:
+        self.latest: dict[tuple[str, str], tuple[int, int, int]] = {}  # (clientid, key) -> (seqno, ms, bytes) appended
+        self.deleted: set[tuple[str, int]] = set()  # (clientid, seqno) deleted: compaction, Expire, quota eviction
+        self.added: dict[str, list[ExpiredRow]] = {}  # clientid -> rows appended, in seqno order (quotas on only)
+        self.appended: dict[str, int] = {}  # clientid -> the last seqno appended
+        self.touched: set[str] = set()  # queues appended to or acked: state GC leaves them
+        self.forgotten: list[str] = []  # queues whose seqno and state rows were deleted (ForgetQueue)
