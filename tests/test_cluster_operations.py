@@ -5,6 +5,7 @@ loopback and MQTT clients over TCP."""
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import threading
 import time
@@ -15,7 +16,7 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from ecq.testing.nats import NatsPorts, NatsServer, auth_block, tls_block
-from tests.harness import ECQ, BrokerProcess, RawClient, drain, port_open, wait_until, write
+from tests.harness import ECQ, BrokerProcess, RawClient, drain, fixed_header, port_open, wait_until, write
 from tests.test_cluster_failures import collect_queue
 
 NODE_EXIT_TIMEOUT_S = 30.0  # a node that cannot use NATS exits within CONNECT_TIMEOUT_S (10 s) and its shutdown
@@ -178,6 +179,66 @@ def test_drain_closes_listeners_and_clients_saves_acks_and_the_consumer_resumes_
     # the acks the consumer sent before the drain were saved: node 2 delivers exactly the two unacked entries
     assert drain(connect, node2.port, "dq", 2) == [("$ECQ/dq/k3", b"v3"), ("$ECQ/dq/k4", b"v4")]
     assert node1.stop() == 0
+
+
+def qos1_write(queue: str, packet_id: int) -> bytes:
+    """An encoded QoS 1 PUBLISH writing key ``k<packet_id>`` of ``queue`` (payload: the key)."""
+    topic, key = f"$ECQ/w/{queue}/k{packet_id}".encode(), f"k{packet_id}".encode()
+    body = struct.pack(">H", len(topic)) + topic + struct.pack(">H", packet_id) + key
+    return fixed_header(0x32, len(body)) + body
+
+
+@pytest.mark.timeout(90)
+def test_a_drain_pubacks_every_write_it_stored_before_it_closes_the_connection(cluster_nodes):
+    """A write the draining node stored but did not PUBACK would be sent again to another node, after which the
+    client may write a newer value of its key there, and the older one could land last: so every write read
+    is PUBACKed before the close, and nothing is stored that was not PUBACKed."""
+    node1, node2 = [node.start() for node in cluster_nodes()]
+    client, window = RawClient(node1.port, "blaster"), 100
+    answers: list[tuple[int, bytes]] = []
+    client.sock.settimeout(30)
+
+    def read_answers() -> None:
+        try:
+            while True:
+                answers.append(client.receive())
+        except OSError:  # closed by the drain (or 30 s without a packet: the assertions below tell)
+            pass
+
+    reader = threading.Thread(target=read_answers, daemon=True)
+    reader.start()
+    sent = 0
+
+    def send_pipelined() -> None:  # up to ``window`` writes unacknowledged, as fast as the node takes them
+        nonlocal sent
+        try:
+            while sent < 60000:
+                if sent - len(answers) < window:
+                    client.send_raw(b"".join(qos1_write("bq", pid) for pid in range(sent + 1, sent + 11)))
+                    sent += 10
+                else:
+                    time.sleep(0.0005)
+        except OSError:  # the drain closed the connection
+            pass
+
+    sender = threading.Thread(target=send_pipelined, daemon=True)
+    sender.start()
+    try:
+        assert wait_until(lambda: len(answers) >= 1000, 20), f"only {len(answers)} PUBACKs"
+        code, report = ecq_drain(node1)
+        reader.join(10)
+        sender.join(10)
+    finally:
+        client.close()
+    assert code == 0 and report["drained"], report
+    assert report["writes_in_flight"] > 0, f"no write was in flight when the drain began: nothing tested ({report})"
+    assert {header for header, _body in answers} == {0x40}, "only PUBACKs were expected"
+    acked = {f"k{struct.unpack('>H', body)[0]}" for _header, body in answers}
+    stored = collect_queue(node2.port, "bq", len(acked), timeout=30)
+    assert sorted(set(stored) - acked) == [], "stored, yet the drained node never PUBACKed them"
+    assert sorted(acked - set(stored)) == [], "PUBACKed, yet not stored"
+    print(f"drain with {report['writes_in_flight']} writes in flight: {len(acked)} PUBACKed of {sent} sent, "
+          f"all stored, nothing else stored")
 
 
 class FailoverProducer:
