@@ -50,9 +50,10 @@ class NatsPorts:
 
 
 def render_nats_config(name: str, ports: NatsPorts, store_dir: Path, route_ports: Sequence[int] = (),
-                       clustered: bool = True, extra: str = "") -> str:
+                       clustered: bool = True, extra: str = "", cluster_advertise: int | None = None) -> str:
     """nats-server config text: JetStream storing under ``store_dir``, every listener on 127.0.0.1, and,
-    when ``clustered``, the cluster "ecq" with routes to ``route_ports`` (the other servers' route ports).
+    when ``clustered``, the cluster "ecq" with routes to ``route_ports`` (the other servers' route ports),
+    telling the other servers to reach this one's routes on ``cluster_advertise`` when given (a proxy's port).
     ``extra`` is appended as is: e.g. an ``authorization { ... }`` or a ``tls { ... }`` block for the client
     port (nats-server's config syntax; see :func:`auth_block` and :func:`tls_block`)."""
     lines = ["# nats-server config written from the template in ecq/testing/nats.py (render_nats_config).",
@@ -67,6 +68,7 @@ def render_nats_config(name: str, ports: NatsPorts, store_dir: Path, route_ports
         lines += ["cluster {",
                   f"  name: {CLUSTER_NAME}",
                   f"  listen: 127.0.0.1:{ports.cluster}",
+                  *([f"  advertise: 127.0.0.1:{cluster_advertise}"] if cluster_advertise else []),
                   "  routes: [", *routes, "  ]",
                   "}"]
     return "\n".join(lines) + "\n" + extra
@@ -128,7 +130,8 @@ class NatsServer:
     config, log and pid files are ``run_dir/<store_dir.name>.conf|.log|.pid``. ``route_ports`` are the
     other servers' route ports; ``clustered=False`` runs it alone (no cluster block, JetStream R1 only).
     ``detach=True`` starts it in its own session, so it outlives the caller (scripts/cluster). ``extra_config``
-    is appended to its config (see render_nats_config). A NatsServer built later with the same paths finds a
+    is appended to its config and ``cluster_advertise`` put in its cluster block (see render_nats_config); both
+    may be set before :meth:`start`. A NatsServer built later with the same paths finds a
     running process through its pid file (stop, status).
     """
 
@@ -145,6 +148,7 @@ class NatsServer:
         self.clustered = clustered
         self.detach = detach
         self.extra_config = extra_config
+        self.cluster_advertise: int | None = None
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -173,7 +177,7 @@ class NatsServer:
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(render_nats_config(self.name, self.ports, self.store_dir, self.route_ports,
-                                                       self.clustered, self.extra_config))
+                                                       self.clustered, self.extra_config, self.cluster_advertise))
 
     def start(self, timeout: float = SERVER_START_TIMEOUT_S) -> NatsServer:
         """Start the server; wait until its client port accepts and its monitor's
