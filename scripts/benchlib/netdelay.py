@@ -14,7 +14,8 @@ servers nats-py discovers are proxied too), and server <-> server (each server's
 proxies, and its ``cluster.advertise`` names its own, so the routes the servers gossip are proxied too).
 
 Each configuration: --cluster-clientids x --cluster-keys QoS 1 writes of --cluster-size bytes from pipelined
-producers (--connections per load process, --window PUBLISHes in flight each: acked writes/s), then a paced
+producers (--connections per load process, --window PUBLISHes in flight each: acked writes/s), then one paho
+producer pipelining PUBACK_RATE_PER_S writes/s for PUBACK_SECONDS (PUBLISH-to-PUBACK p50/p99), then a paced
 flow of --cluster-rate writes/s to --cluster-consumers online consumers for --cluster-seconds (write-to-delivery
 p50/p99). The rows compare the delayed configuration with ``proxy-0ms``, and ``proxy-0ms`` with ``direct``;
 the proxy's own CPU per write is printed for both proxied configurations.
@@ -22,9 +23,11 @@ the proxy's own CPU per write is printed for both proxied configurations.
 
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack
 from typing import Any
 
+import paho.mqtt.client as paho
 import psutil
 
 from benchlib.cluster import Nodes, cpu_ms_per_write
@@ -32,10 +35,14 @@ from benchlib.delayproxy import ProxyProcess
 from benchlib.loadgen import Endpoint, Endpoints
 from benchlib.report import Row, ScenarioResult
 from benchlib.scenarios import ECQ_QUEUE, ECQ_WRITE, Bench, flow, keys, progress, publish
-from ecq.testing import free_port
+from ecq.testing import free_port, wait_until
 from ecq.testing.nats import LocalNatsCluster, nats_server_binary
 
 DELAY_MS = 5.0
+PUBACK_RATE_PER_S = 500.0   # the PUBACK latency phase: one pipelined paho producer at this rate ...
+PUBACK_SECONDS = 10.0       # ... for this long
+PUBACK_QUEUES = 100
+ACKS_WAIT_S = 30.0
 CONFIGS = {"direct": None, "proxy-0ms": 0.0, f"proxy-{DELAY_MS:g}ms": DELAY_MS}
 NODES = 2
 
@@ -107,12 +114,48 @@ def measure(bench: Bench, name: str, delay_ms: float | None, result: dict[str, A
         if proxy is not None and result["writes"]["acked"]:
             result["cpu_ms_per_write"]["proxy"] = round(
                 (_cpu_s(proxy) - cpu_before) * 1000 / result["writes"]["acked"], 3)
+        result["acks"] = puback_latency(nodes.ports[0], bench.ids(f"nda-{name}-", PUBACK_QUEUES), PUBACK_RATE_PER_S,
+                                        PUBACK_SECONDS, args.cluster_size)
+        progress(f"{label}-acks: PUBACK p50 {result['acks']['p50_ms']} ms, p99 {result['acks']['p99_ms']} ms")
         flow_cids = bench.ids(f"ndf-{name}-", args.cluster_consumers)
         cpu_before = _cpu_s(proxy)
         result["flow"] = flow(bench, nodes, f"{label}-flow", flow_cids, ECQ_QUEUE, ECQ_WRITE, args.cluster_rate,
                               args.cluster_seconds)
         if proxy is not None:
             result["flow"]["proxy_cpu_pct"] = round((_cpu_s(proxy) - cpu_before) * 100 / args.cluster_seconds, 1)
+
+
+def puback_latency(port: int, queues: tuple[str, ...], rate_per_s: float, seconds: float, size: int) -> dict[str, Any]:
+    """One paho client on ``port`` writes ``rate_per_s`` QoS 1 writes per second for ``seconds`` to ``queues``
+    (round robin, a new key each), without waiting for PUBACKs (pipelined); PUBLISH-to-PUBACK latency quantiles
+    in ms, as the producer sees them. Waits at most ACKS_WAIT_S for the last PUBACKs."""
+    sent_at: dict[int, float] = {}
+    acked_at: dict[int, float] = {}
+    client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"{queues[0]}-producer", protocol=paho.MQTTv311)
+    client.max_inflight_messages_set(0)
+    client.max_queued_messages_set(0)
+    client.on_publish = lambda _c, _u, mid, _rc, _p: acked_at.setdefault(mid, time.perf_counter())
+    client.connect("127.0.0.1", port, keepalive=60)
+    client.loop_start()
+    try:
+        payload, count = b"x" * size, int(rate_per_s * seconds)
+        started = time.perf_counter()
+        for i in range(count):
+            time.sleep(max(0.0, started + i / rate_per_s - time.perf_counter()))
+            before = time.perf_counter()  # its PUBACK may come before publish() returns the mid
+            sent_at[client.publish(f"$ECQ/w/{queues[i % len(queues)]}/k{i}", payload, qos=1).mid] = before
+        wait_until(lambda: len(acked_at) >= count, ACKS_WAIT_S, 0.05)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    latencies = sorted((acked_at[mid] - t) * 1000 for mid, t in sent_at.items() if mid in acked_at)
+    return {"sent": len(sent_at), "acked": len(latencies), "rate_per_s": rate_per_s,
+            "p50_ms": _quantile(latencies, 0.5), "p99_ms": _quantile(latencies, 0.99),
+            "max_ms": round(latencies[-1], 2) if latencies else None}
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    return round(values[min(len(values) - 1, int(q * len(values)))], 2) if values else None
 
 
 def proxy_nats(nats: LocalNatsCluster) -> tuple[list[tuple[int, int]], list[str]]:
@@ -150,6 +193,12 @@ def netdelay_rows(bench: Bench, out: ScenarioResult) -> None:
                                 base.get("writes", {}).get("per_s"),
                                 note=f"pipelined: {bench.args.connections} connections x {bench.args.window} in "
                                      f"flight per load process; {run['writes']['acked']} of {run['writes']['messages']}"))
+        if "acks" in run:
+            acks, base_acks = run["acks"], base.get("acks", {})
+            for figure in ("p50_ms", "p99_ms"):
+                out.rows.append(Row("netdelay", f"write PUBACK {figure[:3]} @{acks['rate_per_s']:g}/s, {what}", "ms",
+                                    size, acks[figure], base_acks.get(figure),
+                                    note=f"one pipelined paho producer; {acks['acked']} of {acks['sent']} PUBACKed"))
         if "flow" in run:
             for figure in ("p50_ms", "p99_ms"):
                 out.rows.append(Row("netdelay", f"{figure[:3]} @{rate}, {what}", "ms", size, run["flow"][figure],
