@@ -83,7 +83,8 @@ class NatsLink:
         self.outage_since: float | None = None  # time.monotonic() of the disconnect; None while connected
         self._outage_logged = 0.0
         self._closing = False
-        self._refused: asyncio.Future[str] = self.loop.create_future()  # why a server refused ECQ at start-up
+        self._refused: asyncio.Future[str] | None = None  # at start-up: why a server refused ECQ
+        self._refusal_logged = 0.0
 
     @property
     def connected(self) -> bool:
@@ -183,6 +184,10 @@ class NatsLink:
 
     async def _error(self, exc: Exception) -> None:
         refusal = _refusal(exc)
-        if refusal is not None and not self._refused.done():
-            self._refused.set_result(refusal)
-        log.debug("NATS client error: %s", exc)
+        if refusal is None:
+            log.debug("NATS client error: %s", exc)
+        elif self._refused is not None and not self._refused.done():
+            self._refused.set_result(refusal)  # start-up stops at once (see _connect)
+        elif self._report_outages and time.monotonic() - self._refusal_logged >= OUTAGE_LOG_INTERVAL_S:
+            self._refusal_logged = time.monotonic()  # refused on a reconnect: credentials or certificates changed
+            log.error("ECQ: NATS refuses the connection: %s", refusal)
