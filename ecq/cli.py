@@ -1,7 +1,8 @@
 """The ``ecq`` command line (console script).
 
-``ecq broker`` runs amqtt with the ECQ plugin in the foreground (started by ecq.broker.server). ``ecq status``, ``ecq inspect``, ``ecq top``,
-``ecq gc``, ``ecq rewind``, ``ecq delete``, ``ecq purge`` and ``ecq show-config`` talk to a running broker
+``ecq broker`` runs amqtt with the ECQ plugin in the foreground (started by ecq.broker.server). ``ecq status``,
+``ecq inspect``, ``ecq top``, ``ecq gc``, ``ecq rewind``, ``ecq delete``, ``ecq purge``, ``ecq drain`` and
+``ecq show-config`` talk to a running broker
 through its admin API (ecq.ops.client); when no broker answers, ``status``, ``inspect`` and ``top`` read the data directory directly. ``ecq repair`` rebuilds a
 damaged store, or accepts the loss of writes whose LevelDB log was truncated or deleted.
 
@@ -238,6 +239,27 @@ def purge(clientid: str, admin: str, token: str | None, as_json: bool) -> None:
     path = f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}/purge"
     data = check_answer(*call_admin(admin, path, token, method="POST"))
     emit(data, as_json, lambda d: f"purged {d['clientid']}: {d['purged']} entries deleted")
+
+
+DRAIN_ANSWER_TIMEOUT_S = 120.0  # a drain settles writes within write_timeout: far less, unless the node is stuck
+
+
+@main.command()
+@admin_options
+def drain(admin: str, token: str | None, as_json: bool) -> None:
+    """Drain the running broker before stopping it: it stops accepting connections, closes its clients so that
+    they reconnect to another node, settles the writes it read (stored, or not PUBACKed so that they are sent
+    again) and saves its consumers' acks; readiness is false from the start. Exit 0 once drained, 1 when writes
+    were left unsettled."""
+    status, data = call_admin(admin, "/api/v1/drain", token, method="POST", timeout=DRAIN_ANSWER_TIMEOUT_S)
+    if status != 503:
+        data = check_answer(status, data)
+    emit(data, as_json, lambda d: (f"{'drained' if d['drained'] else 'NOT drained'} in {d['seconds']} s: "
+                                   f"{d['connections_closed']} connections closed, {d['writes_in_flight']} writes "
+                                   f"in flight settled ({d['writes_unsettled']} not), acks of "
+                                   f"{d['consumers_released']} consumers saved"))
+    if not data["drained"]:
+        sys.exit(1)
 
 
 @main.command("show-config")

@@ -138,6 +138,12 @@ class EcqSettings(BaseModel):
     nats_user: str | None = Field(default=None, description="NATS user name (with nats_password)")
     nats_password: SecretStr | None = Field(default=None, description="NATS password")
     nats_token: SecretStr | None = Field(default=None, description="NATS authentication token")
+    nats_tls_ca: Path | None = Field(default=None, description="PEM file of the CA(s) that signed the NATS servers' "
+                                     "certificates: TLS to NATS, verified against it; None = plain TCP unless a "
+                                     "URL is tls:// (then the system's CAs)")
+    nats_tls_cert: Path | None = Field(default=None, description="PEM client certificate for NATS servers that "
+                                       "verify clients (with nats_tls_key)")
+    nats_tls_key: Path | None = Field(default=None, description="PEM private key of nats_tls_cert")
     jetstream_shards: Int = Field(default=16, ge=1, le=1024,
                                   description="JetStream streams the queues are spread over, by CRC32 of the clientid")
     jetstream_replicas: Int = Field(default=3, ge=1, le=5,
@@ -178,6 +184,21 @@ class EcqSettings(BaseModel):
                              f"{PUBLISH_HEADER_ROOM} ({self._write_packet_bytes()}): a write of max_payload_bytes "
                              "would close its publisher's connection instead of being refused")
         return self
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> EcqSettings:
+        if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
+            raise ValueError("nats_tls_cert and nats_tls_key go together: give both or neither")
+        for name in ("nats_tls_ca", "nats_tls_cert", "nats_tls_key"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"{name} {str(path)!r} is not a readable file")
+        return self
+
+    def nats_tls_wanted(self) -> bool:
+        """True when ECQ speaks TLS to NATS: a TLS option is set or a ``nats_servers`` URL is ``tls://``."""
+        return bool(self.nats_tls_ca or self.nats_tls_cert
+                    or any(url.startswith("tls://") for url in self.nats_servers))
 
     @model_validator(mode="after")
     def _queue_quotas_on_leveldb(self) -> EcqSettings:

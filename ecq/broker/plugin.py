@@ -23,6 +23,7 @@ from amqtt.session import Session
 
 from ecq.broker import amqtt_hooks as hooks
 from ecq.broker.access import AccessControl
+from ecq.broker.drain import drain_node
 from ecq.broker.observers import QueueEvents
 from ecq.broker.sessions import QueueSessions
 from ecq.broker.writes import EcqWrites
@@ -80,6 +81,8 @@ class EcqPlugin(BaseTopicPlugin):
         self.writes = EcqWrites(self.settings, self.engine, self.access, self.metrics, lambda: self.events)
         self._admin: Any = None
         self._session_dropped = 0
+        self.draining = False  # set by drain(): the node takes no clients any more (readiness false)
+        self._drain: asyncio.Future | None = None
         hooks.install(EcqPlugin)
         hooks.set_session_expiry(context, self.settings.session_expiry)
         hooks.shorten_subscriptions_repr(context)
@@ -170,6 +173,16 @@ class EcqPlugin(BaseTopicPlugin):
             return {k: REDACTED if k in SECRET_OPTIONS else v for k, v in self._origin.items()}
         return {**self.settings.model_dump(mode="json"), "writer_pool_size": self.settings.effective_pool_size(),
                 "lake_dir": str(self.settings.effective_lake_dir())}
+
+    async def drain(self) -> dict[str, Any]:
+        """Drain this node before it is stopped (``ecq drain``; see ecq.broker.drain): stop accepting, close the
+        clients, settle the writes in flight (within ``write_timeout``), save the consumers' acks. Returns the
+        report (ecq.broker.drain.DrainReport as a dict); a second call waits for the first drain's report."""
+        if self._drain is None:
+            self.draining = True
+            self._drain = asyncio.ensure_future(drain_node(self.context, self.writes, self.engine,
+                                                           self.settings.write_timeout))
+        return (await asyncio.shield(self._drain)).as_dict()
 
     def reload_acl(self) -> int:
         """Read the ACL file again; returns its rule count. Raises AclError and keeps the old rules."""

@@ -40,6 +40,7 @@ class EcqWrites:
         self._full_log = {reason: LogThrottle(FAILURE_LOG_INTERVAL_S) for reason in ("quota_exceeded", "store_full")}
         self._order = ArrivalOrder()
         self._closing: set[asyncio.Task] = set()  # publishers being disconnected after a failed fast-path write
+        self._in_flight: set[asyncio.Future] = set()  # writes and rewinds taken and not yet stored or failed
 
     def take(self, handler: BrokerProtocolHandler, topic: str, qos: int, packet_id: int | None,
              payload: bytes) -> None:
@@ -76,7 +77,21 @@ class EcqWrites:
         except Exception:  # the reader closes the connection; later writes must not wait for this one
             self._fail(write)
             raise
+        self._in_flight.add(future)
+        future.add_done_callback(self._in_flight.discard)
         future.add_done_callback(functools.partial(self._committed, write))
+
+    @property
+    def in_flight(self) -> int:
+        """Writes (and rewinds) taken from clients and not yet stored or failed."""
+        return len(self._in_flight)
+
+    async def settle(self, timeout: float) -> int:
+        """Wait at most ``timeout`` seconds until every write taken so far is stored or failed; returns how many
+        are still pending then (each one's publisher gets no PUBACK for it and resends it)."""
+        if self._in_flight:
+            await asyncio.wait(set(self._in_flight), timeout=timeout)
+        return len(self._in_flight)
 
     def hold_acknowledgement(self, handler: BrokerProtocolHandler) -> Callable[[Callable[[], None] | None], None]:
         """A place in the connection's arrival order for a PUBLISH ECQ does not store (a plain QoS 1 one); call

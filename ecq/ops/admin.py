@@ -35,6 +35,10 @@ GET    /api/v1/top?n=N&by=K         the N (1..1000, default 20) queues with the 
 GET    /api/v1/config?which=W       plugin options, ``origin`` (as given) or ``inuse`` (as parsed)
 POST   /api/v1/acl/reload           reload the ACL file: ``{"reloaded": true, "rules": n}``; 400 and the
                                     parse error when the file is bad (the old rules stay)
+POST   /api/v1/drain                drain the node before stopping it (ecq.broker.drain): listeners closed,
+                                    clients closed, writes in flight settled, consumers' acks saved; answers
+                                    the report once done (``{"drained": true, ...}``), 503 with it when writes
+                                    were left unsettled
 GET    /metrics                     Prometheus text exposition
 ====== ============================ ==================================================================
 """
@@ -74,6 +78,9 @@ class BrokerControls(Protocol):
     def event_stats(self) -> dict[str, Any]:
         """The queue event recorder's counters (empty when events are off)."""
 
+    async def drain(self) -> dict[str, Any]:
+        """Drain the node (see ecq.broker.drain); returns its report, ``drained`` True when nothing is pending."""
+
 
 _ENGINE = web.AppKey("engine", QueueEngine)
 _CONTROLS = web.AppKey("controls", object)
@@ -101,6 +108,7 @@ def build_app(engine: QueueEngine, controls: BrokerControls, metrics: EcqMetrics
         web.get("/api/v1/top", _top),
         web.get("/api/v1/config", _config),
         web.post("/api/v1/acl/reload", _acl_reload),
+        web.post("/api/v1/drain", _drain),
         web.get("/metrics", _metrics),
     ])
     return app
@@ -267,6 +275,11 @@ async def _acl_reload(request: web.Request) -> web.Response:
     except ValueError as exc:  # the ACL parse error
         return web.json_response({"reloaded": False, "error": str(exc)}, status=400)
     return web.json_response({"reloaded": True, "rules": rules})
+
+
+async def _drain(request: web.Request) -> web.Response:
+    report = await request.app[_CONTROLS].drain()
+    return web.json_response(report, status=200 if report["drained"] else 503)
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -27,13 +27,15 @@ class Refused(click.ClickException):
     exit_code = EXIT_UNREACHABLE
 
 
-def call_admin(admin: str, path: str, token: str | None, method: str = "GET") -> tuple[int, Any]:
-    """One admin API call; returns (HTTP status, decoded JSON). Raises Unreachable when nothing answers."""
+def call_admin(admin: str, path: str, token: str | None, method: str = "GET",
+               timeout: float = 10.0) -> tuple[int, Any]:
+    """One admin API call, answered within ``timeout`` seconds; returns (HTTP status, decoded JSON). Raises
+    Unreachable when nothing answers."""
     request = urllib.request.Request(f"http://{admin}{path}", method=method)
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.load(response)
     except urllib.error.HTTPError as exc:
         return exc.code, json.load(exc)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -35,6 +36,34 @@ class NatsUnavailable(ConnectionError):
     """No NATS server of ``nats_servers`` could be reached (at start-up, or within a request's time)."""
 
 
+class NatsRefused(NatsUnavailable):
+    """A NATS server answered but refused ECQ: wrong credentials or a TLS handshake that failed. Retrying
+    cannot help, so start-up stops at the first such answer."""
+
+
+def tls_context(settings: EcqSettings) -> ssl.SSLContext | None:
+    """The TLS context for NATS from ``nats_tls_ca`` (the CAs to verify servers against; the system's when
+    unset) and ``nats_tls_cert``/``nats_tls_key`` (a client certificate); None when TLS is not wanted (see
+    EcqSettings.nats_tls_wanted). Raises ssl.SSLError or OSError for a file that is not a PEM of its kind."""
+    if not settings.nats_tls_wanted():
+        return None
+    context = ssl.create_default_context(cafile=str(settings.nats_tls_ca) if settings.nats_tls_ca else None)
+    if settings.nats_tls_cert and settings.nats_tls_key:
+        context.load_cert_chain(str(settings.nats_tls_cert), str(settings.nats_tls_key))
+    return context
+
+
+def _refusal(exc: BaseException) -> str | None:
+    """Why a failed connect cannot succeed by retrying (credentials or TLS), or None."""
+    if isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in str(exc).lower():
+        return ("the server refused ECQ's credentials (nats_user/nats_password or nats_token): "
+                f"{exc or 'Authorization Violation'}")
+    if isinstance(exc, ssl.SSLError | nats.errors.SecureConnRequiredError | nats.errors.SecureConnWantedError):
+        return (f"TLS to the server failed ({exc or type(exc).__name__}); check nats_tls_ca (the CA that signed the "
+                "server's certificate), nats_tls_cert/nats_tls_key, and tls:// in nats_servers")
+    return None
+
+
 class NatsLink:
     """A nats-py connection to ``settings.nats_servers`` on a daemon thread named ``ecq-nats``.
 
@@ -54,6 +83,8 @@ class NatsLink:
         self.outage_since: float | None = None  # time.monotonic() of the disconnect; None while connected
         self._outage_logged = 0.0
         self._closing = False
+        self._refused: asyncio.Future[str] | None = None  # at start-up: why a server refused ECQ
+        self._refusal_logged = 0.0
 
     @property
     def connected(self) -> bool:
@@ -63,30 +94,42 @@ class NatsLink:
     def start(self) -> None:
         """Start the thread and connect. Raises NatsUnavailable naming the servers and the reason."""
         self._thread.start()
+        servers = ", ".join(self._settings.nats_servers)
         try:
             self.nc = self.call(self._connect(), CONNECT_TIMEOUT_S + 1)
+        except NatsRefused as exc:
+            self.close()
+            raise NatsRefused(f"cannot use NATS at {servers}: {exc}") from None
         except Exception as exc:
             self.close()
-            raise NatsUnavailable(f"cannot reach NATS at {', '.join(self._settings.nats_servers)}: "
-                                  f"{exc or type(exc).__name__}") from None
+            raise NatsUnavailable(f"cannot reach NATS at {servers}: {exc or type(exc).__name__}") from None
 
     async def _connect(self) -> NatsClient:
+        """Connect within CONNECT_TIMEOUT_S; raises NatsRefused at the first refusal (credentials or TLS: nats-py
+        would retry those for ever, telling only its error callback), TimeoutError when no server answers."""
         settings = self._settings
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        self._refused = asyncio.get_running_loop().create_future()
         while True:
-            try:
-                return await nats.connect(
-                    settings.nats_servers, name=f"ecq {settings.effective_node_name()}",
-                    user=settings.nats_user,
-                    password=settings.nats_password.get_secret_value() if settings.nats_password else None,
-                    token=settings.nats_token.get_secret_value() if settings.nats_token else None,
-                    connect_timeout=2, allow_reconnect=True, max_reconnect_attempts=-1,
-                    reconnect_time_wait=RECONNECT_WAIT_S, disconnected_cb=self._disconnected,
-                    reconnected_cb=self._reconnected, error_cb=self._error)
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(RECONNECT_WAIT_S)
+            connecting = asyncio.ensure_future(nats.connect(
+                settings.nats_servers, name=f"ecq {settings.effective_node_name()}",
+                user=settings.nats_user,
+                password=settings.nats_password.get_secret_value() if settings.nats_password else None,
+                token=settings.nats_token.get_secret_value() if settings.nats_token else None,
+                tls=tls_context(settings), connect_timeout=2, allow_reconnect=True, max_reconnect_attempts=-1,
+                reconnect_time_wait=RECONNECT_WAIT_S, disconnected_cb=self._disconnected,
+                reconnected_cb=self._reconnected, error_cb=self._error))
+            await asyncio.wait({connecting, self._refused}, timeout=max(0.0, deadline - time.monotonic()),
+                                return_when=asyncio.FIRST_COMPLETED)
+            if connecting.done() and not connecting.exception():
+                return connecting.result()
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+            if self._refused.done():
+                raise NatsRefused(self._refused.result())
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no server answered within {CONNECT_TIMEOUT_S:g} s")
+            await asyncio.sleep(RECONNECT_WAIT_S)
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run ``coro`` on the link's loop and wait for it from another thread (never from the link's loop).
@@ -140,4 +183,11 @@ class NatsLink:
         self._on_reconnect()
 
     async def _error(self, exc: Exception) -> None:
-        log.debug("NATS client error: %s", exc)
+        refusal = _refusal(exc)
+        if refusal is None:
+            log.debug("NATS client error: %s", exc)
+        elif self._refused is not None and not self._refused.done():
+            self._refused.set_result(refusal)  # start-up stops at once (see _connect)
+        elif self._report_outages and time.monotonic() - self._refusal_logged >= OUTAGE_LOG_INTERVAL_S:
+            self._refusal_logged = time.monotonic()  # refused on a reconnect: credentials or certificates changed
+            log.error("ECQ: NATS refuses the connection: %s", refusal)

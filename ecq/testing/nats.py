@@ -50,9 +50,12 @@ class NatsPorts:
 
 
 def render_nats_config(name: str, ports: NatsPorts, store_dir: Path, route_ports: Sequence[int] = (),
-                       clustered: bool = True) -> str:
+                       clustered: bool = True, extra: str = "", cluster_advertise: int | None = None) -> str:
     """nats-server config text: JetStream storing under ``store_dir``, every listener on 127.0.0.1, and,
-    when ``clustered``, the cluster "ecq" with routes to ``route_ports`` (the other servers' route ports)."""
+    when ``clustered``, the cluster "ecq" with routes to ``route_ports`` (the other servers' route ports),
+    telling the other servers to reach this one's routes on ``cluster_advertise`` when given (a proxy's port).
+    ``extra`` is appended as is: e.g. an ``authorization { ... }`` or a ``tls { ... }`` block for the client
+    port (nats-server's config syntax; see :func:`auth_block` and :func:`tls_block`)."""
     lines = ["# nats-server config written from the template in ecq/testing/nats.py (render_nats_config).",
              f"server_name: {name}",
              f"listen: 127.0.0.1:{ports.client}",
@@ -65,9 +68,25 @@ def render_nats_config(name: str, ports: NatsPorts, store_dir: Path, route_ports
         lines += ["cluster {",
                   f"  name: {CLUSTER_NAME}",
                   f"  listen: 127.0.0.1:{ports.cluster}",
+                  *([f"  advertise: 127.0.0.1:{cluster_advertise}"] if cluster_advertise else []),
                   "  routes: [", *routes, "  ]",
                   "}"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + extra
+
+
+def auth_block(user: str | None = None, password: str | None = None, token: str | None = None) -> str:
+    """A nats-server ``authorization`` block for the client port: a user and password, or a token."""
+    entries = [f'  token: "{token}"'] if token else [f'  user: "{user}"', f'  password: "{password}"']
+    return "authorization {\n" + "\n".join(entries) + "\n}\n"
+
+
+def tls_block(cert: Path, key: Path, ca: Path | None = None) -> str:
+    """A nats-server ``tls`` block for the client port: the server's PEM certificate and key; with ``ca``,
+    clients must present a certificate that CA signed (``verify: true``)."""
+    entries = [f'  cert_file: "{cert}"', f'  key_file: "{key}"']
+    if ca is not None:
+        entries += [f'  ca_file: "{ca}"', "  verify: true"]
+    return "tls {\n" + "\n".join(entries) + "\n}\n"
 
 
 def render_node_config(node_name: str, mqtt_port: int, admin_port: int, nats_urls: Sequence[str],
@@ -110,12 +129,15 @@ class NatsServer:
     ``name`` is its server_name (n1, n2, ...); ``store_dir`` its JetStream store, kept across restarts; its
     config, log and pid files are ``run_dir/<store_dir.name>.conf|.log|.pid``. ``route_ports`` are the
     other servers' route ports; ``clustered=False`` runs it alone (no cluster block, JetStream R1 only).
-    ``detach=True`` starts it in its own session, so it outlives the caller (scripts/cluster). A NatsServer
-    built later with the same paths finds a running process through its pid file (stop, status).
+    ``detach=True`` starts it in its own session, so it outlives the caller (scripts/cluster). ``extra_config``
+    is appended to its config and ``cluster_advertise`` put in its cluster block (see render_nats_config); both
+    may be set before :meth:`start`. A NatsServer built later with the same paths finds a
+    running process through its pid file (stop, status).
     """
 
     def __init__(self, name: str, ports: NatsPorts, store_dir: Path, run_dir: Path, *,
-                 route_ports: Sequence[int] = (), clustered: bool = True, detach: bool = False) -> None:
+                 route_ports: Sequence[int] = (), clustered: bool = True, detach: bool = False,
+                 extra_config: str = "") -> None:
         self.name = name
         self.ports = ports
         self.store_dir = store_dir
@@ -125,6 +147,8 @@ class NatsServer:
         self.route_ports = list(route_ports)
         self.clustered = clustered
         self.detach = detach
+        self.extra_config = extra_config
+        self.cluster_advertise: int | None = None
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -153,7 +177,7 @@ class NatsServer:
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(render_nats_config(self.name, self.ports, self.store_dir, self.route_ports,
-                                                       self.clustered))
+                                                       self.clustered, self.extra_config, self.cluster_advertise))
 
     def start(self, timeout: float = SERVER_START_TIMEOUT_S) -> NatsServer:
         """Start the server; wait until its client port accepts and its monitor's

@@ -736,3 +736,12 @@ def cluster(bench: Bench, out: ScenarioResult) -> None:
 SCENARIOS: dict[str, Callable[[Bench, ScenarioResult], None]] = {
     "writes": writes, "reads": reads, "latency": latency, "storm": storm, "scale": scale,
     "single-producer": single_producer, "cluster": cluster}
+
+
+def netdelay(bench: Bench, out: ScenarioResult) -> None:
+    """The netdelay scenario, in benchlib.netdelay (imported when it runs, since it builds on this module)."""
+    from benchlib.netdelay import netdelay as netdelay_scenario
+    netdelay_scenario(bench, out)
+
+
+SCENARIOS["netdelay"] = netdelay

@@ -23,6 +23,7 @@ docstring names the amqtt behaviour it replaces. One module per concern:
 - :mod:`.start_up`: start-up failures are reported, not hidden;
 - :mod:`.framer`: the packet reader (``fast_path``): buffered framing, ECQ writes and PUBACKs without amqtt's
   packet objects and tasks;
+- :mod:`.drain`: the listeners closed, the connections listed and their reading stopped, to drain a node;
 - :mod:`.websocket`: WebSocket listeners send what ECQ writes without a drain, end a packet cut by a close, and
   take the largest packet.
 
@@ -37,15 +38,16 @@ from ecq.broker.amqtt_hooks import (acks, bad_clients, cluster, conformance, ecq
                                     target, websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import broadcast_from_cluster
+from ecq.broker.amqtt_hooks.drain import close_listeners, open_connections, stop_reading
 from ecq.broker.amqtt_hooks.conformance import set_session_expiry
 from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge_soon, client_id, close_connection, connection_is_open,
                                               listener_addresses, live_connection, publish_qos1, qos2_receipts, send_soon,
                                               set_listen_backlog, shorten_subscriptions_repr)
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 
-__all__ = ["EcqHooksTarget", "ProtocolViolation", "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection",
-           "connection_is_open", "install", "listener_addresses", "live_connection", "publish_qos1", "qos2_receipts", "send_soon", "set_listen_backlog",
-           "set_session_expiry", "shorten_subscriptions_repr"]
+__all__ = ["EcqHooksTarget", "ProtocolViolation", "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection", "close_listeners",
+           "connection_is_open", "install", "listener_addresses", "live_connection", "open_connections", "publish_qos1", "qos2_receipts", "send_soon", "set_listen_backlog",
+           "set_session_expiry", "shorten_subscriptions_repr", "stop_reading"]
 
 
 def install(plugin_class: type[EcqHooksTarget]) -> None:
