@@ -270,8 +270,8 @@ class JetStreamStore:
         started = time.monotonic()
 
         async def attempt() -> dict:
-            reply = await self._link.nc.request(subject, payload, headers=headers,
-                                                timeout=min(REQUEST_TIMEOUT_S, max(0.05, deadline - time.monotonic())))
+            reply = await self._link.request(subject, payload, headers=headers,
+                                             timeout=min(REQUEST_TIMEOUT_S, max(0.05, deadline - time.monotonic())))
             answer = json.loads(reply.data)
             if "error" in answer:  # e.g. 503 while the stream elects a leader
                 raise Retry(f"JetStream did not store {subject}: {answer['error'].get('description')}")

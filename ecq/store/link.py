@@ -35,6 +35,10 @@ class NatsUnavailable(ConnectionError):
     """No NATS server of ``nats_servers`` could be reached (at start-up, or within a request's time)."""
 
 
+class ConnectionDropped(ConnectionError):
+    """The connection a request was sent on dropped before its answer came: the answer never will (send it again)."""
+
+
 class NatsLink:
     """A nats-py connection to ``settings.nats_servers`` on a daemon thread named ``ecq-nats``.
 
@@ -54,6 +58,7 @@ class NatsLink:
         self.outage_since: float | None = None  # time.monotonic() of the disconnect; None while connected
         self._outage_logged = 0.0
         self._closing = False
+        self._dropped: asyncio.Event | None = None  # set when the current connection drops (link loop only)
 
     @property
     def connected(self) -> bool:
@@ -100,6 +105,27 @@ class NatsLink:
             future.cancel()
             raise TimeoutError(f"NATS request did not finish within {timeout:g} s") from None
 
+    async def request(self, subject: str, payload: bytes, timeout: float,
+                      headers: dict[str, str] | None = None) -> Any:
+        """A NATS request (on the link's loop) given up as soon as the connection it went out on drops: a request
+        sent to a server that was just killed gets no answer, and waiting out ``timeout`` for it delayed the
+        retry of a write by up to REQUEST_TIMEOUT_S. Raises ConnectionDropped then, or what nc.request raises
+        (nats.errors.TimeoutError after ``timeout`` seconds, NoRespondersError)."""
+        dropped = self._drop_event()
+        answer = asyncio.ensure_future(self.nc.request(subject, payload, timeout=timeout, headers=headers))
+        drop = asyncio.ensure_future(dropped.wait())
+        await asyncio.wait((answer, drop), return_when=asyncio.FIRST_COMPLETED)
+        drop.cancel()
+        if answer.done():
+            return answer.result()
+        answer.cancel()
+        raise ConnectionDropped(f"the NATS connection dropped before the answer to {subject}")
+
+    def _drop_event(self) -> asyncio.Event:
+        if self._dropped is None:
+            self._dropped = asyncio.Event()
+        return self._dropped
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future:
         """Run ``coro`` on the link's loop; returns a future of the calling (running) event loop."""
         return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
@@ -128,6 +154,8 @@ class NatsLink:
                       "not saved until it is back", now - self.outage_since, ", ".join(self._settings.nats_servers))
 
     async def _disconnected(self) -> None:
+        dropped, self._dropped = self._drop_event(), asyncio.Event()  # requests sent from now on wait for the next
+        dropped.set()
         if not self._closing:
             self.note_outage()
 
