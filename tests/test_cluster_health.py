@@ -174,12 +174,12 @@ def test_puback_resumes_within_5_s_of_a_kill9_of_a_nats_server(own_nats, cluster
     assert wait_until(lambda: healthy(node), 15), admin_get(node, "/api/v1/health")
     writer = PacedWriter(node.port, "fo", rate=200).start()
     try:
-        server = victim(own_nats, shard_stream("fo"), role, "node-1")
+        server, kind = victim(own_nats, shard_stream("fo"), role, "node-1")
         held = holds_connection(server, "ecq node-1")
         resumed = time_to_first_puback(writer, server)
-        print(f"kill -9 of {server.name} ({role}, node connected to it: {held}): first PUBACK after {resumed} s")
-        bound = ECQ_PART_S if role != "stream leader" else JETSTREAM_ELECTION_MAX_S + ECQ_PART_S
+        print(f"kill -9 of {server.name} ({kind}, node connected to it: {held}): first PUBACK after {resumed} s")
+        bound = ECQ_PART_S if kind != "stream leader" else JETSTREAM_ELECTION_MAX_S + ECQ_PART_S
         assert resumed is not None and resumed <= bound, \
-            f"PUBACKs resumed {resumed} s after kill -9 of {server.name} ({role})"
+            f"PUBACKs resumed {resumed} s after kill -9 of {server.name} ({kind})"
     finally:
         writer.close()

@@ -75,28 +75,32 @@ class PacedWriter:
             time.sleep(max(0.0, started + i / self._rate - time.monotonic()))
 
 
-def victim(cluster: LocalNatsCluster, stream: str, role: str, node_name: str) -> NatsServer:
-    """The server to kill for ``role`` (one of ROLES), for the ECQ node ``node_name`` writing to ``stream``: its
-    leader; a follower, not the meta leader, preferably the one the node is connected to (the kill drops the
-    node's connection); or the JetStream meta leader, after moving the stream's leader off it when it leads
-    both (so that the kill is of the meta leader only). Raises RuntimeError when the leaders are not known."""
+def victim(cluster: LocalNatsCluster, stream: str, role: str, node_name: str) -> tuple[NatsServer, str]:
+    """The server to kill for ``role`` (one of ROLES), for the ECQ node ``node_name`` writing to ``stream``, and
+    what it is: "stream leader" (it leads ``stream``, whatever the role asked: the meta leader may lead it
+    too), "meta leader" (it leads the meta group only) or "follower" (neither; the one the node is connected to
+    when it can, so that the kill drops the node's connection). Raises RuntimeError when the leaders are not
+    known. The stream's leader is not moved off the meta leader first: a leader killed right after a stepdown
+    stalled its stream's writes for 2.5-7 s (JetStream), which is not what a kill of the meta leader costs."""
     leader, meta = cluster.stream_leader(stream), cluster.meta_leader()
     if leader is None or meta is None:
         raise RuntimeError(f"leaders not known: stream {stream} {leader}, meta {meta}")
     if role == "stream leader":
-        return cluster.server(leader)
-    if role == "meta leader":
-        if meta == leader:
-            move_leader(cluster, stream, next(s.name for s in cluster.servers if s.name != meta))
-        return cluster.server(meta)
-    followers = [s for s in cluster.servers if s.name not in (leader, meta)] or \
-        [s for s in cluster.servers if s.name != leader]
-    return next((s for s in followers if holds_connection(s, f"ecq {node_name}")), followers[0])
+        server = cluster.server(leader)
+    elif role == "meta leader":
+        server = cluster.server(meta)
+    else:
+        followers = [s for s in cluster.servers if s.name not in (leader, meta)] or \
+            [s for s in cluster.servers if s.name != leader]
+        server = next((s for s in followers if holds_connection(s, f"ecq {node_name}")), followers[0])
+    kind = "stream leader" if server.name == leader else "meta leader" if server.name == meta else "follower"
+    return server, kind
 
 
 def move_leader(cluster: LocalNatsCluster, stream: str, server: str, timeout: float = 10.0) -> None:
     """Make ``server`` the leader of ``stream`` (a stepdown with a preferred placement, nats-server 2.11+) and
-    wait until it is; raises RuntimeError when it is not within ``timeout`` seconds."""
+    wait until it is and every replica is current again; raises RuntimeError when that is not so within
+    ``timeout`` seconds."""
     if cluster.stream_leader(stream) == server:
         return
 
@@ -108,8 +112,22 @@ def move_leader(cluster: LocalNatsCluster, stream: str, server: str, timeout: fl
         finally:
             await client.close()
     asyncio.run(step_down())
-    if not wait_until(lambda: cluster.stream_leader(stream) == server, timeout, 0.1):
-        raise RuntimeError(f"{server} did not become the leader of {stream} (leader: {cluster.stream_leader(stream)})")
+    if not wait_until(lambda: cluster.stream_leader(stream) == server and all_current(cluster, stream), timeout, 0.1):
+        raise RuntimeError(f"{server} did not become the leader of {stream} with every replica current "
+                           f"(leader: {cluster.stream_leader(stream)})")
+
+
+def all_current(cluster: LocalNatsCluster, stream: str) -> bool:
+    """True when the leader of ``stream`` reports every other replica current (its monitor's /jsz)."""
+    leader = cluster.stream_leader(stream)
+    if leader is None:
+        return False
+    jsz = monitor_json(cluster.server(leader).ports.http, "/jsz?streams=true", 1.0) or {}
+    for account in jsz.get("account_details") or []:
+        for detail in account.get("stream_detail") or []:
+            if detail.get("name") == stream:
+                return all(r.get("current") for r in (detail.get("cluster") or {}).get("replicas") or [])
+    return False
 
 
 def holds_connection(server: NatsServer, client_name: str) -> bool:

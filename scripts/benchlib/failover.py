@@ -4,7 +4,8 @@ One ECQ node on a 3-server LocalNatsCluster of its own; a paced QoS 1 producer (
 writes one queue throughout. KILLS times, rotating the role of the victim (the written shard stream's leader, a
 follower (the one the node is connected to when it can), the JetStream meta leader only; see
 ecq.testing.failover.victim): kill -9, time to the first PUBACK of
-a write sent after the kill, restart the server, wait until the node's /api/v1/health says ok. Prints each time
+a write sent after the kill, restart the server, wait until it is current again (its /healthz, every
+replica of the written stream current) and the node's /api/v1/health says ok. Prints each time
 and the max; the rows give the max per role.
 """
 
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from benchlib.report import Row, ScenarioResult
 from ecq.testing import wait_until
-from ecq.testing.failover import ROLES, PacedWriter, holds_connection, time_to_first_puback, victim
+from ecq.testing.failover import ROLES, PacedWriter, all_current, holds_connection, time_to_first_puback, victim
 from ecq.testing.nats import LocalNatsCluster, nats_server_binary
 
 if TYPE_CHECKING:  # benchlib.scenarios registers this scenario: no import of it at run time
@@ -61,13 +62,16 @@ def failover(bench: Bench, out: ScenarioResult) -> None:
 
 
 def _one_kill(nats: LocalNatsCluster, node, writer: PacedWriter, stream: str, role: str, node_name: str) -> dict:
-    server = victim(nats, stream, role, node_name)
+    server, kind = victim(nats, stream, role, node_name)
     connected = holds_connection(server, f"ecq {node_name}")
     resumed = time_to_first_puback(writer, server)
     server.start()
     started = time.monotonic()
-    healthy = wait_until(lambda: _healthy(node), HEALTHY_TIMEOUT_S, 0.1)
-    return {"role": role, "server": server.name, "node_connected": connected, "first_puback_s": None if resumed is None else round(resumed, 3),
+    # the restarted server must be current again (its /healthz) before the next kill: killing another replica
+    # while it catches up leaves the stream without a quorum, a stall that is not the kill's
+    healthy = wait_until(lambda: server.healthy() and all_current(nats, stream) and _healthy(node),
+                         HEALTHY_TIMEOUT_S, 0.1)
+    return {"role": role, "killed": kind, "server": server.name, "node_connected": connected, "first_puback_s": None if resumed is None else round(resumed, 3),
             "healthy_after_restart_s": round(time.monotonic() - started, 1) if healthy else None}
 
 
@@ -81,9 +85,9 @@ def _healthy(node) -> bool:
 def _rows(out: ScenarioResult, kills: list[dict]) -> None:
     times = [k["first_puback_s"] for k in kills]
     print("failover: time from kill -9 to the first PUBACK, s: "
-          + ", ".join(f"{k['server']} ({k['role']}) {k['first_puback_s']}" for k in kills))
+          + ", ".join(f"{k['server']} ({k['killed']}) {k['first_puback_s']}" for k in kills))
     for role in ROLES:
-        own = [k["first_puback_s"] for k in kills if k["role"] == role]
+        own = [k["first_puback_s"] for k in kills if k["killed"] == role]
         if own:
             worst = None if None in own else max(own)
             out.rows.append(Row("failover", f"first PUBACK after kill -9, {role} (max of {len(own)})", "s", None,
