@@ -104,10 +104,20 @@ def test_a_dead_replica_server_degrades_health_naming_it_and_the_streams(own_nat
     [node] = [n.start() for n in cluster_nodes(1, nats=own_nats)]
     assert wait_until(lambda: healthy(node), 15), admin_get(node, "/api/v1/health")
     victim = own_nats.servers[2]
+    led = [stream for stream in STREAMS if own_nats.stream_leader(stream) == victim.name]
+    assert led, "leaders are spread at start: each server leads one of the 3 streams"
+    killed = time.monotonic()
     victim.kill()
     degraded_after = time_until(lambda: admin_get(node, "/api/v1/health")[0] == 503, 10)
     assert degraded_after is not None and degraded_after <= DEGRADED_WITHIN_S, \
         f"health degraded {degraded_after} s after {victim.name} was killed"
+
+    def leaderless() -> bool:
+        problems = admin_get(node, "/api/v1/health")[1].get("problems", [])
+        return all(f"stream {stream} has no leader" in problems for stream in led)
+    assert wait_until(leaderless, max(0.0, killed + DEGRADED_WITHIN_S - time.monotonic()), 0.05), \
+        f"{led} not reported leaderless within {DEGRADED_WITHIN_S} s: {admin_get(node, '/api/v1/health')}"
+    print(f"{led} reported leaderless {time.monotonic() - killed:.2f} s after the kill")
 
     def every_stream_short_of(server: str) -> bool:
         problems = admin_get(node, "/api/v1/health")[1].get("problems", [])
@@ -120,6 +130,12 @@ def test_a_dead_replica_server_degrades_health_naming_it_and_the_streams(own_nat
 
     victim.start()
     assert wait_until(lambda: healthy(node), 30), admin_get(node, "/api/v1/health")
+
+
+def test_ready_on_leveldb_is_the_store_taking_writes(broker):
+    assert admin_get(broker, "/api/v1/ready") == (200, {"ready": True})
+    assert admin_get(broker, "/api/v1/health") == (200, {"status": "ok"})
+    assert "ecq_cluster_ready" not in metrics_text(broker)
 
 
 # --- point 6: leaders spread ------------------------------------------------------------------------
