@@ -19,7 +19,8 @@ from tests.test_cluster import ECQ, ecq_json
 from tests.test_cluster_failures import shard_stream
 
 DEGRADED_WITHIN_S = 2.0   # issue 24 point 4
-JETSTREAM_ELECTION_MAX_S = 9.0  # a Raft follower campaigns 4-9 s after its leader's last heartbeat (not tunable)
+JETSTREAM_ELECTION_MAX_S = 12.0  # a Raft follower campaigns 4-9 s after its leader's last heartbeat (not tunable);
+                                 # 12.1 s was seen once when the killed server also led the meta group
 ECQ_PART_S = 1.0
 PUBACK = 0x40
 STREAMS = ("ECQT_Q_0", "ECQT_Q_1", "ECQT_ACKS")  # 2 shards in namespace ECQT (see cluster_nodes)
