@@ -262,6 +262,20 @@ def drain(admin: str, token: str | None, as_json: bool) -> None:
         sys.exit(1)
 
 
+@main.group()
+def cluster() -> None:
+    """Operations on the JetStream cluster behind the broker."""
+
+
+@cluster.command()
+@admin_options
+def rebalance(admin: str, token: str | None, as_json: bool) -> None:
+    """Spread the ECQ stream leaders over the NATS servers (leaders per server differ by at most one)."""
+    data = check_answer(*call_admin(admin, "/api/v1/cluster/rebalance", token, method="POST"))
+    emit(data, as_json, lambda d: f"moved {len(d['moved'])} stream leaders; leaders per server: " +
+         ", ".join(f"{server} {count}" for server, count in sorted(d["leaders"].items())))
+
+
 @main.command("show-config")
 @click.argument("which", type=click.Choice(["origin", "inuse"]), default="inuse")
 @admin_options

@@ -63,6 +63,9 @@ class EcqPlugin(BaseTopicPlugin):
         self.start_error: Exception | None = None  # raised by ecq.broker.amqtt_hooks from Broker.start
         totals = self.engine.totals
         self.bus: Any = None  # ecq.broker.bus.ClusterBus with backend: jetstream
+        self.stream_health: Any = None  # ecq.store.jetstream_health.StreamHealth with backend: jetstream
+        self.draining = False  # set by `ecq drain`: the node is not ready for new clients
+        self._spreading: asyncio.Future | None = None  # the leader spread at start
         cluster = self.settings.backend == "jetstream"
         self.metrics = EcqMetrics({
             **({"ecq_nats_connected": self._nats_connected} if cluster else {}),
@@ -77,6 +80,9 @@ class EcqPlugin(BaseTopicPlugin):
             self.engine.store.observe_publish = self.metrics.jetstream_publish_latency.observe
         self.engine.observers.append(MetricsObserver(self.metrics, self.settings.tombstones))
         self.metrics.watch_lag(self.engine.lag, lambda: totals().queues)
+        if cluster:
+            self.metrics.watch_streams(lambda: self.stream_health.report() if self.stream_health else None,
+                                       lambda: self.ready()[0])
         self.sessions = QueueSessions(context, self.engine)
         self.writes = EcqWrites(self.settings, self.engine, self.access, self.metrics, lambda: self.events)
         self._admin: Any = None
@@ -125,6 +131,9 @@ class EcqPlugin(BaseTopicPlugin):
         self.bus = ClusterBus(self.settings, loop, deliver=self._deliver_from_cluster, release=self.sessions.release)
         await loop.run_in_executor(None, self.bus.start)
         self.sessions.bus = self.bus
+        self.stream_health = self.engine.store.stream_health()
+        self.stream_health.start()
+        self._spreading = asyncio.ensure_future(self._spread_leaders())
         log.info("ECQ node %s joined the cluster (NATS %s)", self.settings.effective_node_name(),
                  ", ".join(self.settings.nats_servers))
 
@@ -154,6 +163,8 @@ class EcqPlugin(BaseTopicPlugin):
         """Stop the admin API, close the engine (queued writes committed), then flush events (amqtt calls this last)."""
         if self._admin:
             await self._admin.cleanup()
+        if self.stream_health is not None:
+            self.stream_health.stop()
         if self.bus is not None:
             self.bus.close()
         await self.engine.close()
@@ -183,6 +194,53 @@ class EcqPlugin(BaseTopicPlugin):
             self._drain = asyncio.ensure_future(drain_node(self.context, self.writes, self.engine,
                                                            self.settings.write_timeout))
         return (await asyncio.shield(self._drain)).as_dict()
+
+    def health(self) -> dict[str, Any]:
+        """``{"status": "ok"}`` when the store takes writes and, in a cluster, every ECQ stream has its leader and
+        all its replicas current; else ``{"status": "degraded", "reason": "<problems joined>", "problems": [...]}``
+        (the node lost NATS, a stream has no leader or runs below its replica count: names and servers given)."""
+        problems = self._problems()
+        if not problems:
+            return {"status": "ok"}
+        return {"status": "degraded", "reason": "; ".join(problems), "problems": problems}
+
+    def ready(self) -> tuple[bool, str | None]:
+        """(True, None) when a write would be stored now and the node is not draining; else (False, why). A
+        write would be stored: the store is writable (LevelDB: not after a failed write, e.g. disk full) and,
+        in a cluster, NATS is connected and every stream has a leader and a quorum of current replicas."""
+        if self.draining:
+            return False, "draining"
+        if self.engine.store.write_error:
+            return False, f"store writes fail: {self.engine.store.write_error}"
+        if self.stream_health is not None and not self.stream_health.report()["writable"]:
+            return False, "; ".join(self.stream_health.report()["problems"]) or "streams not checked yet"
+        return True, None
+
+    def _problems(self) -> list[str]:
+        engine = self.engine.health()
+        problems = [engine["reason"]] if engine["status"] != "ok" else []
+        if self.stream_health is not None:
+            problems += self.stream_health.report()["problems"]
+        return problems
+
+    def cluster_status(self) -> dict[str, Any] | None:
+        """Leaders per server and each stream's leader and replicas current/configured (StreamHealth.report);
+        None without a cluster."""
+        return self.stream_health.report() if self.stream_health is not None else None
+
+    async def rebalance(self) -> dict[str, Any] | None:
+        """Spread the stream leaders over the NATS servers (ecq.store.jetstream_leaders.rebalance); None without
+        a cluster. Raises what the NATS requests raised (TimeoutError, ConnectionError)."""
+        if self.stream_health is None:
+            return None
+        from ecq.store.jetstream_leaders import rebalance
+        return await self.stream_health.link.submit(rebalance(self.stream_health))
+
+    async def _spread_leaders(self) -> None:
+        try:
+            await self.rebalance()
+        except Exception as exc:  # the node serves as well with leaders where they are
+            log.warning("ECQ could not spread the stream leaders at start: %s", exc or type(exc).__name__)
 
     def reload_acl(self) -> int:
         """Read the ACL file again; returns its rule count. Raises AclError and keeps the old rules."""

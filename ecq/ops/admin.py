@@ -13,9 +13,17 @@ accepted hosts are ``<admin_bind host>:<port>``, and when it is a loopback or wi
 ====== ============================ ==================================================================
 method path                         answer
 ====== ============================ ==================================================================
-GET    /api/v1/health               ``{"status": "ok"}``; 503 ``{"status": "degraded", "reason": ...}`` while
-                                    store writes fail (disk full)
-GET    /api/v1/status               queues, messages, bytes, consumers online, first/last index entries
+GET    /api/v1/health               ``{"status": "ok"}``; 503 ``{"status": "degraded", "reason": ..., "problems":
+                                    [...]}`` while store writes fail (disk full), and in a cluster within 2 s of
+                                    the node losing NATS, of an ECQ stream losing its leader or running below its
+                                    replica count (stream and server names given)
+GET    /api/v1/ready                for a load balancer: 200 ``{"ready": true}`` when a write would be stored now
+                                    and the node is not draining; else 503 ``{"ready": false, "reason": ...}``
+GET    /api/v1/status               queues, messages, bytes, consumers online, first/last index entries; in a
+                                    cluster ``cluster``: leaders per server, each stream's replicas
+POST   /api/v1/cluster/rebalance    spread the stream leaders over the NATS servers: ``{"moved": [{"stream",
+                                    "from", "to"}], "leaders": {server: count}}``; 409 without a cluster, 503
+                                    when NATS does not answer
 GET    /api/v1/queues/{clientid}    one queue (see ecq.ops.status.queue_info); 404 when unknown
 POST   /api/v1/gc                   run GC now: ``{"deleted": rows}``
 POST   /api/v1/queues/{clientid}/   rewind the queue (``to``: ``N``, ``earliest``, ``latest`` or ``since:<unix ms>``):
@@ -81,6 +89,21 @@ class BrokerControls(Protocol):
     async def drain(self) -> dict[str, Any]:
         """Drain the node (see ecq.broker.drain); returns its report, ``drained`` True when nothing is pending."""
 
+    draining: bool
+    """True while the node drains (``ecq drain``): not ready, whatever its store says."""
+
+    def health(self) -> dict[str, Any]:
+        """``{"status": "ok"}`` or ``{"status": "degraded", "reason": ..., "problems": [...]}``."""
+
+    def ready(self) -> tuple[bool, str | None]:
+        """(would a write be stored now and the node is not draining, why not)."""
+
+    def cluster_status(self) -> dict[str, Any] | None:
+        """The stream health report (leaders per server, replicas per stream); None without a cluster."""
+
+    async def rebalance(self) -> dict[str, Any] | None:
+        """Spread the stream leaders; None without a cluster."""
+
 
 _ENGINE = web.AppKey("engine", QueueEngine)
 _CONTROLS = web.AppKey("controls", object)
@@ -99,7 +122,9 @@ def build_app(engine: QueueEngine, controls: BrokerControls, metrics: EcqMetrics
     app[_ENGINE], app[_CONTROLS], app[_METRICS] = engine, controls, metrics
     app.add_routes([
         web.get("/api/v1/health", _health),
+        web.get("/api/v1/ready", _ready),
         web.get("/api/v1/status", _status),
+        web.post("/api/v1/cluster/rebalance", _rebalance),
         web.get("/api/v1/queues/{clientid}", _queue),
         web.post("/api/v1/gc", _gc),
         web.post("/api/v1/queues/{clientid}/rewind", _rewind),
@@ -180,14 +205,33 @@ def _bearer_auth(token: str):
 
 
 async def _health(request: web.Request) -> web.Response:
-    health = request.app[_ENGINE].health()
+    health = request.app[_CONTROLS].health()
     return web.json_response(health, status=200 if health["status"] == "ok" else 503)
+
+
+async def _ready(request: web.Request) -> web.Response:
+    ready, reason = request.app[_CONTROLS].ready()
+    if ready:
+        return web.json_response({"ready": True})
+    return web.json_response({"ready": False, "reason": reason}, status=503)
+
+
+async def _rebalance(request: web.Request) -> web.Response:
+    try:
+        moved = await request.app[_CONTROLS].rebalance()
+    except Exception as exc:  # NATS did not answer: nothing is lost, the leaders stay where they are
+        return web.json_response({"error": f"rebalance failed: {exc or type(exc).__name__}"}, status=503)
+    if moved is None:
+        return web.json_response({"error": "no cluster: backend is not jetstream"}, status=409)
+    return web.json_response(moved)
 
 
 async def _status(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE]
     status = await engine.read(broker_status, engine.store, engine.snapshot())
     status["events"] = request.app[_CONTROLS].event_stats()
+    if (cluster := request.app[_CONTROLS].cluster_status()) is not None:
+        status["cluster"] = cluster
     return web.json_response(status)
 
 

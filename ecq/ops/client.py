@@ -73,11 +73,27 @@ def render_status(d: dict[str, Any]) -> str:
                      f"{e.get('buffered_items', 0)} buffered")
     if "source" in d:
         lines.append(f"source:            {d['source']}")
+    if "cluster" in d:
+        lines += render_cluster(d["cluster"])
     lines.append(f"consumers ({d['consumers_total']} with stored state):")
     for c in d["consumers"]:
         lines.append(f"  {c['clientid']}  acked {c['acked']}  last ack {c['last_ack_ts'] or 'never'}"
                      f"  {'online' if c['online'] else 'offline'}")
     return "\n".join(lines)
+
+
+def render_cluster(c: dict[str, Any]) -> list[str]:
+    """`ecq status` lines of a cluster: its problems, leaders per server, each stream's leader and replicas
+    current/configured (the shape of ecq.store.jetstream_health.StreamHealth.report)."""
+    spread = ", ".join(f"{server} {len(streams)}" for server, streams in sorted(c["leaders"].items()))
+    lines = [f"cluster:           {'writable' if c['writable'] else 'NOT writable'}; "
+             f"leaders per server: {spread or 'none'}"]
+    lines += [f"  problem: {problem}" for problem in c["problems"]]
+    for name, s in sorted(c["streams"].items()):
+        lagging = f"  not current: {', '.join(s['lagging'])}" if s["lagging"] else ""
+        lines.append(f"  {name:<16} leader {s['leader'] or 'none':<8} replicas {s['replicas_current']}/"
+                     f"{s['replicas']}{lagging}")
+    return lines
 
 
 def render_queue(d: dict[str, Any]) -> str:

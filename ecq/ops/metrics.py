@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ecq.queue.lag import LagIndex
 from ecq.store.protocol import Append, Appended, ExpiredRow, Message
@@ -73,6 +74,11 @@ class EcqMetrics:
         lagging or not (the histogram's count)."""
         self.registry.register(LagCollector(lag, queues))
 
+    def watch_streams(self, report: Callable[[], dict[str, Any] | None], ready: Callable[[], bool]) -> None:
+        """Serve the cluster metrics (read at each scrape): ``report()`` is the stream health report
+        (ecq.store.jetstream_health.StreamHealth.report, None before it runs), ``ready()`` the node's readiness."""
+        self.registry.register(StreamCollector(report, ready))
+
     def exposition(self) -> bytes:
         """The Prometheus text exposition format (version 0.0.4) of every metric."""
         return generate_latest(self.registry)
@@ -119,6 +125,35 @@ class LagCollector:
         cumulative = [(str(float(bound)), n + total - lagging) for bound, n in zip(_PENDING_BUCKETS, counts)]
         yield HistogramMetricFamily("ecq_queue_pending_messages", "queues by their count of entries not yet acked",
                                     buckets=[*cumulative, ("+Inf", total)], sum_value=pending)
+
+
+class StreamCollector:
+    """A prometheus_client collector of the ECQ streams' health: ``ecq_stream_leader{stream,server}`` (1 on the
+    stream's leader, 0 on its other replicas), ``ecq_stream_replicas_current{stream}`` (replicas holding a current
+    copy, the leader included; 0 without a leader), ``ecq_stream_replicas{stream}`` (configured) and
+    ``ecq_cluster_ready`` (1 when this node would store a write now and is not draining)."""
+
+    def __init__(self, report: Callable[[], dict[str, Any] | None], ready: Callable[[], bool]) -> None:
+        self._report, self._ready = report, ready
+
+    def collect(self):
+        """The four metric families, from the last poll of the streams."""
+        streams = (self._report() or {}).get("streams", {})
+        leader = GaugeMetricFamily("ecq_stream_leader", "1 on the NATS server leading the ECQ stream, 0 on its "
+                                   "other replicas", labels=["stream", "server"])
+        current = GaugeMetricFamily("ecq_stream_replicas_current", "replicas of the ECQ stream holding a current "
+                                    "copy (the leader included; 0 without a leader)", labels=["stream"])
+        configured = GaugeMetricFamily("ecq_stream_replicas", "configured replicas of the ECQ stream",
+                                       labels=["stream"])
+        for name, stream in sorted(streams.items()):
+            for server in stream["current"] + stream["lagging"]:
+                leader.add_metric([name, server], float(server == stream["leader"]))
+            current.add_metric([name], stream["replicas_current"])
+            configured.add_metric([name], stream["replicas"])
+        yield from (leader, current, configured)
+        yield GaugeMetricFamily("ecq_cluster_ready", "1 when this node would store a write now (NATS connected, "
+                                "every ECQ stream with a leader and a quorum) and is not draining",
+                                value=float(self._ready()))
 
 
 class MetricsObserver:

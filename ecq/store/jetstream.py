@@ -47,6 +47,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from ecq.store.jsapi import (REQUEST_TIMEOUT_S, RETRY_PAUSE_S, TS_HEADER, JetStreamApi, Retry, index_entry_of,
                               message_of, queue_subject_parts, stream_ms, token, until, untoken)
+from ecq.store.jetstream_health import StreamHealth
 from ecq.store.link import NatsLink
 from ecq.config import EcqSettings
 from ecq.store.protocol import (AckState, Append, Appended, CommitResult, Expire, ExpiredRow, ForgetQueue, IndexEntry,
@@ -93,6 +94,11 @@ class JetStreamStore:
     def connected(self) -> bool:
         """True while the link to NATS is up."""
         return self._link.connected
+
+    def stream_health(self) -> StreamHealth:
+        """A monitor of every ECQ stream over this store's link (not started: see StreamHealth.start)."""
+        names = [self.stream(shard) for shard in range(self._shards)] + [f"{self._ns}_ACKS"]
+        return StreamHealth(self._link, names, self._settings.jetstream_replicas)
 
     # --- layout -------------------------------------------------------------------------------------
 
@@ -264,8 +270,8 @@ class JetStreamStore:
         started = time.monotonic()
 
         async def attempt() -> dict:
-            reply = await self._link.nc.request(subject, payload, headers=headers,
-                                                timeout=min(REQUEST_TIMEOUT_S, max(0.05, deadline - time.monotonic())))
+            reply = await self._link.request(subject, payload, headers=headers,
+                                             timeout=min(REQUEST_TIMEOUT_S, max(0.05, deadline - time.monotonic())))
             answer = json.loads(reply.data)
             if "error" in answer:  # e.g. 503 while the stream elects a leader
                 raise Retry(f"JetStream did not store {subject}: {answer['error'].get('description')}")

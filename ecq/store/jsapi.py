@@ -15,11 +15,13 @@ from typing import Any
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from ecq.store.link import NatsLink
+from ecq.store.link import ConnectionDropped, NatsLink
 from ecq.store.protocol import IndexEntry, Message, StoreError
 
 TS_HEADER = "Ecq-Ts"         # the publish time in ms, as the broker that took the write stamped it
 REQUEST_TIMEOUT_S = 2.0      # one NATS request; a commit retries within write_timeout
+DIRECT_TIMEOUT_S = 0.5       # one direct get: any replica answers it in ms, but one sent to a server that was just
+                             # killed never is answered, and a write waited out the full REQUEST_TIMEOUT_S for it
 RETRY_PAUSE_S = 0.1          # between two tries of a request during a leader election or an outage
 
 
@@ -46,7 +48,7 @@ async def until(deadline: float, attempt: Callable[[], Any]) -> Any:
     while True:
         try:
             return await attempt()
-        except (Retry, NatsTimeout, NoRespondersError, asyncio.TimeoutError) as exc:
+        except (Retry, NatsTimeout, NoRespondersError, asyncio.TimeoutError, ConnectionDropped) as exc:
             reason = str(exc) or type(exc).__name__
         if time.monotonic() + RETRY_PAUSE_S >= deadline:
             raise TimeoutError(reason)
@@ -126,8 +128,8 @@ class JetStreamApi:
         raise TimeoutError(f"JetStream replicas of {stream} did not catch up with seqno {leader_seq}")
 
     async def _direct_one(self, stream: str, request: dict) -> list[Any]:
-        reply = await self._link.nc.request(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(),
-                                            timeout=REQUEST_TIMEOUT_S)
+        reply = await self._link.request(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(),
+                                         timeout=DIRECT_TIMEOUT_S)
         return stored_messages([reply])
 
     async def _direct_batch(self, stream: str, request: dict) -> list[Any]:
@@ -141,7 +143,7 @@ class JetStreamApi:
             await sub.unsubscribe()
 
     async def api(self, path: str, request: dict) -> dict:
-        reply = await self._link.nc.request(f"$JS.API.{path}", json.dumps(request).encode(), timeout=REQUEST_TIMEOUT_S)
+        reply = await self._link.request(f"$JS.API.{path}", json.dumps(request).encode(), timeout=REQUEST_TIMEOUT_S)
         answer = json.loads(reply.data)
         if answer.get("error", {}).get("code") == 503:  # no stream leader yet
             raise Retry(f"JetStream {path}: {answer['error'].get('description')}")

@@ -64,6 +64,10 @@ def _refusal(exc: BaseException) -> str | None:
     return None
 
 
+class ConnectionDropped(ConnectionError):
+    """The connection a request was sent on dropped before its answer came: the answer never will (send it again)."""
+
+
 class NatsLink:
     """A nats-py connection to ``settings.nats_servers`` on a daemon thread named ``ecq-nats``.
 
@@ -85,6 +89,7 @@ class NatsLink:
         self._closing = False
         self._refused: asyncio.Future[str] | None = None  # at start-up: why a server refused ECQ
         self._refusal_logged = 0.0
+        self._dropped: asyncio.Event | None = None  # set when the current connection drops (link loop only)
 
     @property
     def connected(self) -> bool:
@@ -143,6 +148,27 @@ class NatsLink:
             future.cancel()
             raise TimeoutError(f"NATS request did not finish within {timeout:g} s") from None
 
+    async def request(self, subject: str, payload: bytes, timeout: float,
+                      headers: dict[str, str] | None = None) -> Any:
+        """A NATS request (on the link's loop) given up as soon as the connection it went out on drops: a request
+        sent to a server that was just killed gets no answer, and waiting out ``timeout`` for it delayed the
+        retry of a write by up to REQUEST_TIMEOUT_S. Raises ConnectionDropped then, or what nc.request raises
+        (nats.errors.TimeoutError after ``timeout`` seconds, NoRespondersError)."""
+        dropped = self._drop_event()
+        answer = asyncio.ensure_future(self.nc.request(subject, payload, timeout=timeout, headers=headers))
+        drop = asyncio.ensure_future(dropped.wait())
+        await asyncio.wait((answer, drop), return_when=asyncio.FIRST_COMPLETED)
+        drop.cancel()
+        if answer.done():
+            return answer.result()
+        answer.cancel()
+        raise ConnectionDropped(f"the NATS connection dropped before the answer to {subject}")
+
+    def _drop_event(self) -> asyncio.Event:
+        if self._dropped is None:
+            self._dropped = asyncio.Event()
+        return self._dropped
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future:
         """Run ``coro`` on the link's loop; returns a future of the calling (running) event loop."""
         return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
@@ -171,6 +197,8 @@ class NatsLink:
                       "not saved until it is back", now - self.outage_since, ", ".join(self._settings.nats_servers))
 
     async def _disconnected(self) -> None:
+        dropped, self._dropped = self._drop_event(), asyncio.Event()  # requests sent from now on wait for the next
+        dropped.set()
         if not self._closing:
             self.note_outage()
 

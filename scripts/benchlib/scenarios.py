@@ -733,9 +733,11 @@ def cluster(bench: Bench, out: ScenarioResult) -> None:
     cluster_scenario(bench, out)
 
 
+from benchlib.failover import failover  # noqa: E402  (issue 24 point 5)
+
 SCENARIOS: dict[str, Callable[[Bench, ScenarioResult], None]] = {
     "writes": writes, "reads": reads, "latency": latency, "storm": storm, "scale": scale,
-    "single-producer": single_producer, "cluster": cluster}
+    "single-producer": single_producer, "cluster": cluster, "failover": failover}
 
 
 def netdelay(bench: Bench, out: ScenarioResult) -> None:
