@@ -64,7 +64,6 @@ class EcqPlugin(BaseTopicPlugin):
         totals = self.engine.totals
         self.bus: Any = None  # ecq.broker.bus.ClusterBus with backend: jetstream
         self.stream_health: Any = None  # ecq.store.jetstream_health.StreamHealth with backend: jetstream
-        self.draining = False  # set by `ecq drain`: the node is not ready for new clients
         self._spreading: asyncio.Future | None = None  # the leader spread at start
         cluster = self.settings.backend == "jetstream"
         self.metrics = EcqMetrics({
