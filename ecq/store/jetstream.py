@@ -47,10 +47,11 @@ from nats.js.errors import APIError, NotFoundError
 
 from ecq.store.jsapi import (REQUEST_TIMEOUT_S, RETRY_PAUSE_S, TS_HEADER, JetStreamApi, Retry, index_entry_of,
                               message_of, queue_subject_parts, stream_ms, token, until, untoken)
+from ecq.store.jetstream_notices import ShardWatch
 from ecq.store.link import NatsLink
 from ecq.config import EcqSettings
 from ecq.store.protocol import (AckState, Append, Appended, CommitResult, Expire, ExpiredRow, ForgetQueue, IndexEntry,
-                             Message, Op, SaveAck, StoreError, stored_pages)
+                             Message, Op, SaveAck, StoreError, StoreListener, stored_pages)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,14 +76,13 @@ class JetStreamStore:
         self._settings = settings
         self._ns = settings.jetstream_namespace
         self._shards = settings.jetstream_shards
-        self._notify: Callable[[str, int, str], None] | None = None
+        self._watch: ShardWatch | None = None
         self.observe_publish: Callable[[float], None] = lambda _seconds: None  # publish-to-ack time, any thread
         self._msg_ids = itertools.count(1)
         self._msg_id_prefix = f"{settings.effective_node_name()}-{uuid.uuid4().hex[:8]}-"
         self._link = NatsLink(settings, on_reconnect=self._reconnected)
         self._js = JetStreamApi(self._link)
         self._link.start()
-        self._on_reconnect: Callable[[], None] = lambda: None
         try:
             self._call(self._ensure_streams(), META_TIMEOUT_S)
         except Exception:
@@ -136,13 +136,12 @@ class JetStreamStore:
                 name=self.stream(shard), subjects=[f"{self._ns}.q.{shard}.>"], max_msgs_per_subject=1,
                 num_replicas=replicas, allow_direct=True, storage=StorageType.FILE, discard=DiscardPolicy.OLD,
                 duplicate_window=DUPLICATE_WINDOW_S,
-                republish=RePublish(src=f"{self._ns}.q.{shard}.>", dest=f"{self._ns}.appended.{shard}.>",
-                                    headers_only=True)))
+                republish=RePublish(src=f"{self._ns}.q.{shard}.>", dest=f"{self._ns}.appended.{shard}.>")))
         await self._ensure(js, StreamConfig(
             name=f"{self._ns}_ACKS", subjects=[f"{self._ns}.ack.>"], max_msgs_per_subject=1, num_replicas=replicas,
             allow_direct=False, storage=StorageType.FILE, discard=DiscardPolicy.OLD,
-            duplicate_window=DUPLICATE_WINDOW_S, metadata={"ecq_shards": str(self._shards)}))
-        await self._link.nc.subscribe(f"{self._ns}.appended.>", cb=self._appended)
+            duplicate_window=DUPLICATE_WINDOW_S, metadata={"ecq_shards": str(self._shards)},
+            republish=RePublish(src=f"{self._ns}.ack.>", dest=f"{self._ns}.acked.>")))
 
     async def _layout(self, js: Any) -> tuple[int | None, set[str]]:
         """(shard count recorded by the acks stream or None, names of the shard streams JetStream lists)."""
@@ -167,29 +166,24 @@ class JetStreamStore:
                 raise StoreError(f"cannot create JetStream stream {config.name}: {exc.description} "
                                  f"(jetstream_replicas {config.num_replicas} needs as many NATS servers)") from None
             return
-        if info.config.num_replicas != config.num_replicas or (
+        if info.config.num_replicas != config.num_replicas or _republish(info.config) != _republish(config) or (
                 config.metadata and not config.metadata.items() <= (info.config.metadata or {}).items()):
-            await js.update_stream(config)
+            await js.update_stream(config)  # e.g. streams made before notices carried payloads
 
     # --- notifications ------------------------------------------------------------------------------
 
-    def watch(self, notify: Callable[[str, int, str], None], on_reconnect: Callable[[], None]) -> None:
-        """Call ``notify(clientid, seqno, key)`` for every entry stored by any broker, and ``on_reconnect()``
-        after the link to NATS came back (notifications sent meanwhile are lost: poll the online consumers).
-        Both run on the link's thread and must hand over to their own loop."""
-        self._notify, self._on_reconnect = notify, on_reconnect
-
-    async def _appended(self, msg: Any) -> None:
-        if self._notify is None or not msg.headers:
-            return
-        try:
-            clientid, key = queue_subject_parts(msg.headers["Nats-Subject"])
-            self._notify(clientid, int(msg.headers["Nats-Sequence"]), key)
-        except (KeyError, ValueError) as exc:
-            log.warning("ECQ: ignored a malformed append notice on %s: %s", msg.subject, exc)
+    def watch(self, listener: StoreListener) -> None:
+        """Tell ``listener`` of every append, deletion and ack save of every broker (ecq.store.jetstream_notices),
+        once every shard was read into the map of stored subjects. Raises TimeoutError when NATS does not answer
+        within META_TIMEOUT_S."""
+        watch = ShardWatch(self._link, self._js, self._ns, self._shards, self.stream, self._queue_subject,
+                           self._msg_id_prefix, listener)
+        self._call(watch.start(), META_TIMEOUT_S)
+        self._watch = watch
 
     def _reconnected(self) -> None:
-        self._on_reconnect()
+        if self._watch is not None:  # notices sent while away are lost: compare every shard with the map now
+            self._link.loop.create_task(self._watch.check_logged())
 
     # --- writes -------------------------------------------------------------------------------------
 
@@ -226,21 +220,11 @@ class JetStreamStore:
             raise StoreError(f"JetStream commit failed: {exc or type(exc).__name__}") from None
 
     async def _commit(self, ops: Sequence[Op], deadline: float) -> list[CommitResult]:
-        appends = [op for op in ops if isinstance(op, Append)]
-        looked_up = iter(await asyncio.gather(*(until(deadline, lambda op=op: self._last_of_key(op))
-                                                for op in appends)))
-        # tasks created in order: nats-py writes their requests to its one connection in this order
+        # Every publish of the batch is sent before any ack is awaited: the tasks are created in order, and
+        # nats-py writes their requests to its one connection in that order. What an append replaced comes
+        # later, from its notice (ecq.store.jetstream_notices), so the ack waits for nothing else.
         done = await asyncio.gather(*[asyncio.ensure_future(self._apply(op, deadline)) for op in ops])
-        latest: dict[tuple[str, str], tuple[int, int]] = {}  # a key written twice in this batch
-        results: list[CommitResult] = []
-        for op, result in zip(ops, done, strict=True):
-            if not isinstance(op, Append):
-                results.append(result)
-                continue
-            old = latest.get((op.clientid, op.key), next(looked_up))
-            latest[(op.clientid, op.key)] = (result, len(op.payload))
-            results.append(Appended(result, (old[0],), old[1]) if old else Appended(result))
-        return results
+        return [Appended(result) if isinstance(op, Append) else result for op, result in zip(ops, done, strict=True)]
 
     async def _apply(self, op: Op, deadline: float) -> Any:
         if isinstance(op, Append):
@@ -275,19 +259,15 @@ class JetStreamStore:
         self.observe_publish(time.monotonic() - started)
         return answer
 
-    async def _last_of_key(self, op: Append) -> tuple[int, int] | None:
-        """(seqno, payload bytes) of the value ``op`` will replace, or None (compaction events and counts)."""
-        reply = await self._js.direct(self.stream(self.shard(op.clientid)),
-                                      {"last_by_subj": self._queue_subject(op.clientid, op.key)})
-        if not reply:
-            return None
-        return int(reply[0].headers["Nats-Sequence"]), len(reply[0].data)
-
     async def _expire(self, op: Expire) -> tuple[ExpiredRow, ...]:
         stream = self.stream(self.shard(op.clientid))
         answers = await asyncio.gather(*(self._js.api(f"STREAM.MSG.DELETE.{stream}",
                                                       {"seq": row.seqno, "no_erase": True}) for row in op.rows))
-        return tuple(row for row, answer in zip(op.rows, answers, strict=True) if answer.get("success"))
+        deleted = tuple(row for row, answer in zip(op.rows, answers, strict=True) if answer.get("success"))
+        if deleted and self._watch is not None:
+            await self._link.nc.publish(*self._watch.deletion_notice(op.clientid, self.shard(op.clientid), deleted,
+                                                                     op.reason))
+        return deleted
 
     async def _forget(self, op: ForgetQueue) -> bool:
         """Purge the ack state of an empty queue saved before ``op.cutoff_ms``: only that message (a purge of
@@ -387,7 +367,10 @@ class JetStreamStore:
         return list(await asyncio.gather(*(js.stream_info(self.stream(s)) for s in range(self._shards))))
 
     def count_queues(self) -> int:
-        """How many queues hold entries now (a listing of every stored subject: O(keys))."""
+        """How many queues hold entries now: from the map of stored subjects once :meth:`watch` built it,
+        otherwise a listing of every stored subject (O(keys))."""
+        if self._watch is not None:
+            return self._call(_on_loop(self._watch.queues), self._settings.read_timeout)
         clientids = set()
         for shard in range(self._shards):
             subjects = self._call(self._js.subjects(self.stream(shard), f"{self._ns}.q.{shard}.>"),
@@ -466,7 +449,12 @@ class JetStreamStore:
         return entries, time.monotonic() - started
 
     def close(self) -> None:
-        """Close the link to NATS; everything committed is on the JetStream replicas."""
+        """Stop watching and close the link to NATS; everything committed is on the JetStream replicas."""
+        if self._watch is not None:
+            try:
+                self._call(self._watch.stop(), REQUEST_TIMEOUT_S)
+            except Exception as exc:
+                log.debug("ECQ shard watch not stopped cleanly: %s", exc)
         self._link.close()
 
     def _call(self, coro: Any, timeout: float) -> Any:
@@ -478,3 +466,12 @@ class JetStreamStore:
 
 def _next_shard(shard: int, shards: int) -> bytes | None:
     return f"{shard + 1}:1".encode() if shard + 1 < shards else None
+
+
+def _republish(config: StreamConfig) -> tuple | None:
+    republish = config.republish
+    return (republish.src, republish.dest, bool(republish.headers_only)) if republish else None
+
+
+async def _on_loop(func: Callable[[], T]) -> T:
+    return func()

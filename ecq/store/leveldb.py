@@ -31,7 +31,7 @@ from pathlib import Path
 import plyvel
 
 from ecq.store.protocol import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, IndexEntry, Message, Op,
-                             QueueQuota, QuotaExceeded, SaveAck, StoreError, StoreReadError)
+                             QueueQuota, QuotaExceeded, SaveAck, StoreError, StoreListener, StoreReadError)
 from ecq.store.committed import CommittedSeqnos, Missing, describe as _describe_missing
 from ecq.store.leveldb_files import Gate, cut_logs, reason as _reason, repair_command, repair_hint, room_to_reopen
 from ecq.queue.throttle import LogThrottle
@@ -157,7 +157,7 @@ class LevelDbStore:
                              f"{repair_hint(self.path)}") from exc
         return rows, time.monotonic() - started
 
-    def watch(self, notify: Callable[[str, int, str], None], on_reconnect: Callable[[], None]) -> None:
+    def watch(self, listener: StoreListener) -> None:
         """Nothing to watch: every append comes through this broker's own commits."""
 
     def commit_async(self, ops: Sequence[Op]) -> None:
