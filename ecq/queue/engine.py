@@ -189,9 +189,9 @@ class QueueEngine:
 
     async def count_stored(self, refresh: bool = False) -> None:
         """Read the queue, entry and byte counts from the store. They are then kept up to date by this broker's
-        commits; on a shared store, where other brokers write too, the heartbeat re-reads them (``refresh``:
-        the queue count at most every QUEUE_COUNT_INTERVAL_S, and a failed read, NATS being away, keeps the
-        last figures instead of raising)."""
+        commits, and on a shared store by every broker's notices; there the heartbeat re-reads them every
+        QUEUE_COUNT_INTERVAL_S, and so does a resync after lost notices (``refresh``: a failed read, NATS being
+        away, keeps the last figures instead of raising)."""
         try:
             if not refresh or time.monotonic() - self._queues_counted_at >= QUEUE_COUNT_INTERVAL_S:
                 self._queues = await self.read(self.store.count_queues)
@@ -333,8 +333,8 @@ class QueueEngine:
                     consumer.wake()
             elif not consumer.online and not consumer.saving and not consumer.attempts:
                 del self.consumers[clientid]
-        if self.store.shared:
-            await self.count_stored(refresh=True)
+        if self.store.shared and time.monotonic() - self._queues_counted_at >= QUEUE_COUNT_INTERVAL_S:
+            await self.count_stored(refresh=True)  # notices keep the counts between two reads
         await self.lag.refresh()
 
     # --- garbage collection and store health --------------------------------------------------------

@@ -65,6 +65,7 @@ class ClusterNotices:
         for clientid in clientids:
             if (consumer := self._engine.consumers.get(clientid)) is not None and consumer.online:
                 consumer.poll()
-        task = self._loop.create_task(self._engine.lag.resync(clientids), name="ecq-lag-resync")
-        self._resyncs.add(task)
-        task.add_done_callback(self._resyncs.discard)
+        for job in (self._engine.lag.resync(clientids), self._engine.count_stored(refresh=True)):
+            task = self._loop.create_task(job, name="ecq-resync")
+            self._resyncs.add(task)
+            task.add_done_callback(self._resyncs.discard)
