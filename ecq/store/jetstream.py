@@ -19,9 +19,10 @@ state (ack position)        stream ``NS_ACKS``, the last message on ``NS.ack.T(c
 A queue's shard is CRC32(clientid) modulo ``jetstream_shards``, as the writer pool picks an agent. A PUBACK
 to a producer waits for JetStream's publish ack, sent once a quorum of the stream's replicas stored it.
 Publishes carry a ``Nats-Msg-Id``, so one retried after a leader change is stored once (JetStream's
-duplicate window, 2 min). Each shard stream republishes the headers of what it stored on
-``NS.appended.<shard>.>``: every broker learns of every append (:meth:`JetStreamStore.watch`), whichever
-broker took the write.
+duplicate window, 2 min); the write side is ecq.store.jetstream_writes. Each shard stream republishes what
+it stored, payload included, on ``NS.appended.<shard>.>`` and the acks stream every saved state on
+``NS.acked.>``: every broker learns of every append and ack save, whichever broker took it
+(:meth:`JetStreamStore.watch`, ecq.store.jetstream_notices).
 
 Reads use JetStream's direct get (answered by any current replica) in batches, and confirm a short read with
 the stream leader, since a replica may not yet hold what was just stored.
@@ -45,13 +46,14 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import DiscardPolicy, RePublish, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError
 
-from ecq.store.jsapi import (REQUEST_TIMEOUT_S, RETRY_PAUSE_S, TS_HEADER, JetStreamApi, Retry, index_entry_of,
-                              message_of, queue_subject_parts, stream_ms, token, until, untoken)
+from ecq.store.jsapi import (REQUEST_TIMEOUT_S, RETRY_PAUSE_S, JetStreamApi, Retry, index_entry_of, message_of, token,
+                              until, untoken)
 from ecq.store.jetstream_notices import ShardWatch
+from ecq.store.jetstream_writes import JetStreamWrites
 from ecq.store.link import NatsLink
 from ecq.config import EcqSettings
-from ecq.store.protocol import (AckState, Append, Appended, CommitResult, Expire, ExpiredRow, ForgetQueue, IndexEntry,
-                             Message, Op, SaveAck, StoreError, StoreListener, stored_pages)
+from ecq.store.protocol import (AckState, ExpiredRow, IndexEntry, Message, StoreError, StoreListener,
+                                stored_pages)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,7 +63,7 @@ META_TIMEOUT_S = 30.0        # creating or checking the streams at start-up
 SCAN_PAGE = 256              # entries per direct get of stored_entries
 
 
-class JetStreamStore:
+class JetStreamStore(JetStreamWrites):
     """ECQ queues in the JetStream streams of ``settings.jetstream_namespace`` (created when missing).
 
     Raises :class:`ecq.store.link.NatsUnavailable` when no NATS server answers, and StoreError when the
@@ -185,16 +187,6 @@ class JetStreamStore:
         if self._watch is not None:  # notices sent while away are lost: compare every shard with the map now
             self._link.loop.create_task(self._watch.check_logged())
 
-    # --- writes -------------------------------------------------------------------------------------
-
-    def commits_without_waiting(self) -> bool:
-        """Never: every commit waits on the network."""
-        return False
-
-    def commit_async(self, ops: Sequence[Op]) -> asyncio.Future:
-        """:meth:`commit` on the link's loop, awaited from the caller's loop without a thread in between."""
-        return self._link.submit(self._commit_or_raise(ops))
-
     def read_async(self, func: Callable[..., T], *args: Any) -> asyncio.Future | None:
         """``read_after`` and ``ack_state`` (delivery's reads) on the link's loop without a thread; None for
         the other reads (run them in a reader thread)."""
@@ -204,85 +196,6 @@ class JetStreamStore:
             return self._link.submit(self._ack_state(*args))
         return None
 
-    def commit(self, ops: Sequence[Op]) -> list[CommitResult]:
-        """Apply ``ops`` in order (QueueStore.commit). Not atomic across ops: each is stored on a quorum or
-        not at all, and a failed batch may have stored its first ops (their writers get no PUBACK and the
-        producer sends them again). Raises StoreError after ``write_timeout`` without NATS."""
-        return self._call(self._commit_or_raise(ops), self._settings.write_timeout + REQUEST_TIMEOUT_S)
-
-    async def _commit_or_raise(self, ops: Sequence[Op]) -> list[CommitResult]:
-        try:
-            return await self._commit(ops, time.monotonic() + self._settings.write_timeout)
-        except (TimeoutError, NatsTimeout, NoRespondersError, ConnectionError, Retry) as exc:
-            if not self._link.connected:
-                self.write_error = "NATS unreachable"
-                self._link.note_outage()
-            raise StoreError(f"JetStream commit failed: {exc or type(exc).__name__}") from None
-
-    async def _commit(self, ops: Sequence[Op], deadline: float) -> list[CommitResult]:
-        # Every publish of the batch is sent before any ack is awaited: the tasks are created in order, and
-        # nats-py writes their requests to its one connection in that order. What an append replaced comes
-        # later, from its notice (ecq.store.jetstream_notices), so the ack waits for nothing else.
-        done = await asyncio.gather(*[asyncio.ensure_future(self._apply(op, deadline)) for op in ops])
-        return [Appended(result) if isinstance(op, Append) else result for op, result in zip(ops, done, strict=True)]
-
-    async def _apply(self, op: Op, deadline: float) -> Any:
-        if isinstance(op, Append):
-            headers = {TS_HEADER: str(op.ts_ms), "Nats-Msg-Id": self._msg_id_prefix + str(next(self._msg_ids))}
-            ack = await self._publish(self._queue_subject(op.clientid, op.key), op.payload, headers, deadline)
-            return ack["seq"]
-        if isinstance(op, SaveAck):
-            state = op.state
-            above = sorted(seqno for seqno in state.above if seqno > state.acked)
-            body = json.dumps({"acked": state.acked, "last_ack_ms": state.last_ack_ms, "above": above})
-            await self._publish(self._ack_subject(op.clientid), body.encode(),
-                                {"Nats-Msg-Id": self._msg_id_prefix + str(next(self._msg_ids))}, deadline)
-            return None
-        if isinstance(op, ForgetQueue):
-            return await self._forget(op)
-        return await self._expire(op)
-
-    async def _publish(self, subject: str, payload: bytes, headers: dict[str, str], deadline: float) -> dict:
-        """Publish to JetStream until stored or ``deadline`` (time.monotonic()); the same Nats-Msg-Id on every
-        try, so a try whose ack was lost is not stored twice. Raises TimeoutError at the deadline."""
-        started = time.monotonic()
-
-        async def attempt() -> dict:
-            reply = await self._link.nc.request(subject, payload, headers=headers,
-                                                timeout=min(REQUEST_TIMEOUT_S, max(0.05, deadline - time.monotonic())))
-            answer = json.loads(reply.data)
-            if "error" in answer:  # e.g. 503 while the stream elects a leader
-                raise Retry(f"JetStream did not store {subject}: {answer['error'].get('description')}")
-            return answer
-
-        answer = await until(deadline, attempt)
-        self.observe_publish(time.monotonic() - started)
-        return answer
-
-    async def _expire(self, op: Expire) -> tuple[ExpiredRow, ...]:
-        stream = self.stream(self.shard(op.clientid))
-        answers = await asyncio.gather(*(self._js.api(f"STREAM.MSG.DELETE.{stream}",
-                                                      {"seq": row.seqno, "no_erase": True}) for row in op.rows))
-        deleted = tuple(row for row, answer in zip(op.rows, answers, strict=True) if answer.get("success"))
-        if deleted and self._watch is not None:
-            await self._link.nc.publish(*self._watch.deletion_notice(op.clientid, self.shard(op.clientid), deleted,
-                                                                     op.reason))
-        return deleted
-
-    async def _forget(self, op: ForgetQueue) -> bool:
-        """Purge the ack state of an empty queue saved before ``op.cutoff_ms``: only that message (a purge of
-        the subject below the next sequence), so a state saved meanwhile stays. A queue's seqnos are stream
-        sequences, which never restart: an entry written after the purge is above anything acked before it."""
-        subject = self._ack_subject(op.clientid)
-        answer = await self._js.api(f"STREAM.MSG.GET.{self._ns}_ACKS", {"last_by_subj": subject})
-        if "message" not in answer:
-            return False
-        saved = answer["message"]
-        body = json.loads(base64.b64decode(saved["data"]))
-        if max(body["last_ack_ms"], stream_ms(saved["time"])) >= op.cutoff_ms or await self._holds_entries(op.clientid):
-            return False
-        purged = await self._js.api(f"STREAM.PURGE.{self._ns}_ACKS", {"filter": subject, "seq": saved["seq"] + 1})
-        return bool(purged.get("purged"))
 
     async def _holds_entries(self, clientid: str) -> bool:
         answer = await self._js.api(f"STREAM.MSG.GET.{self.stream(self.shard(clientid))}",
