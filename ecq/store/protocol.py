@@ -191,8 +191,9 @@ class QueueStore(Protocol):
     """The I/O error that suspended commits, None while commits are accepted (see :meth:`reopen_if_space`)."""
 
     shared: bool
-    """True when other brokers write to the same store (a cluster): appends arrive through :meth:`watch` too,
-    and stored totals must be read from the store, not counted from this broker's commits."""
+    """True when other brokers write to the same store (a cluster): every append, this broker's too, arrives
+    through :meth:`watch` rather than from commit results, and stored totals are read from the store now and
+    then, not only counted."""
 
     def watch(self, listener: StoreListener) -> None:
         """For a shared store: tell ``listener`` of every change any broker made (see :class:`StoreListener`),
