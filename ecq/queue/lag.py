@@ -75,9 +75,9 @@ class LagIndex:
     # --- building -----------------------------------------------------------------------------------
 
     async def rebuild(self) -> None:
-        """Read the whole index from the store (engine start; a shared store's periodic rescan). Queues changed
-        while it reads keep what this broker saw and are recounted; no refresh runs meanwhile. Raises what the
-        store's reads raise."""
+        """Read the whole index from the store (engine start). Queues changed while it reads (a cluster's other
+        brokers write meanwhile) are recounted from the scan's floor, or from what was heard of them when the scan
+        found nothing pending there; no refresh runs meanwhile. Raises what the store's reads raise."""
         async with self._lock:  # a refresh running now ends first
             live = {cid: (c.state.acked, frozenset(c.state.above)) for cid, c in self._consumers.items()}
             self._touched = set()
@@ -86,9 +86,9 @@ class LagIndex:
             scanned = await self._read(scan_lag, self._store, live, ahead)
         finally:
             touched, self._touched = self._touched, None
-        for clientid in touched:
-            if clientid in self.queues:
-                scanned[clientid] = self.queues[clientid]
+        for clientid in touched:  # recounted from the scan's floor: an entry the scan missed is above it
+            if clientid not in scanned and clientid in self.queues:
+                scanned[clientid] = self.queues[clientid]  # nothing pending when scanned: what was heard since
             if clientid in scanned:
                 self._dirty[clientid] = True
         self.queues, self._ahead = scanned, ahead
