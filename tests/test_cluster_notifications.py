@@ -1,8 +1,9 @@
 """Two ECQ nodes on the session's NATS cluster, over TCP: what the shard streams' notices keep current on every
 node (issue 24, points 1 and 3). A write is counted where it was taken, a consumer on the other node takes it
 from its notice without a store read, the lag index of every node follows every node's writes and acks, and an
-idle node asks NATS for nothing but its shard checks. The lost-notice repairs are tested on the store itself
-(tests/test_jetstream_store.py), where notices can be dropped on purpose."""
+idle node asks NATS for nothing but its shard checks; an append whose notice was lost (dropped here on purpose, as
+a reconnect would) reaches the consumer and the lag index once the shard check finds it. How the store finds lost
+notices is tested in tests/test_jetstream_store.py."""
 
 from __future__ import annotations
 
@@ -11,8 +12,16 @@ import re
 import time
 import urllib.request
 
+from ecq.config import EcqSettings
+from ecq.queue.clock import now_ms
+from ecq.queue.engine import QueueEngine
+from ecq.store.backends import open_store
+from ecq.store.jetstream import JetStreamStore
+from ecq.store.protocol import Append
 from ecq.testing.nats import monitor_json
+from tests.fake_connection import FakeConnection, publish, settle
 from tests.harness import metrics_text, wait_until, write
+from tests.test_jetstream_store import notices_dropped
 
 
 def started(nodes):
@@ -103,3 +112,30 @@ def test_an_idle_node_with_an_online_consumer_asks_nats_only_for_its_shard_check
     time.sleep(6.0)  # six heartbeats, at least one shard check (every 5 s: one stream info per shard, 2 shards)
     sent = requests_sent(nats_cluster, "node-2") - before
     assert sent <= 4, f"an idle node sent {sent} NATS requests in 6 s"
+
+
+async def test_an_append_whose_notice_was_lost_reaches_the_consumer_and_the_lag_index_after_the_shard_check(
+        jetstream_options):
+    settings = EcqSettings(admin_bind=None, events=False, writer_pool_size=2, reader_batch_size=3,
+                           heartbeat_interval="30s", **jetstream_options)
+    store = open_store(settings.model_copy(update={"node_name": "engine"}))
+    engine = QueueEngine(settings, store, publish)
+    other = JetStreamStore(settings.model_copy(update={"node_name": "other"}))  # another broker's writes
+    await engine.start()
+    try:
+        connection = FakeConnection()
+        await engine.attach("lossy", connection)
+        await engine.write("lossy", "first", b"1")
+        await settle(lambda: connection.sent == [("$ECQ/lossy/first", b"1")])
+        with notices_dropped(store):
+            other.commit([Append("lossy", "k", b"v", now_ms())])
+        assert (await engine.lag.report(10))["pending"] == 1  # only the first, sent and not acked
+        check = store._watch.check  # noqa: SLF001 - the periodic shard check, run now rather than in 5 s
+        store._call(check(), 5)  # noqa: SLF001 - once: a notice may still be on its way
+        store._call(check(), 5)  # noqa: SLF001 - twice: the shard is read again
+        await settle(lambda: len(connection.sent) == 2)
+        assert connection.sent[1] == ("$ECQ/lossy/k", b"v")
+        await settle(lambda: engine.lag.queues["lossy"].pending == 2)
+    finally:
+        other.close()
+        await engine.close()
