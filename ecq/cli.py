@@ -29,7 +29,7 @@ from ecq.ops.client import (EXIT_NOT_FOUND, Unreachable, call_admin, check_answe
                             render_status, render_top)
 from ecq.ops.status import broker_status, queue_info
 from ecq.queue.clock import now_ms
-from ecq.queue.lag import TOP_MAX, TOP_ORDERS, scan_lag, top_report
+from ecq.queue.lag_reads import TOP_MAX, TOP_ORDERS, scan_lag, top_report
 from ecq.store.protocol import StoreError
 from ecq.queue.topics import BadWrite, parse_rewind_point
 from ecq.store.committed import describe as describe_missing

@@ -11,24 +11,24 @@ MQTT events into one engine call each and hands the engine opaque connection obj
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ecq.config import EcqSettings
-from ecq.queue.clock import now_ms, retention_cutoff_ms
+from ecq.queue.clock import now_ms
 from ecq.queue.deadlines import SharedDeadline
 from ecq.queue.delivery import Consumer, Publish
-from ecq.queue.gc import run_gc
-from ecq.queue.lag import RESCAN_INTERVAL_S, LagIndex
+from ecq.queue.lag import LagIndex
+from ecq.queue.notices import ClusterNotices
 from ecq.queue.observer import QueueObserver
 from ecq.queue.readers import BatchedReader
+from ecq.queue import upkeep
 from ecq.queue.rewind import rewind_seqno
 from ecq.queue.snapshots import ConsumerSnapshot, EngineSnapshot, Totals, consumer_snapshot
 from ecq.store.protocol import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, Message, Op, QueueStore,
-                             StoreError, StoreReadError)
+                             StoreReadError)
 from ecq.queue.tombstones import TombstonesOff, stored_rows
 from ecq.queue.topics import BadWrite, RewindPoint
 from ecq.queue.writer import WriterPool
@@ -36,8 +36,6 @@ from ecq.queue.writer import WriterPool
 log = logging.getLogger(__name__)
 
 QUEUE_COUNT_INTERVAL_S = 60.0    # a shared store's queue count lists every stored key: re-read at most this often
-STORE_RECOVERY_INTERVAL_S = 1.0  # after a failed commit, how often to look for free space and reopen the store
-FORGET_BATCH = 512               # state GC: queues checked and forgotten per round of commits
 ACK_SETTLE_S = 5.0               # on close, how long to wait for consumers' last ack states to reach the writer
 
 
@@ -56,16 +54,16 @@ class QueueEngine:
         self.observers: list[QueueObserver] = []
         self.consumers: dict[str, Consumer] = {}
         self.pool = WriterPool(store, settings.effective_pool_size(), self._on_commit, on_error=self._commit_failed)
-        self._publish, self._gc_lagging = publish, gc_lagging
+        self._publish, self.gc_lagging = publish, gc_lagging
         self._reader = BatchedReader(threads=4)
         self._read_deadline = SharedDeadline(settings.read_timeout, "ECQ store read")
         self._write_deadline = SharedDeadline(settings.write_timeout, "ECQ write commit")
         self._queues = self._stored_entries = self._stored_bytes = 0
         self._queues_counted_at = float("-inf")
-        self._traffic = 0  # appends and PUBACKs so far: GC paces itself slower while it grows
-        self._gc_lock = asyncio.Lock()
-        self._loading: dict[str, int] = {}  # clientid -> ack-state loads under way
-        self._forgetting: dict[str, asyncio.Future] = {}  # clientid -> its ForgetQueue, until committed
+        self.traffic = 0  # appends and PUBACKs so far: GC paces itself slower while it grows
+        self.gc_lock = asyncio.Lock()
+        self.loading: dict[str, int] = {}  # clientid -> ack-state loads under way
+        self.forgetting: dict[str, asyncio.Future] = {}  # clientid -> its ForgetQueue, until committed
         self._tasks: list[asyncio.Task] = []
         self.closing = False
         self.lag = LagIndex(store, self.read, self.consumers)  # pending entries per queue (ecq top, metrics)
@@ -77,19 +75,16 @@ class QueueEngine:
         """Count what is stored, start the writer agents and the GC, heartbeat and store-recovery loops; on a
         shared store, listen to the appends other brokers make."""
         await self.count_stored()
-        await self.lag.rebuild()  # before any commit: nothing changes under the scan
-        if self.store.shared:
+        if self.store.shared:  # first: an append made while the lag index scans is told, and recounted
             loop = asyncio.get_running_loop()
-            self.store.watch(lambda *notice: loop.call_soon_threadsafe(self._tell_consumer, *notice),
-                             lambda: loop.call_soon_threadsafe(self._wake_online))
+            await loop.run_in_executor(None, self.store.watch, ClusterNotices(self, loop))
+        await self.lag.rebuild()  # before any commit of this broker
         self.pool.start()
-        self._tasks = [asyncio.create_task(_every(self.settings.gc_interval, self.run_gc), name="ecq-gc"),
-                       asyncio.create_task(_every(self.settings.heartbeat_interval, self.heartbeat),
+        self._tasks = [asyncio.create_task(upkeep.every(self.settings.gc_interval, self.run_gc), name="ecq-gc"),
+                       asyncio.create_task(upkeep.every(self.settings.heartbeat_interval, self.heartbeat),
                                            name="ecq-heartbeat"),
-                       asyncio.create_task(_every(STORE_RECOVERY_INTERVAL_S, self.recover_store),
+                       asyncio.create_task(upkeep.every(upkeep.STORE_RECOVERY_INTERVAL_S, self.recover_store),
                                            name="ecq-store-recovery")]
-        if self.store.shared:  # other brokers' appends and acks reach no observer here
-            self._tasks.append(asyncio.create_task(_every(RESCAN_INTERVAL_S, self.lag.rescan), name="ecq-lag-rescan"))
 
     def stop_delivering(self) -> None:
         """Detach every consumer and end a running GC pass; unacked messages stay stored for the next run."""
@@ -157,52 +152,46 @@ class QueueEngine:
         for op, result in zip(ops, results, strict=True):
             if isinstance(op, Append):
                 if isinstance(result, Appended):
-                    self._appended(op, result)
-                    for observer in observers:
-                        observer.appended(op, result)
+                    self.traffic += 1
+                    if not self.store.shared:  # a shared store tells every append, this broker's too, by notice
+                        self.noticed(op, result, own=True, in_order=True)
                     if result.evicted:
-                        self._deleted(op.clientid, result.evicted, "quota")
+                        self.deleted(op.clientid, result.evicted, "quota")
             elif isinstance(op, Expire) and result:
-                self._deleted(op.clientid, result, op.reason)
+                self.deleted(op.clientid, result, op.reason)
             elif isinstance(op, ForgetQueue) and result:
                 self._queues -= 1
                 for observer in observers:
                     observer.forgotten(op.clientid)
 
-    def _deleted(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str) -> None:
+    def deleted(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str, own: bool = True) -> None:
+        """``rows`` of ``clientid`` were deleted, by this broker (``own``: every observer is told) or by another
+        one of a cluster (only the lag index is)."""
         self._stored_entries -= len(rows)
         self._stored_bytes -= sum(row.size for row in rows)
         if consumer := self.consumers.get(clientid):
             consumer.forget({row.seqno for row in rows})
-        for observer in self.observers:
+        for observer in self.observers if own else (self.lag,):
             observer.expired(clientid, rows, reason)
 
-    def _appended(self, op: Append, result: Appended) -> None:
+    def noticed(self, op: Append, result: Appended, own: bool, in_order: bool) -> None:
+        """``op`` was stored as ``result``: by this broker (``own``: every observer is told) or by another one of
+        a cluster (only the lag index is). ``in_order`` (every earlier entry of its queue was told) lets an online
+        consumer that read everything take the entry without a store read."""
         self._queues += result.seqno == 1
-        self._traffic += 1
         self._stored_entries += 1 - len(result.replaced)
         self._stored_bytes += len(op.payload) - result.replaced_bytes
-        # A shared store's appends by other brokers arrive by watch, later and in any order with these: only an
-        # embedded store's own commits are told in seqno order, so only they hand over the committed entry.
-        self._tell_consumer(op.clientid, result.seqno, op.key, None if self.store.shared else op)
-
-    def _tell_consumer(self, clientid: str, seqno: int, key: str, committed: Append | None = None) -> None:
-        """Entry ``seqno`` was stored under ``key`` (by this broker, or another one of a cluster); ``committed`` is
-        the Append op that stored it when its consumer may take the entry without a store read."""
-        if (consumer := self.consumers.get(clientid)) and consumer.online:
-            message = Message(seqno, key, committed.payload, committed.ts_ms) if committed else None
-            consumer.appended(seqno, key, message)
-
-    def _wake_online(self) -> None:
-        for consumer in self.consumers.values():
-            if consumer.online:
-                consumer.poll()
+        if (consumer := self.consumers.get(op.clientid)) and consumer.online:
+            consumer.appended(result.seqno, op.key, Message(result.seqno, op.key, op.payload, op.ts_ms)
+                              if in_order else None)
+        for observer in self.observers if own else (self.lag,):
+            observer.appended(op, result)
 
     async def count_stored(self, refresh: bool = False) -> None:
         """Read the queue, entry and byte counts from the store. They are then kept up to date by this broker's
-        commits; on a shared store, where other brokers write too, the heartbeat re-reads them (``refresh``:
-        the queue count at most every QUEUE_COUNT_INTERVAL_S, and a failed read, NATS being away, keeps the
-        last figures instead of raising)."""
+        commits, and on a shared store by every broker's notices; there the heartbeat re-reads them every
+        QUEUE_COUNT_INTERVAL_S, and so does a resync after lost notices (``refresh``: a failed read, NATS being
+        away, keeps the last figures instead of raising)."""
         try:
             if not refresh or time.monotonic() - self._queues_counted_at >= QUEUE_COUNT_INTERVAL_S:
                 self._queues = await self.read(self.store.count_queues)
@@ -274,14 +263,14 @@ class QueueEngine:
         (a NATS outage, a JetStream leader election); None once the connection is no longer current. State GC
         leaves a queue alone while its state loads, and a load waits for a state GC of the queue already
         under way: a consumer made from a state GC then deletes would take new seqnos as acked."""
-        self._loading[clientid] = self._loading.get(clientid, 0) + 1
+        self.loading[clientid] = self.loading.get(clientid, 0) + 1
         try:
-            if forgetting := self._forgetting.get(clientid):
+            if forgetting := self.forgetting.get(clientid):
                 await asyncio.wait([forgetting])
             return await self._read_ack_state(clientid, still_current)
         finally:
-            if (loads := self._loading.pop(clientid)) > 1:
-                self._loading[clientid] = loads - 1
+            if (loads := self.loading.pop(clientid)) > 1:
+                self.loading[clientid] = loads - 1
 
     async def _read_ack_state(self, clientid: str, still_current: Callable[[], bool]) -> AckState | None:
         while True:
@@ -328,74 +317,35 @@ class QueueEngine:
 
     def acked(self, clientid: str, message: Message, sent_monotonic: float) -> None:
         """Delivery observer: a PUBACK, counted as traffic for GC pacing and passed on to the observers."""
-        self._traffic += 1
+        self.traffic += 1
         for observer in self.observers:
             observer.acked(clientid, message, sent_monotonic)
 
     async def heartbeat(self) -> None:
-        """Re-poll idle online consumers that may have unread appends (a lost wake-up delays, never loses)
+        """Wake idle online consumers that may have unread appends (a lost wake-up delays, never loses)
         and forget idle offline ones. Waking every idle consumer cost one store read each: with 1,000
-        consumers that stalled delivery for ~400 ms every heartbeat. On a shared store every idle consumer
-        is polled, since another broker's append notice travels over the network and may be lost (the read
-        then runs in a thread and on NATS, not on this loop). Last, the lag index re-reads its dirty queues."""
+        consumers that stalled delivery for ~400 ms every heartbeat. On a shared store, lost notices are found
+        by the store (ecq.store.jetstream_notices) and the consumers of the queues they changed are polled then,
+        so an idle cluster reads nothing here. Last, the lag index re-reads its dirty queues."""
         for clientid, consumer in list(self.consumers.items()):
             if consumer.online and not consumer.inflight:
-                if self.store.shared:
-                    consumer.poll()
-                elif consumer.behind:
+                if consumer.behind:
                     consumer.wake()
             elif not consumer.online and not consumer.saving and not consumer.attempts:
                 del self.consumers[clientid]
-        if self.store.shared:
-            await self.count_stored(refresh=True)
+        if self.store.shared and time.monotonic() - self._queues_counted_at >= QUEUE_COUNT_INTERVAL_S:
+            await self.count_stored(refresh=True)  # notices keep the counts between two reads
         await self.lag.refresh()
 
     # --- garbage collection and store health --------------------------------------------------------
 
     async def run_gc(self) -> int:
-        """Delete every entry published more than ``data_retention`` ago and, with ``tombstones`` on, every
-        tombstone (empty payload) published more than ``tombstone_retention`` ago; returns how many (see
-        ecq.queue.gc).
+        """One GC pass and a state GC (ecq.queue.upkeep.run_gc); returns how many entries it deleted."""
+        return await upkeep.run_gc(self)
 
-        A pass asked for while one runs starts after it; :meth:`stop_delivering` ends the pass.
-        """
-        async with self._gc_lock:
-            for observer in self.observers:
-                observer.gc_started()
-            gc_pass = functools.partial(run_gc, self.store, self.read, self.pool, traffic=lambda: self._traffic,
-                                        running=lambda: not self.closing, lagging=self._gc_lagging)
-            cutoff_ms = retention_cutoff_ms(self.settings.data_retention)
-            deleted = await gc_pass(cutoff_ms)
-            if self.settings.tombstones and self.settings.tombstone_retention < self.settings.data_retention:
-                deleted += await gc_pass(retention_cutoff_ms(self.settings.tombstone_retention),
-                                         select=_is_tombstone, reason="tombstone_retention")
-            if deleted:
-                log.info("ECQ GC deleted %d entries published before %d ms", deleted, cutoff_ms)
-            if forgotten := await self.forget_idle_queues():
-                log.info("ECQ GC forgot the seqno and ack state of %d empty queues idle for %s s", forgotten,
-                         f"{self.settings.state_retention:g}")
-            return deleted
-
-    async def forget_idle_queues(self) -> int:
-        """State GC: delete the seqno counter and ack state of every queue that stores no entry, has no
-        consumer in memory (online, or offline with its state cached) and had no write and no ack for
-        ``state_retention``; returns how many. Each is checked again in its own commit (ForgetQueue), through
-        the queue's writer agent, so a write or an ack that came meanwhile keeps it. Raises what the store's
-        reads and commits raise."""
-        cutoff_ms = retention_cutoff_ms(self.settings.state_retention)
-        candidates = await self.read(self.store.idle_queues, cutoff_ms)
-        forgotten = 0
-        for start in range(0, len(candidates), FORGET_BATCH):
-            idle = [cid for cid in candidates[start:start + FORGET_BATCH]
-                    if cid not in self.consumers and cid not in self._loading and not self.closing]
-            for clientid in idle:
-                self._forgetting[clientid] = self.pool.submit(clientid, ForgetQueue(clientid, cutoff_ms))
-            try:
-                forgotten += sum(await asyncio.gather(*(self._forgetting[cid] for cid in idle)))
-            finally:
-                for clientid in idle:
-                    del self._forgetting[clientid]
-        return forgotten
+    async def recover_store(self) -> None:
+        """After failed commits, reopen the store once it can take writes again (ecq.queue.upkeep)."""
+        await upkeep.recover_store(self.store)
 
     def health(self) -> dict[str, str]:
         """``{"status": "ok"}``, or ``{"status": "degraded", "reason": ...}`` while commits to the store fail
@@ -403,19 +353,6 @@ class QueueEngine:
         if self.store.write_error:
             return {"status": "degraded", "reason": f"store writes fail: {self.store.write_error}"}
         return {"status": "ok"}
-
-    async def recover_store(self) -> None:
-        """After a failed commit, reopen the store once the disk has room again (QueueStore.reopen_if_space)."""
-        reason = self.store.write_error
-        if not reason:
-            return
-        try:
-            reopened = await asyncio.get_running_loop().run_in_executor(None, self.store.reopen_if_space)
-        except StoreError as exc:
-            log.error("ECQ store reopen failed, retrying in %.0f s: %s", STORE_RECOVERY_INTERVAL_S, exc)
-            return
-        if reopened:
-            log.warning("ECQ store reopened after failed writes (%s); writes are accepted again", reason)
 
     # --- reads and snapshots ------------------------------------------------------------------------
 
@@ -448,15 +385,3 @@ class QueueEngine:
         consumer = self.consumers.get(clientid)
         return consumer_snapshot(consumer) if consumer else None
 
-
-def _is_tombstone(row: ExpiredRow) -> bool:
-    return row.size == 0
-
-
-async def _every(interval_s: float, job: Callable[[], Any]) -> None:
-    while True:
-        await asyncio.sleep(interval_s)
-        try:
-            await job()
-        except Exception:
-            log.exception("ECQ periodic %s failed", job.__name__)

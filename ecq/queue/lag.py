@@ -13,74 +13,32 @@ its new oldest entry is read from the store later, by :meth:`LagIndex.refresh` (
 answer), in one reader-thread call for every dirty queue; a rewind marks its queue for a recount, read the same
 way. What happens to a queue while it is being read is noted and applied on top of what the read found.
 
-On a shared store (a cluster) other brokers' appends and acks reach no observer here: the engine re-scans every
-RESCAN_INTERVAL_S, and between two scans the figures are the last scan's plus this broker's own changes.
+On a shared store (a cluster) the index is kept from the store's notices (ecq.queue.notices): every broker's
+appends and deletions reach :meth:`LagIndex.appended` and :meth:`LagIndex.expired`; an ack state another broker
+saved marks its queue for a recount from that state (:meth:`LagIndex.saved_elsewhere`); queues changed by lost
+notices are recounted (:meth:`LagIndex.resync`). Nothing is re-scanned while the cluster is idle.
+
+The blocking reads and the ``ecq top`` answer are in ecq.queue.lag_reads.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 from ecq.queue.clock import now_ms
-from ecq.store.protocol import Append, Appended, ExpiredRow, Message, QueueStore
+from ecq.queue.lag_reads import (OLDEST_CANDIDATES, QueueLag, QueueRead, check_top, read_queues, scan_lag,
+                                 top_report)
 from ecq.queue.topics import RewindPoint
+from ecq.store.protocol import AckState, Append, Appended, ExpiredRow, Message, QueueStore
+
+__all__ = ["LagIndex", "QueueLag", "QueueRead", "check_top", "read_queues", "scan_lag", "top_report"]
 
 log = logging.getLogger(__name__)
 
-RESCAN_INTERVAL_S = 60.0  # a shared store: how often the whole index is read again
-OLDEST_CANDIDATES = 64    # pending entries one dirty-queue read returns: acks arriving meanwhile may use up some
 ABOVE_LIMIT = 256         # acks above a queue's floor kept before its oldest pending entry is read again
-TOP_ORDERS = ("pending", "age", "bytes")
-TOP_MAX = 1000            # most queues one top answer lists
-_NOTHING: frozenset[int] = frozenset()
-
-
-class QueueLag:
-    """The pending entries of one queue: ``pending`` (count), ``bytes`` (payload), the oldest one's ``oldest_seqno``
-    and ``oldest_ms`` (publish time, ms since the epoch); ``floor``, ``above`` and ``gone`` decide whether a seqno
-    is pending (see :meth:`is_pending`)."""
-
-    __slots__ = ("pending", "bytes", "oldest_seqno", "oldest_ms", "floor", "above", "gone")
-
-    def __init__(self, floor: int, above: set[int] | None = None) -> None:
-        self.pending = self.bytes = self.oldest_seqno = self.oldest_ms = 0
-        self.floor, self.above, self.gone = floor, above, None
-
-    def is_pending(self, seqno: int) -> bool:
-        """True when stored entry ``seqno`` is pending: above the floor, not acked out of order, not deleted."""
-        return seqno > self.floor and not (self.above and seqno in self.above) \
-            and not (self.gone and seqno in self.gone)
-
-    def skipped(self) -> frozenset[int]:
-        """The seqnos above the floor that are not pending (acked out of order, or deleted)."""
-        return frozenset(self.above or ()) | frozenset(self.gone or ())
-
-    def raise_floor(self, floor: int) -> None:
-        """Every stored seqno at or below ``floor`` is not pending: forget what is known of those."""
-        if floor > self.floor:
-            self.floor = floor
-            self.above = {s for s in self.above if s > floor} or None if self.above else None
-            self.gone = {s for s in self.gone if s > floor} or None if self.gone else None
-
-    def as_tuple(self) -> tuple[int, int, int, int]:
-        """(pending, bytes, oldest seqno, oldest publish ms), e.g. to compare two indexes."""
-        return self.pending, self.bytes, self.oldest_seqno, self.oldest_ms
-
-
-class QueueRead(NamedTuple):
-    """What one read of a queue found above its floor: pending entries and bytes (a whole read only), the first
-    pending ones as (seqno, publish ms), the last seqno read, and whether it read to the queue's end."""
-
-    pending: int
-    bytes: int
-    candidates: list[tuple[int, int]]
-    last_read: int
-    complete: bool
-    ahead: bool = False  # a whole read found the floor above the queue's last seqno (a rewind past its end)
 
 
 class _Reading:
@@ -117,9 +75,9 @@ class LagIndex:
     # --- building -----------------------------------------------------------------------------------
 
     async def rebuild(self) -> None:
-        """Read the whole index from the store (engine start; a shared store's periodic rescan). Queues changed
-        while it reads keep what this broker saw and are recounted; no refresh runs meanwhile. Raises what the
-        store's reads raise."""
+        """Read the whole index from the store (engine start). Queues changed while it reads (a cluster's other
+        brokers write meanwhile) are recounted from the scan's floor, or from what was heard of them when the scan
+        found nothing pending there; no refresh runs meanwhile. Raises what the store's reads raise."""
         async with self._lock:  # a refresh running now ends first
             live = {cid: (c.state.acked, frozenset(c.state.above)) for cid, c in self._consumers.items()}
             self._touched = set()
@@ -128,19 +86,33 @@ class LagIndex:
             scanned = await self._read(scan_lag, self._store, live, ahead)
         finally:
             touched, self._touched = self._touched, None
-        for clientid in touched:
-            if clientid in self.queues:
-                scanned[clientid] = self.queues[clientid]
+        for clientid in touched:  # recounted from the scan's floor: an entry the scan missed is above it
+            if clientid not in scanned and clientid in self.queues:
+                scanned[clientid] = self.queues[clientid]  # nothing pending when scanned: what was heard since
             if clientid in scanned:
                 self._dirty[clientid] = True
         self.queues, self._ahead = scanned, ahead
 
-    async def rescan(self) -> None:
-        """:meth:`rebuild`, logging instead of raising (the periodic rescan of a shared store)."""
-        try:
-            await self.rebuild()
-        except Exception as exc:
-            log.warning("ECQ lag index not re-scanned: %s", exc or type(exc).__name__)
+    async def resync(self, clientids: set[str]) -> None:
+        """Recount the queues of ``clientids`` from their ack states (this broker's consumer's, or the stored one):
+        notices of what changed them were lost. A failed read of an ack state leaves that queue as it was."""
+        for clientid in clientids:
+            if (consumer := self._consumers.get(clientid)) is not None:
+                state = consumer.state
+            else:
+                try:
+                    state = await self._read(self._store.ack_state, clientid)
+                except Exception as exc:
+                    log.warning("ECQ lag index: %s not recounted: %s", clientid, exc or type(exc).__name__)
+                    continue
+            self.saved_elsewhere(clientid, state)
+        await self.refresh()
+
+    def saved_elsewhere(self, clientid: str, state: AckState) -> None:
+        """Another broker of a cluster saved ``state`` for ``clientid`` (its consumer is there): the queue is
+        recounted from it at the next :meth:`refresh` (one read of the queue above its acked seqno)."""
+        self.rewound(clientid, RewindPoint("seqno", state.acked), state.acked)
+        self.queues[clientid].above = {seqno for seqno in state.above if seqno > state.acked} or None
 
     async def refresh(self) -> None:
         """Read the dirty queues (new oldest pending entry, or a recount) in one reader-thread call. A failed read
@@ -357,85 +329,3 @@ class LagIndex:
             return
         self._dirty.pop(clientid, None)
         del self.queues[clientid]
-
-
-# --- reads (reader threads) and answers ---------------------------------------------------------------
-
-def scan_lag(store: QueueStore, live: Mapping[str, tuple[int, frozenset[int]]],
-             ahead: dict[str, int] | None = None) -> dict[str, QueueLag]:
-    """The lag of every queue from one pass over the stored entries, judged by the stored ack states or, for the
-    clientids in ``live``, by (acked seqno, seqnos acked above it) given there. Blocking; O(stored entries).
-    Fills ``ahead`` with the queues whose acked seqno is past their last seqno (a rewind to a seqno N past the
-    end): their next writes up to it are never delivered, so not pending."""
-    states: dict[str, tuple[int, Any]] = {cid: (state.acked, state.above) for cid, state in store.ack_states()}
-    states.update(live)
-    queues: dict[str, QueueLag] = {}
-    last_stored: dict[str, int] = {}
-    for clientid, seqno, ts_ms, size in store.stored_entries():
-        last_stored[clientid] = seqno
-        acked, above = states.get(clientid, (0, _NOTHING))
-        if seqno <= acked or seqno in above:
-            continue
-        lag = queues.get(clientid)
-        if lag is None:  # each queue's entries come in seqno order: this is its oldest pending one
-            lag = queues[clientid] = QueueLag(seqno - 1, {s for s in above if s > seqno} or None)
-            lag.oldest_seqno, lag.oldest_ms = seqno, ts_ms
-        lag.pending += 1
-        lag.bytes += size
-    if ahead is not None:
-        ahead.update((cid, acked) for cid, (acked, _above) in states.items()
-                     if acked > last_stored.get(cid, 0) and acked > store.last_seqno(cid))
-    return queues
-
-
-def read_queues(store: QueueStore, requests: list[tuple[str, int, frozenset[int], bool]]) -> list[QueueRead]:
-    """For each (clientid, floor, seqnos not pending, whole) the :class:`QueueRead` of that queue above its floor:
-    with ``whole`` every entry (a recount), otherwise up to OLDEST_CANDIDATES pending ones. Blocking."""
-    return [read_queue(store, *request) for request in requests]
-
-
-def read_queue(store: QueueStore, clientid: str, floor: int, skipped: frozenset[int], whole: bool) -> QueueRead:
-    """One queue's :class:`QueueRead` (see :func:`read_queues`)."""
-    pending = size = 0
-    candidates: list[tuple[int, int]] = []
-    last_read, complete = floor, True
-    for _clientid, seqno, ts_ms, entry_size in store.stored_entries(clientid, floor):
-        if seqno not in skipped:
-            if not whole and len(candidates) == OLDEST_CANDIDATES:
-                complete = False
-                break
-            pending, size = pending + 1, size + entry_size
-            if len(candidates) < OLDEST_CANDIDATES:
-                candidates.append((seqno, ts_ms))
-        last_read = seqno
-    ahead = whole and last_read == floor and floor > store.last_seqno(clientid)
-    return QueueRead(pending, size, candidates, last_read, complete, ahead)
-
-
-def check_top(n: int, by: str) -> None:
-    """Raise ValueError unless 1 <= ``n`` <= TOP_MAX and ``by`` is one of TOP_ORDERS."""
-    if not 1 <= n <= TOP_MAX:
-        raise ValueError(f"n must be from 1 to {TOP_MAX}, not {n}")
-    if by not in TOP_ORDERS:
-        raise ValueError(f"by must be one of {', '.join(TOP_ORDERS)}, not {by!r}")
-
-
-def top_report(queues: Mapping[str, QueueLag], n: int, by: str, at_ms: int) -> dict[str, Any]:
-    """What ``ecq top`` shows: ``by``, ``pending`` (entries over every queue), ``lagging`` (queues with pending
-    entries), ``oldest_pending_age_s`` (seconds at ``at_ms``, null when none) and ``queues``: the ``n`` queues
-    with the most pending entries (``by="pending"``), the oldest pending entry (``age``) or the most pending
-    payload bytes (``bytes``), ties by clientid, each as clientid, pending, pending_bytes, oldest_pending_age_s
-    (the keys of ``ecq inspect``)."""
-    order = {"pending": lambda item: (item[1].pending, -item[1].oldest_ms),
-             "age": lambda item: (-item[1].oldest_ms, item[1].pending),
-             "bytes": lambda item: (item[1].bytes, item[1].pending)}[by]
-    ranked = heapq.nlargest(n, sorted(queues.items()), key=order)
-    oldest = min((lag.oldest_ms for lag in queues.values()), default=0)
-    return {"by": by, "pending": sum(lag.pending for lag in queues.values()), "lagging": len(queues),
-            "oldest_pending_age_s": _age_s(at_ms, oldest) if oldest else None,
-            "queues": [{"clientid": clientid, "pending": lag.pending, "pending_bytes": lag.bytes,
-                        "oldest_pending_age_s": _age_s(at_ms, lag.oldest_ms)} for clientid, lag in ranked]}
-
-
-def _age_s(at_ms: int, ts_ms: int) -> float:
-    return round((at_ms - ts_ms) / 1000, 3)

@@ -19,9 +19,10 @@ state (ack position)        stream ``NS_ACKS``, the last message on ``NS.ack.T(c
 A queue's shard is CRC32(clientid) modulo ``jetstream_shards``, as the writer pool picks an agent. A PUBACK
 to a producer waits for JetStream's publish ack, sent once a quorum of the stream's replicas stored it.
 Publishes carry a ``Nats-Msg-Id``, so one retried after a leader change is stored once (JetStream's
-duplicate window, 2 min). Each shard stream republishes the headers of what it stored on
-``NS.appended.<shard>.>``: every broker learns of every append (:meth:`JetStreamStore.watch`), whichever
-broker took the write.
+duplicate window, 2 min); the write side is ecq.store.jetstream_writes. Each shard stream republishes what
+it stored, payload included, on ``NS.appended.<shard>.>`` and the acks stream every saved state on
+``NS.acked.>``: every broker learns of every append and ack save, whichever broker took it
+(:meth:`JetStreamStore.watch`, ecq.store.jetstream_notices).
 
 Reads use JetStream's direct get (answered by any current replica) in batches, and confirm a short read with
 the stream leader, since a replica may not yet hold what was just stored.
@@ -45,13 +46,15 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import DiscardPolicy, RePublish, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError
 
-from ecq.store.jsapi import (REQUEST_TIMEOUT_S, RETRY_PAUSE_S, TS_HEADER, JetStreamApi, Retry, index_entry_of,
-                              message_of, queue_subject_parts, stream_ms, token, until, untoken)
+from ecq.store.jsapi import (REQUEST_TIMEOUT_S, RETRY_PAUSE_S, JetStreamApi, Retry, index_entry_of, message_of, token,
+                              until, untoken)
+from ecq.store.jetstream_notices import ShardWatch
+from ecq.store.jetstream_writes import JetStreamWrites
 from ecq.store.jetstream_health import StreamHealth
 from ecq.store.link import NatsLink
 from ecq.config import EcqSettings
-from ecq.store.protocol import (AckState, Append, Appended, CommitResult, Expire, ExpiredRow, ForgetQueue, IndexEntry,
-                             Message, Op, SaveAck, StoreError, stored_pages)
+from ecq.store.protocol import (AckState, ExpiredRow, IndexEntry, Message, StoreError, StoreListener,
+                                stored_pages)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,7 +64,7 @@ META_TIMEOUT_S = 30.0        # creating or checking the streams at start-up
 SCAN_PAGE = 256              # entries per direct get of stored_entries
 
 
-class JetStreamStore:
+class JetStreamStore(JetStreamWrites):
     """ECQ queues in the JetStream streams of ``settings.jetstream_namespace`` (created when missing).
 
     Raises :class:`ecq.store.link.NatsUnavailable` when no NATS server answers, and StoreError when the
@@ -76,14 +79,13 @@ class JetStreamStore:
         self._settings = settings
         self._ns = settings.jetstream_namespace
         self._shards = settings.jetstream_shards
-        self._notify: Callable[[str, int, str], None] | None = None
+        self._watch: ShardWatch | None = None
         self.observe_publish: Callable[[float], None] = lambda _seconds: None  # publish-to-ack time, any thread
         self._msg_ids = itertools.count(1)
         self._msg_id_prefix = f"{settings.effective_node_name()}-{uuid.uuid4().hex[:8]}-"
         self._link = NatsLink(settings, on_reconnect=self._reconnected)
         self._js = JetStreamApi(self._link)
         self._link.start()
-        self._on_reconnect: Callable[[], None] = lambda: None
         try:
             self._call(self._ensure_streams(), META_TIMEOUT_S)
         except Exception:
@@ -142,13 +144,12 @@ class JetStreamStore:
                 name=self.stream(shard), subjects=[f"{self._ns}.q.{shard}.>"], max_msgs_per_subject=1,
                 num_replicas=replicas, allow_direct=True, storage=StorageType.FILE, discard=DiscardPolicy.OLD,
                 duplicate_window=DUPLICATE_WINDOW_S,
-                republish=RePublish(src=f"{self._ns}.q.{shard}.>", dest=f"{self._ns}.appended.{shard}.>",
-                                    headers_only=True)))
+                republish=RePublish(src=f"{self._ns}.q.{shard}.>", dest=f"{self._ns}.appended.{shard}.>")))
         await self._ensure(js, StreamConfig(
             name=f"{self._ns}_ACKS", subjects=[f"{self._ns}.ack.>"], max_msgs_per_subject=1, num_replicas=replicas,
             allow_direct=False, storage=StorageType.FILE, discard=DiscardPolicy.OLD,
-            duplicate_window=DUPLICATE_WINDOW_S, metadata={"ecq_shards": str(self._shards)}))
-        await self._link.nc.subscribe(f"{self._ns}.appended.>", cb=self._appended)
+            duplicate_window=DUPLICATE_WINDOW_S, metadata={"ecq_shards": str(self._shards)},
+            republish=RePublish(src=f"{self._ns}.ack.>", dest=f"{self._ns}.acked.>")))
 
     async def _layout(self, js: Any) -> tuple[int | None, set[str]]:
         """(shard count recorded by the acks stream or None, names of the shard streams JetStream lists)."""
@@ -173,39 +174,24 @@ class JetStreamStore:
                 raise StoreError(f"cannot create JetStream stream {config.name}: {exc.description} "
                                  f"(jetstream_replicas {config.num_replicas} needs as many NATS servers)") from None
             return
-        if info.config.num_replicas != config.num_replicas or (
+        if info.config.num_replicas != config.num_replicas or _republish(info.config) != _republish(config) or (
                 config.metadata and not config.metadata.items() <= (info.config.metadata or {}).items()):
-            await js.update_stream(config)
+            await js.update_stream(config)  # e.g. streams made before notices carried payloads
 
     # --- notifications ------------------------------------------------------------------------------
 
-    def watch(self, notify: Callable[[str, int, str], None], on_reconnect: Callable[[], None]) -> None:
-        """Call ``notify(clientid, seqno, key)`` for every entry stored by any broker, and ``on_reconnect()``
-        after the link to NATS came back (notifications sent meanwhile are lost: poll the online consumers).
-        Both run on the link's thread and must hand over to their own loop."""
-        self._notify, self._on_reconnect = notify, on_reconnect
-
-    async def _appended(self, msg: Any) -> None:
-        if self._notify is None or not msg.headers:
-            return
-        try:
-            clientid, key = queue_subject_parts(msg.headers["Nats-Subject"])
-            self._notify(clientid, int(msg.headers["Nats-Sequence"]), key)
-        except (KeyError, ValueError) as exc:
-            log.warning("ECQ: ignored a malformed append notice on %s: %s", msg.subject, exc)
+    def watch(self, listener: StoreListener) -> None:
+        """Tell ``listener`` of every append, deletion and ack save of every broker (ecq.store.jetstream_notices),
+        once every shard was read into the map of stored subjects. Raises TimeoutError when NATS does not answer
+        within META_TIMEOUT_S."""
+        watch = ShardWatch(self._link, self._js, self._ns, self._shards, self.stream, self._queue_subject,
+                           self._msg_id_prefix, listener)
+        self._call(watch.start(), META_TIMEOUT_S)
+        self._watch = watch
 
     def _reconnected(self) -> None:
-        self._on_reconnect()
-
-    # --- writes -------------------------------------------------------------------------------------
-
-    def commits_without_waiting(self) -> bool:
-        """Never: every commit waits on the network."""
-        return False
-
-    def commit_async(self, ops: Sequence[Op]) -> asyncio.Future:
-        """:meth:`commit` on the link's loop, awaited from the caller's loop without a thread in between."""
-        return self._link.submit(self._commit_or_raise(ops))
+        if self._watch is not None:  # notices sent while away are lost: compare every shard with the map now
+            self._link.loop.create_task(self._watch.check_logged())
 
     def read_async(self, func: Callable[..., T], *args: Any) -> asyncio.Future | None:
         """``read_after`` and ``ack_state`` (delivery's reads) on the link's loop without a thread; None for
@@ -216,99 +202,6 @@ class JetStreamStore:
             return self._link.submit(self._ack_state(*args))
         return None
 
-    def commit(self, ops: Sequence[Op]) -> list[CommitResult]:
-        """Apply ``ops`` in order (QueueStore.commit). Not atomic across ops: each is stored on a quorum or
-        not at all, and a failed batch may have stored its first ops (their writers get no PUBACK and the
-        producer sends them again). Raises StoreError after ``write_timeout`` without NATS."""
-        return self._call(self._commit_or_raise(ops), self._settings.write_timeout + REQUEST_TIMEOUT_S)
-
-    async def _commit_or_raise(self, ops: Sequence[Op]) -> list[CommitResult]:
-        try:
-            return await self._commit(ops, time.monotonic() + self._settings.write_timeout)
-        except (TimeoutError, NatsTimeout, NoRespondersError, ConnectionError, Retry) as exc:
-            if not self._link.connected:
-                self.write_error = "NATS unreachable"
-                self._link.note_outage()
-            raise StoreError(f"JetStream commit failed: {exc or type(exc).__name__}") from None
-
-    async def _commit(self, ops: Sequence[Op], deadline: float) -> list[CommitResult]:
-        appends = [op for op in ops if isinstance(op, Append)]
-        looked_up = iter(await asyncio.gather(*(until(deadline, lambda op=op: self._last_of_key(op))
-                                                for op in appends)))
-        # tasks created in order: nats-py writes their requests to its one connection in this order
-        done = await asyncio.gather(*[asyncio.ensure_future(self._apply(op, deadline)) for op in ops])
-        latest: dict[tuple[str, str], tuple[int, int]] = {}  # a key written twice in this batch
-        results: list[CommitResult] = []
-        for op, result in zip(ops, done, strict=True):
-            if not isinstance(op, Append):
-                results.append(result)
-                continue
-            old = latest.get((op.clientid, op.key), next(looked_up))
-            latest[(op.clientid, op.key)] = (result, len(op.payload))
-            results.append(Appended(result, (old[0],), old[1]) if old else Appended(result))
-        return results
-
-    async def _apply(self, op: Op, deadline: float) -> Any:
-        if isinstance(op, Append):
-            headers = {TS_HEADER: str(op.ts_ms), "Nats-Msg-Id": self._msg_id_prefix + str(next(self._msg_ids))}
-            ack = await self._publish(self._queue_subject(op.clientid, op.key), op.payload, headers, deadline)
-            return ack["seq"]
-        if isinstance(op, SaveAck):
-            state = op.state
-            above = sorted(seqno for seqno in state.above if seqno > state.acked)
-            body = json.dumps({"acked": state.acked, "last_ack_ms": state.last_ack_ms, "above": above})
-            await self._publish(self._ack_subject(op.clientid), body.encode(),
-                                {"Nats-Msg-Id": self._msg_id_prefix + str(next(self._msg_ids))}, deadline)
-            return None
-        if isinstance(op, ForgetQueue):
-            return await self._forget(op)
-        return await self._expire(op)
-
-    async def _publish(self, subject: str, payload: bytes, headers: dict[str, str], deadline: float) -> dict:
-        """Publish to JetStream until stored or ``deadline`` (time.monotonic()); the same Nats-Msg-Id on every
-        try, so a try whose ack was lost is not stored twice. Raises TimeoutError at the deadline."""
-        started = time.monotonic()
-
-        async def attempt() -> dict:
-            reply = await self._link.request(subject, payload, headers=headers,
-                                             timeout=min(REQUEST_TIMEOUT_S, max(0.05, deadline - time.monotonic())))
-            answer = json.loads(reply.data)
-            if "error" in answer:  # e.g. 503 while the stream elects a leader
-                raise Retry(f"JetStream did not store {subject}: {answer['error'].get('description')}")
-            return answer
-
-        answer = await until(deadline, attempt)
-        self.observe_publish(time.monotonic() - started)
-        return answer
-
-    async def _last_of_key(self, op: Append) -> tuple[int, int] | None:
-        """(seqno, payload bytes) of the value ``op`` will replace, or None (compaction events and counts)."""
-        reply = await self._js.direct(self.stream(self.shard(op.clientid)),
-                                      {"last_by_subj": self._queue_subject(op.clientid, op.key)})
-        if not reply:
-            return None
-        return int(reply[0].headers["Nats-Sequence"]), len(reply[0].data)
-
-    async def _expire(self, op: Expire) -> tuple[ExpiredRow, ...]:
-        stream = self.stream(self.shard(op.clientid))
-        answers = await asyncio.gather(*(self._js.api(f"STREAM.MSG.DELETE.{stream}",
-                                                      {"seq": row.seqno, "no_erase": True}) for row in op.rows))
-        return tuple(row for row, answer in zip(op.rows, answers, strict=True) if answer.get("success"))
-
-    async def _forget(self, op: ForgetQueue) -> bool:
-        """Purge the ack state of an empty queue saved before ``op.cutoff_ms``: only that message (a purge of
-        the subject below the next sequence), so a state saved meanwhile stays. A queue's seqnos are stream
-        sequences, which never restart: an entry written after the purge is above anything acked before it."""
-        subject = self._ack_subject(op.clientid)
-        answer = await self._js.api(f"STREAM.MSG.GET.{self._ns}_ACKS", {"last_by_subj": subject})
-        if "message" not in answer:
-            return False
-        saved = answer["message"]
-        body = json.loads(base64.b64decode(saved["data"]))
-        if max(body["last_ack_ms"], stream_ms(saved["time"])) >= op.cutoff_ms or await self._holds_entries(op.clientid):
-            return False
-        purged = await self._js.api(f"STREAM.PURGE.{self._ns}_ACKS", {"filter": subject, "seq": saved["seq"] + 1})
-        return bool(purged.get("purged"))
 
     async def _holds_entries(self, clientid: str) -> bool:
         answer = await self._js.api(f"STREAM.MSG.GET.{self.stream(self.shard(clientid))}",
@@ -393,7 +286,10 @@ class JetStreamStore:
         return list(await asyncio.gather(*(js.stream_info(self.stream(s)) for s in range(self._shards))))
 
     def count_queues(self) -> int:
-        """How many queues hold entries now (a listing of every stored subject: O(keys))."""
+        """How many queues hold entries now: from the map of stored subjects once :meth:`watch` built it,
+        otherwise a listing of every stored subject (O(keys))."""
+        if self._watch is not None:
+            return self._call(_on_loop(self._watch.queues), self._settings.read_timeout)
         clientids = set()
         for shard in range(self._shards):
             subjects = self._call(self._js.subjects(self.stream(shard), f"{self._ns}.q.{shard}.>"),
@@ -472,7 +368,12 @@ class JetStreamStore:
         return entries, time.monotonic() - started
 
     def close(self) -> None:
-        """Close the link to NATS; everything committed is on the JetStream replicas."""
+        """Stop watching and close the link to NATS; everything committed is on the JetStream replicas."""
+        if self._watch is not None:
+            try:
+                self._call(self._watch.stop(), REQUEST_TIMEOUT_S)
+            except Exception as exc:
+                log.debug("ECQ shard watch not stopped cleanly: %s", exc)
         self._link.close()
 
     def _call(self, coro: Any, timeout: float) -> Any:
@@ -484,3 +385,12 @@ class JetStreamStore:
 
 def _next_shard(shard: int, shards: int) -> bytes | None:
     return f"{shard + 1}:1".encode() if shard + 1 < shards else None
+
+
+def _republish(config: StreamConfig) -> tuple | None:
+    republish = config.republish
+    return (republish.src, republish.dest, bool(republish.headers_only)) if republish else None
+
+
+async def _on_loop(func: Callable[[], T]) -> T:
+    return func()

@@ -23,7 +23,7 @@ from ecq.store.leveldb_reads import LevelDbReads
 from ecq.store.leveldb_tables import (INDEX, INDEX_VALUE, PAYLOAD, SEQNO, STATE, U64, BatchState, decode_state, encode_s,
                                       encode_state, payload_key)
 from ecq.store.protocol import (Append, Appended, Expire, ExpiredRow, ForgetQueue, Op, QueueQuota, QuotaExceeded, SaveAck,
-                                StoreError)
+                                StoreError, StoreListener)
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class LevelDbStore(LevelDbReads):
                              f"{repair_hint(self.path)}") from exc
         return rows, time.monotonic() - started
 
-    def watch(self, notify: Callable[[str, int, str], None], on_reconnect: Callable[[], None]) -> None:
+    def watch(self, listener: StoreListener) -> None:
         """Nothing to watch: every append comes through this broker's own commits."""
 
     def commit_async(self, ops: Sequence[Op]) -> None:

@@ -155,6 +155,34 @@ class IndexEntry:
 CommitResult = Appended | QuotaExceeded | tuple[ExpiredRow, ...] | bool | None
 
 
+class AppendNotice(NamedTuple):
+    """One entry a broker of a cluster stored: the op as it was written, its seqno with the value it replaced
+    (compaction), ``own`` when this broker took the write, and ``in_order`` when every earlier entry of its
+    shard was told before it (then a consumer that read everything may take ``op.payload`` without a read)."""
+
+    op: Append
+    result: Appended
+    own: bool
+    in_order: bool
+
+
+class StoreListener(Protocol):
+    """What a shared store tells every broker (:meth:`QueueStore.watch`); each method must return at once."""
+
+    def appended(self, notices: list[AppendNotice]) -> None:
+        """Entries stored by any broker, each shard's in seqno order."""
+
+    def deleted(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str) -> None:
+        """Another broker deleted ``rows`` of the queue of ``clientid`` (GC, purge, an acked tombstone)."""
+
+    def ack_saved(self, clientid: str, state: AckState) -> None:
+        """Another broker saved ``state`` as the ack state of ``clientid``."""
+
+    def resynced(self, clientids: set[str]) -> None:
+        """Notices were lost (a reconnect, a gap in a shard's sequence): the stored entries of ``clientids``
+        changed without being told; read them again."""
+
+
 class QueueStore(Protocol):
     """What the queue engine needs from storage. Every method may block; none may be called on the event loop
     except :meth:`commit` when :meth:`commits_without_waiting` said so."""
@@ -163,12 +191,13 @@ class QueueStore(Protocol):
     """The I/O error that suspended commits, None while commits are accepted (see :meth:`reopen_if_space`)."""
 
     shared: bool
-    """True when other brokers write to the same store (a cluster): appends arrive through :meth:`watch` too,
-    and stored totals must be read from the store, not counted from this broker's commits."""
+    """True when other brokers write to the same store (a cluster): every append, this broker's too, arrives
+    through :meth:`watch` rather than from commit results, and stored totals are read from the store now and
+    then, not only counted."""
 
-    def watch(self, notify: Callable[[str, int, str], None], on_reconnect: Callable[[], None]) -> None:
-        """For a shared store: call ``notify(clientid, seqno, key)`` for each entry any broker stored, and
-        ``on_reconnect()`` when notices may have been missed; both from a thread of the store's own."""
+    def watch(self, listener: StoreListener) -> None:
+        """For a shared store: tell ``listener`` of every change any broker made (see :class:`StoreListener`),
+        from a thread of the store's own. Blocks until the store's view of what is stored is built."""
 
     def commit(self, ops: Sequence[Op]) -> list[CommitResult]:
         """Apply ``ops`` in order as one atomic batch (group commit); returns one result per op.
