@@ -150,6 +150,8 @@ class StreamHealth:
         problems = [] if connected else ["NATS unreachable (this node has no connection to any NATS server)"]
         if connected:
             problems += [p for state in states.values() if (p := state.problem)]
+            if len(states) < len(self.streams):
+                problems.append(f"{len(self.streams) - len(states)} of {len(self.streams)} ECQ streams not checked yet")
         return {"connected": connected,
                 "writable": connected and len(states) == len(self.streams)
                 and all(state.writable for state in states.values()),

@@ -30,6 +30,8 @@ T = TypeVar("T")
 CONNECT_TIMEOUT_S = 10.0       # at start-up: how long to try the servers before giving up
 OUTAGE_LOG_INTERVAL_S = 30.0   # while NATS is unreachable, how often to say so again
 RECONNECT_WAIT_S = 0.5         # between two reconnect attempts to one server
+PING_INTERVAL_S = 2.0          # a server that stops answering (a partition, a hung host) is left after 2 unanswered
+MAX_OUTSTANDING_PINGS = 2      # pings, ~4-6 s, and the client reconnects to another (nats-py's default: 2 min)
 
 
 class NatsUnavailable(ConnectionError):
@@ -122,7 +124,8 @@ class NatsLink:
                 password=settings.nats_password.get_secret_value() if settings.nats_password else None,
                 token=settings.nats_token.get_secret_value() if settings.nats_token else None,
                 tls=tls_context(settings), connect_timeout=2, allow_reconnect=True, max_reconnect_attempts=-1,
-                reconnect_time_wait=RECONNECT_WAIT_S, disconnected_cb=self._disconnected,
+                reconnect_time_wait=RECONNECT_WAIT_S, ping_interval=PING_INTERVAL_S,
+                max_outstanding_pings=MAX_OUTSTANDING_PINGS, disconnected_cb=self._disconnected,
                 reconnected_cb=self._reconnected, error_cb=self._error))
             await asyncio.wait({connecting, self._refused}, timeout=max(0.0, deadline - time.monotonic()),
                                 return_when=asyncio.FIRST_COMPLETED)
