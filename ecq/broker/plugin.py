@@ -62,6 +62,7 @@ class EcqPlugin(BaseTopicPlugin):
         self.start_error: Exception | None = None  # raised by ecq.broker.amqtt_hooks from Broker.start
         totals = self.engine.totals
         self.bus: Any = None  # ecq.broker.bus.ClusterBus with backend: jetstream
+        self.cluster_state: Any = None  # ecq.broker.cluster_state.ClusterState with backend: jetstream
         cluster = self.settings.backend == "jetstream"
         self.metrics = EcqMetrics({
             **({"ecq_nats_connected": self._nats_connected} if cluster else {}),
@@ -118,15 +119,58 @@ class EcqPlugin(BaseTopicPlugin):
 
     async def _join_cluster(self) -> None:
         from ecq.broker.bus import ClusterBus  # needs the [cluster] extra
+        from ecq.broker.cluster_state import ClusterState
         loop = asyncio.get_running_loop()
-        self.bus = ClusterBus(self.settings, loop, deliver=self._deliver_from_cluster, release=self.sessions.release)
+        self.bus = ClusterBus(self.settings, loop, deliver=self._deliver_from_cluster, release=self._release_to_cluster)
         await loop.run_in_executor(None, self.bus.start)
+        self.cluster_state = ClusterState(self.settings, self.bus.link, loop, self._retained_from_cluster)
+        await loop.run_in_executor(None, self.cluster_state.start)  # before the listeners open: retained loaded
         self.sessions.bus = self.bus
         log.info("ECQ node %s joined the cluster (NATS %s)", self.settings.effective_node_name(),
                  ", ".join(self.settings.nats_servers))
 
     async def _deliver_from_cluster(self, topic: str, data: bytes, qos: int) -> None:
         await hooks.broadcast_from_cluster(self.context, topic, data, qos)
+
+    def _retained_from_cluster(self, topic: str, data: bytes | None, qos: int | None) -> None:
+        hooks.set_retained_from_cluster(self.context, topic, data, qos)
+
+    def retained_changed(self, topic: str, data: bytes, qos: int | None) -> None:
+        """Store a retained message of an ordinary topic for the cluster (empty ``data``: cleared)."""
+        if self.cluster_state is not None:
+            self.cluster_state.retain(topic, data, qos)
+
+    async def claim_session(self, clientid: str, clean: bool) -> Any:
+        """At a CONNECT, take ``clientid`` over from the cluster (see ClusterBus.claim): returns the persistent
+        session (a SessionState) another broker handed over or, when no broker answered and none is here, the
+        subscriptions stored in the cluster; None without a cluster or for a clean session (which is then
+        discarded everywhere, MQTT 3.1.1 section 3.1.2.4)."""
+        if self.bus is None:
+            return None
+        state = await self.bus.claim(clientid, clean)
+        if clean:
+            self.cluster_state.forget_session(clientid)
+            return None
+        if state is None and hooks.persistent_subscriptions(self.context, clientid) is None:
+            state = await self.bus.link.submit(self.cluster_state.load_session(clientid))
+        return state
+
+    async def _release_to_cluster(self, clientid: str, clean: bool) -> Any:
+        from ecq.broker.cluster_state import SessionState
+        await self.sessions.release(clientid)
+        if clean:
+            await hooks.discard_session(self.context, clientid)
+            return SessionState(False)
+        handed = await hooks.hand_over_session(self.context, clientid)
+        return SessionState(False) if handed is None else SessionState(True, *handed)
+
+    def _store_session(self, clientid: str) -> None:
+        """Write ``clientid``'s persistent subscriptions to the cluster while this broker answers for it."""
+        if self.cluster_state is None or not self.bus.holds(clientid):
+            return
+        subscriptions = hooks.persistent_subscriptions(self.context, clientid)
+        if subscriptions is not None:
+            self.cluster_state.save_subscriptions(clientid, subscriptions)
 
     def forward_to_cluster(self, topic: str, data: bytes, qos: int) -> None:
         """Send a message of an ordinary topic broadcast here to the cluster's other brokers."""
@@ -151,6 +195,8 @@ class EcqPlugin(BaseTopicPlugin):
         """Stop the admin API, close the engine (queued writes committed), then flush events (amqtt calls this last)."""
         if self._admin:
             await self._admin.cleanup()
+        if self.cluster_state is not None:
+            self.cluster_state.close()
         if self.bus is not None:
             self.bus.close()
         await self.engine.close()
@@ -237,11 +283,16 @@ class EcqPlugin(BaseTopicPlugin):
     async def on_broker_client_subscribed(self, client_id: str, topic: str, qos: int) -> None:
         """Start delivering once the SUBACK for ``$ECQ/<clientid>/#`` went out."""
         await self.sessions.subscribed(client_id, topic)
+        self._store_session(client_id)
 
     async def on_broker_client_unsubscribed(self, client_id: str, topic: str) -> None:
         """Stop delivering when the consumer unsubscribes from its queue."""
         await self.sessions.unsubscribed(client_id, topic)
+        self._store_session(client_id)
 
     async def on_broker_client_disconnected(self, client_id: str, client_session: Session) -> None:
-        """Detach a consumer whose connection closed (see QueueSessions.disconnected)."""
-        await self.sessions.disconnected(client_id)
+        """Detach a consumer whose connection closed (see QueueSessions.disconnected); in a cluster, store a
+        persistent session's subscriptions once more (their stored copy expires ``session_expiry`` after)."""
+        await self.sessions.disconnected(client_id, client_session.clean_session is False)
+        if client_session.clean_session is False:
+            self._store_session(client_id)
