@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from ecq.store.jsapi import token
-from tests.harness import BrokerProcess, wait_until
+from tests.harness import BrokerProcess, wait_until, write
 
 PROPAGATION_BOUND_S = 5.0   # a KV write seen by the other node's watch
 
@@ -116,3 +116,31 @@ async def kv_value(urls: list[str], bucket: str, key: str) -> bytes | None:
         return None
     finally:
         await client.close()
+
+
+def test_a_clean_connect_on_one_node_discards_the_session_the_other_node_holds(cluster_nodes, connect):
+    node1, node2 = started(cluster_nodes())
+    client = connect(node1.port, "wiped", clean_session=False)
+    assert client.subscribe("wiped/#", 1) == 1
+    client.close()
+    connect(node1.port, "pub").publish("wiped/queued", b"dropped with the session", qos=1)
+    connect(node2.port, "wiped", clean_session=True).close()  # MQTT 3.1.1 section 3.1.2.4
+    back = connect(node1.port, "wiped", clean_session=False)
+    assert back.session_present is False
+    connect(node2.port, "pub-2").publish("wiped/new", b"no subscription left", qos=1)
+    assert back.quiet(1.0) == []
+
+
+def test_a_persistent_queue_consumer_resumes_on_the_other_node_without_subscribing(cluster_nodes, connect):
+    node1, node2 = started(cluster_nodes())
+    consumer = connect(node1.port, "pq", clean_session=False)
+    assert consumer.subscribe("$ECQ/pq/#", 1) == 1
+    producer = connect(node2.port, "producer")
+    write(producer, "pq", "k1", "v1")
+    assert [(m.topic, m.payload) for m in consumer.expect(1)] == [("$ECQ/pq/k1", b"v1")]
+    consumer.close()
+    write(producer, "pq", "k2", "v2")
+    moved = connect(node2.port, "pq", clean_session=False)
+    assert moved.session_present is True
+    assert [(m.topic, m.payload) for m in moved.expect(1)] == [("$ECQ/pq/k2", b"v2")]
+    assert moved.quiet(1.0) == []
