@@ -156,8 +156,8 @@ class ClusterBus:
             request = json.loads(msg.data)
             node, clean = str(request["node"]), bool(request["clean"])
         except (ValueError, KeyError, TypeError):
-            log.warning("ECQ takeover of %s: unreadable request %r; answered as for a clean session", clientid, msg.data)
-            node, clean = msg.data.decode(errors="replace"), True
+            log.warning("ECQ takeover of %s: unreadable request %r; its session is handed over", clientid, msg.data)
+            node, clean = msg.data.decode(errors="replace"), False
         log.info("ECQ takeover: %s connected to broker %s; closing its connection here", clientid, node)
         held = self._held.pop(clientid, None)
         state = SessionState(False)

@@ -151,7 +151,7 @@ class EcqPlugin(BaseTopicPlugin):
         if clean:
             self.cluster_state.forget_session(clientid)
             return None
-        if state is None and hooks.persistent_subscriptions(self.context, clientid) is None:
+        if state is None and self.bus.connected and hooks.persistent_subscriptions(self.context, clientid) is None:
             state = await self.bus.link.submit(self.cluster_state.load_session(clientid))
         return state
 
