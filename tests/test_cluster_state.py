@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from ecq.store.jsapi import token
-from tests.harness import BrokerProcess, wait_until, write
+from tests.harness import BrokerProcess, RawClient, wait_until, write
 
 PROPAGATION_BOUND_S = 5.0   # a KV write seen by the other node's watch
 
@@ -144,3 +144,16 @@ def test_a_persistent_queue_consumer_resumes_on_the_other_node_without_subscribi
     assert moved.session_present is True
     assert [(m.topic, m.payload) for m in moved.expect(1)] == [("$ECQ/pq/k2", b"v2")]
     assert moved.quiet(1.0) == []
+
+
+def test_a_persistent_connection_taken_over_from_the_other_node_brings_its_subscriptions(cluster_nodes, connect):
+    node1, node2 = started(cluster_nodes())
+    old = RawClient(node1.port, "live", clean_session=False)  # raw: paho would reconnect by itself
+    assert old.subscribe(b"live/#")[0] == 0x90
+    new = connect(node2.port, "live", clean_session=False)  # MQTT 3.1.1 section 3.1.4: the old connection is closed
+    assert new.session_present is True
+    old.read_until_closed(timeout=5)
+    old.close()
+    connect(node1.port, "pub").publish("live/x", b"to the new connection", qos=1)
+    assert [(m.topic, m.payload) for m in new.expect(1)] == [("live/x", b"to the new connection")]
+    assert new.quiet(1.0) == []
