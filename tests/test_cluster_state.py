@@ -157,3 +157,36 @@ def test_a_persistent_connection_taken_over_from_the_other_node_brings_its_subsc
     connect(node1.port, "pub").publish("live/x", b"to the new connection", qos=1)
     assert [(m.topic, m.payload) for m in new.expect(1)] == [("live/x", b"to the new connection")]
     assert new.quiet(1.0) == []
+
+
+def test_the_queue_of_a_persistent_session_outlives_the_death_of_its_node(cluster_nodes, connect, jetstream_options,
+                                                                          nats_cluster):
+    node1, node2 = started(cluster_nodes())
+    client = connect(node1.port, "orphanq", clean_session=False)
+    assert client.subscribe("orphanq/#", 1) == 1
+    client.close()
+    witness = connect(node1.port, "witness")  # shows that a message reached node 1, where the session waits
+    witness.subscribe("orphanq/#", 1)
+    publishers = [connect(node1.port, "pub-1"), connect(node2.port, "pub-2")]
+    for i in range(4):
+        publishers[i % 2].publish("orphanq/m", f"m{i}".encode(), qos=1)
+        assert witness.expect(1)[0].payload == f"m{i}".encode()
+    stream = f"{jetstream_options['jetstream_namespace']}_SESSIONS"
+    assert wait_until(lambda: asyncio.run(stored_count(nats_cluster.urls, stream)) == 4, PROPAGATION_BOUND_S, 0.1)
+    node1.kill()
+    moved = connect(node2.port, "orphanq", clean_session=False)
+    assert moved.session_present is True
+    assert [(m.topic, m.payload, m.qos) for m in moved.expect(4)] == [("orphanq/m", f"m{i}".encode(), 1) for i in range(4)]
+    assert wait_until(lambda: asyncio.run(stored_count(nats_cluster.urls, stream)) == 0, PROPAGATION_BOUND_S, 0.1)
+
+
+async def stored_count(urls: list[str], stream: str) -> int | None:
+    """How many messages ``stream`` holds (None: no such stream)."""
+    import nats
+    client = await nats.connect(urls, connect_timeout=2, max_reconnect_attempts=2)
+    try:
+        return (await client.jetstream(timeout=5).stream_info(stream)).state.messages
+    except Exception:
+        return None
+    finally:
+        await client.close()

@@ -10,9 +10,14 @@ token of :func:`ecq.store.jsapi.token`):
   ``session_expiry`` after their last write (MQTT 3.1.1 section 3.1.2.4 leaves session lifetime to the server).
   Read by a broker where the clientid reconnects when the broker that held it does not answer (it died).
 
-The messages queued for an offline session are not stored here: they go from broker to broker in the takeover's
-answer (:class:`SessionState`, :mod:`ecq.broker.bus`). Writes here are ordered and asynchronous: a retained
-PUBLISH is PUBACKed before its KV write is acknowledged, and a failed write is logged, not retried.
+And one stream, ``NS_SESSIONS`` (subjects ``NS.sq.T(clientid)``, at most ``session_max_queued`` messages per subject,
+the oldest dropped, kept ``session_expiry``): the QoS 1/2 messages queued for each offline persistent session
+(headers ``Ecq-Topic`` T(topic), ``Ecq-Qos``), purged when the session's queue is taken for sending or the session
+is discarded. The broker that holds a session hands its queue over in the takeover's answer (:class:`SessionState`,
+:mod:`ecq.broker.bus`); the stream is read only when that broker does not answer (it died).
+
+Writes here are ordered and asynchronous: a retained PUBLISH is PUBACKed before its KV write is acknowledged, and a
+failed write is logged, not retried.
 """
 
 from __future__ import annotations
@@ -21,21 +26,27 @@ import asyncio
 import base64
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nats.js.errors import KeyNotFoundError
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError
 
 from ecq.config import EcqSettings
-from ecq.store.jsapi import REQUEST_TIMEOUT_S, token, untoken
+from ecq.store.jsapi import REQUEST_TIMEOUT_S, JetStreamApi, token, until, untoken
 from ecq.store.link import NatsLink
+from ecq.store.protocol import StoreError
 
 log = logging.getLogger(__name__)
 
 NO_QOS = 3                 # the QoS byte of a retained message stored without a QoS (amqtt's ``qos=None``)
 LOAD_TIMEOUT_S = 10.0      # how long a starting broker waits for the retained messages and buckets
 CLOSE_TIMEOUT_S = 5.0      # how long a stopping broker waits for its last writes
+SETTLE_TIMEOUT_S = 1.0     # how long a takeover's answer waits for this broker's pending writes
+LEADER_READ_TIMEOUT_S = 2.0  # a read of a stored session retried through a leader election
+KV_OPERATION = b"KV-Operation"  # the header of a KV delete or purge marker
 
 
 @dataclass
@@ -74,6 +85,9 @@ class ClusterState:
         self._apply_retained = apply_retained
         self._retained: Any = None
         self._sessions: Any = None
+        self._js: Any = None
+        self._api = JetStreamApi(link)
+        self._queues = f"{settings.jetstream_namespace}_SESSIONS"  # the stream of offline sessions' queues
         self._writes: asyncio.Queue | None = None  # (coroutine function, args) run in order on the link's loop
         self._tasks: list[asyncio.Task] = []
 
@@ -86,6 +100,11 @@ class ClusterState:
         namespace, replicas = self._settings.jetstream_namespace, self._settings.jetstream_replicas
         self._retained = await _bucket(js, f"{namespace}_retained", replicas, None)
         self._sessions = await _bucket(js, f"{namespace}_sessions", replicas, self._settings.session_expiry)
+        await _stream(js, StreamConfig(
+            name=self._queues, subjects=[f"{namespace}.sq.>"], max_msgs_per_subject=self._settings.session_max_queued,
+            max_age=self._settings.session_expiry, num_replicas=replicas, allow_direct=True,
+            storage=StorageType.FILE, discard=DiscardPolicy.OLD))
+        self._js = js
         watcher = await self._retained.watch(">")
         loaded = asyncio.get_running_loop().create_future()
         self._writes = asyncio.Queue()
@@ -146,8 +165,48 @@ class ClusterState:
                       json.dumps(subscriptions).encode())
 
     def forget_session(self, clientid: str) -> None:
-        """Delete ``clientid``'s stored session (a clean-session CONNECT; returns at once, written in call order)."""
+        """Delete ``clientid``'s stored session and queue (a clean-session CONNECT; returns at once, written in call
+        order)."""
         self._enqueue(self._delete_session, f"end of the session of {clientid!r}", token(clientid))
+        self.drop_queue(clientid)
+
+    def queue_message(self, clientid: str, topic: str, qos: int, payload: bytes) -> None:
+        """Store a message queued for ``clientid``'s offline persistent session (returns at once; call order)."""
+        headers = {"Ecq-Topic": token(topic), "Ecq-Qos": str(qos)}
+        self._enqueue(self._publish_queued, f"message queued for {clientid!r}", self._queue_subject(clientid),
+                      payload, headers)
+
+    def drop_queue(self, clientid: str) -> None:
+        """Delete the stored queue of ``clientid`` (it was taken for sending; returns at once; call order)."""
+        self._enqueue(self._purge_queue, f"sent queue of {clientid!r}", self._queue_subject(clientid))
+
+    async def _publish_queued(self, _what: str, subject: str, payload: bytes, headers: dict[str, str]) -> None:
+        await self._js.publish(subject, payload, headers=headers)
+
+    async def _purge_queue(self, _what: str, subject: str) -> None:
+        await self._js.purge_stream(self._queues, subject=subject)
+
+    async def _load_queue(self, clientid: str) -> list[tuple[str, int, bytes]]:
+        stream, subject = self._queues, self._queue_subject(clientid)
+        newest = await self._from_leader(stream, subject)
+        if newest is None:
+            return []
+        request = {"seq": 1, "next_by_subj": subject, "batch": self._settings.session_max_queued}
+        replies = await self._api.direct(stream, request, leader_seq=newest["seq"])  # a replica may lag the leader
+        return [(untoken(r.headers["Ecq-Topic"]), int(r.headers["Ecq-Qos"]), bytes(r.data)) for r in replies]
+
+    async def _from_leader(self, stream: str, subject: str) -> dict | None:
+        """The newest message of ``subject`` as the stream leader has it (JetStream's stored-message JSON), or None."""
+        answer = await until(time.monotonic() + LEADER_READ_TIMEOUT_S,
+                             lambda: self._api.api(f"STREAM.MSG.GET.{stream}", {"last_by_subj": subject}))
+        if "message" in answer:
+            return answer["message"]
+        if answer.get("error", {}).get("code") == 404:
+            return None
+        raise StoreError(f"reading {subject} from {stream}: {answer.get('error')}")
+
+    def _queue_subject(self, clientid: str) -> str:
+        return f"{self._settings.jetstream_namespace}.sq.{token(clientid)}"
 
     async def _put_session(self, _what: str, key: str, value: bytes) -> None:
         await self._sessions.put(key, value)
@@ -156,16 +215,26 @@ class ClusterState:
         await self._sessions.delete(key)
 
     async def load_session(self, clientid: str) -> SessionState:
-        """The stored subscriptions of ``clientid`` (run on the link's loop); not present when none are stored or
-        the bucket cannot be read (logged)."""
-        try:
-            entry = await self._sessions.get(token(clientid))
-            return SessionState(True, [(str(f), int(q)) for f, q in json.loads(entry.value)])
-        except KeyNotFoundError:  # also KeyDeletedError
-            return SessionState(False)
+        """The stored subscriptions and queued messages of ``clientid`` (run on the link's loop); not present when
+        none are stored or they cannot be read (logged)."""
+        bucket = f"{self._settings.jetstream_namespace}_sessions"
+        try:  # from the leader: a replica may not hold the subscriptions written just before their broker died
+            entry = await self._from_leader(f"KV_{bucket}", f"$KV.{bucket}.{token(clientid)}")
+            if entry is None or KV_OPERATION in base64.b64decode(entry.get("hdrs") or ""):  # none, or deleted
+                return SessionState(False)
+            subscriptions = json.loads(base64.b64decode(entry["data"]))
+            return SessionState(True, [(str(f), int(q)) for f, q in subscriptions], await self._load_queue(clientid))
         except Exception as exc:
             log.warning("ECQ could not read the stored session of %r: %s", clientid, exc or type(exc).__name__)
             return SessionState(False)
+
+    async def settle(self) -> None:
+        """Wait (on the link's loop, at most ``SETTLE_TIMEOUT_S``) until the writes asked for so far are done: a
+        broker handing a session over lets its queued messages land before the new holder may purge them."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._writes.join()), SETTLE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("ECQ: writes to the cluster still pending after %.0f s", SETTLE_TIMEOUT_S)
 
     def close(self) -> None:
         """Finish the writes asked for (at most ``CLOSE_TIMEOUT_S``), then stop watching and writing (blocking; call
@@ -186,3 +255,11 @@ async def _bucket(js: Any, name: str, replicas: int, ttl: float | None) -> Any:
         return await js.key_value(name)
     except Exception:  # nats-py's BucketNotFoundError, or NotFoundError from the stream info
         return await js.create_key_value(bucket=name, history=1, replicas=replicas, ttl=ttl)
+
+
+async def _stream(js: Any, config: StreamConfig) -> None:
+    """Create the stream ``config`` describes, or bring an existing one to it."""
+    try:
+        await js.add_stream(config)
+    except BadRequestError:  # it exists with another configuration (session_max_queued or session_expiry changed)
+        await js.update_stream(config)

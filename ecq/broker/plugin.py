@@ -140,10 +140,20 @@ class EcqPlugin(BaseTopicPlugin):
         if self.cluster_state is not None:
             self.cluster_state.retain(topic, data, qos)
 
+    def session_message_queued(self, clientid: str, topic: str, qos: int, data: bytes) -> None:
+        """Store a message queued for an offline persistent session in the cluster."""
+        if self.cluster_state is not None:
+            self.cluster_state.queue_message(clientid, topic, qos, data)
+
+    def session_queue_taken(self, clientid: str) -> None:
+        """Drop the cluster's copy of a persistent session's queue, which is being sent."""
+        if self.cluster_state is not None:
+            self.cluster_state.drop_queue(clientid)
+
     async def claim_session(self, clientid: str, clean: bool) -> Any:
         """At a CONNECT, take ``clientid`` over from the cluster (see ClusterBus.claim): returns the persistent
         session (a SessionState) another broker handed over or, when no broker answered and none is here, the
-        subscriptions stored in the cluster; None without a cluster or for a clean session (which is then
+        subscriptions and queued messages stored in the cluster; None without a cluster or for a clean session (which is then
         discarded everywhere, MQTT 3.1.1 section 3.1.2.4)."""
         if self.bus is None:
             return None
@@ -162,6 +172,7 @@ class EcqPlugin(BaseTopicPlugin):
             await hooks.discard_session(self.context, clientid)
             return SessionState(False)
         handed = await hooks.hand_over_session(self.context, clientid)
+        await self.bus.link.submit(self.cluster_state.settle())
         return SessionState(False) if handed is None else SessionState(True, *handed)
 
     def _store_session(self, clientid: str) -> None:

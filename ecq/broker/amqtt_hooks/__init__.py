@@ -87,6 +87,7 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     conformance.enforce_keepalive()
     cluster.replicate_retained_messages()  # outside keep_ecq_out_of_retained_store: $ECQ/ never reaches it
     cluster.adopt_sessions_from_the_cluster()  # outermost init_from_connect: a refused CONNECT claims nothing
+    cluster.store_offline_queues_in_the_cluster()  # outermost: sees the queue before it is taken
     start_up.raise_pre_start_failure()
     start_up.quiet_start_failure_traceback()
     framer.read_with_the_framer()

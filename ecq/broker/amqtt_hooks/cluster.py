@@ -153,3 +153,29 @@ async def discard_session(context: BrokerContext, clientid: str) -> None:
     """Remove ``clientid``'s session from this broker, if it has one (a CleanSession=1 CONNECT elsewhere)."""
     if clientid in context._broker_instance._sessions:
         await context._broker_instance._cleanup_session(clientid)
+
+
+def store_offline_queues_in_the_cluster() -> None:
+    """amqtt 0.12.1 queues the QoS 1/2 messages of an offline persistent session in its own process only
+    (``Broker._retain_broadcast_message``) and sends them on reconnect (``_publish_session_retained_messages``): when
+    that broker died, they were lost with it. MQTT 3.1.1 section 3.1.2.4 keeps them with the session, so each one
+    queued is also handed to the plugin for the cluster (:meth:`EcqHooksTarget.session_message_queued`), and the
+    cluster's copy is dropped when the queue is taken for sending (:meth:`EcqHooksTarget.session_queue_taken`)."""
+    original_queue = Broker._retain_broadcast_message
+    original_send = Broker._publish_session_retained_messages
+
+    async def retain_broadcast_message(broker: Broker, broadcast: dict[str, Any], qos: int, target_session: Any) -> None:
+        await original_queue(broker, broadcast, qos, target_session)
+        plugin = find_target(broker.plugins_manager)
+        if plugin is not None and not is_ecq_topic(broadcast["topic"]):
+            plugin.session_message_queued(target_session.client_id, broadcast["topic"], qos,
+                                          bytes(broadcast["data"] or b""))
+
+    async def publish_session_retained_messages(broker: Broker, session: Any) -> None:
+        plugin = find_target(broker.plugins_manager)
+        if plugin is not None and not session.retained_messages.empty():
+            plugin.session_queue_taken(session.client_id)
+        await original_send(broker, session)
+
+    Broker._retain_broadcast_message = retain_broadcast_message
+    Broker._publish_session_retained_messages = publish_session_retained_messages

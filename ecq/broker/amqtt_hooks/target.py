@@ -60,6 +60,12 @@ class EcqHooksTarget(Protocol):
         """Claim ``clientid`` from the cluster at its CONNECT (``clean``: its CleanSession flag): the persistent
         session another broker or the cluster's store held for it, or None (none, or no cluster)."""
 
+    def session_message_queued(self, clientid: str, topic: str, qos: int, data: bytes) -> None:
+        """Store a message queued for an offline persistent session in the cluster (no-op without one)."""
+
+    def session_queue_taken(self, clientid: str) -> None:
+        """Drop the cluster's copy of a persistent session's queue: it is being sent (no-op without a cluster)."""
+
     def session_message_dropped(self, clientid: str, topic: str, reason: str) -> None:
         """Count a message of an ordinary topic dropped from a persistent session at a bound
         (``reason``: ``queue_full`` or ``inflight_full``)."""
