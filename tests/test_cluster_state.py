@@ -176,7 +176,8 @@ def test_the_queue_of_a_persistent_session_outlives_the_death_of_its_node(cluste
     node1.kill()
     moved = connect(node2.port, "orphanq", clean_session=False)
     assert moved.session_present is True
-    assert [(m.topic, m.payload, m.qos) for m in moved.expect(4)] == [("orphanq/m", f"m{i}".encode(), 1) for i in range(4)]
+    expected = [("orphanq/m", f"m{i}".encode(), 1) for i in range(4)]
+    assert [(m.topic, m.payload, m.qos) for m in moved.expect(4)] == expected
     assert wait_until(lambda: asyncio.run(stored_count(nats_cluster.urls, stream)) == 0, PROPAGATION_BOUND_S, 0.1)
 
 

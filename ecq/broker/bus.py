@@ -132,7 +132,8 @@ class ClusterBus:
             log.warning("ECQ takeover of %s: the broker holding it did not answer within %.0f s",
                         clientid, TAKEOVER_TIMEOUT_S)
         except (ValueError, KeyError, TypeError) as exc:
-            log.warning("ECQ takeover of %s: the session handed over is unreadable (%s); it starts empty", clientid, exc)
+            log.warning("ECQ takeover of %s: the session handed over is unreadable (%s); it starts empty",
+                        clientid, exc)
         except Exception as exc:  # NATS away: the clientid is served here anyway
             log.warning("ECQ takeover of %s could not ask the cluster: %s", clientid, exc)
         if clientid not in self._held:
@@ -162,7 +163,8 @@ class ClusterBus:
         held = self._held.pop(clientid, None)
         state = SessionState(False)
         try:
-            state = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._release(clientid, clean), self._loop))
+            release = asyncio.run_coroutine_threadsafe(self._release(clientid, clean), self._loop)
+            state = await asyncio.wrap_future(release)
         finally:
             await msg.respond(state.to_bytes())
             if held is not None:  # last: nats-py's unsubscribe cancels the task running this very callback

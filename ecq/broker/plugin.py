@@ -121,7 +121,8 @@ class EcqPlugin(BaseTopicPlugin):
         from ecq.broker.bus import ClusterBus  # needs the [cluster] extra
         from ecq.broker.cluster_state import ClusterState
         loop = asyncio.get_running_loop()
-        self.bus = ClusterBus(self.settings, loop, deliver=self._deliver_from_cluster, release=self._release_to_cluster)
+        self.bus = ClusterBus(self.settings, loop, deliver=self._deliver_from_cluster,
+                              release=self._release_to_cluster)
         await loop.run_in_executor(None, self.bus.start)
         self.cluster_state = ClusterState(self.settings, self.bus.link, loop, self._retained_from_cluster)
         await loop.run_in_executor(None, self.cluster_state.start)  # before the listeners open: retained loaded
@@ -153,8 +154,8 @@ class EcqPlugin(BaseTopicPlugin):
     async def claim_session(self, clientid: str, clean: bool) -> Any:
         """At a CONNECT, take ``clientid`` over from the cluster (see ClusterBus.claim): returns the persistent
         session (a SessionState) another broker handed over or, when no broker answered and none is here, the
-        subscriptions and queued messages stored in the cluster; None without a cluster or for a clean session (which is then
-        discarded everywhere, MQTT 3.1.1 section 3.1.2.4)."""
+        subscriptions and queued messages stored in the cluster; None without a cluster or for a clean session
+        (which is then discarded everywhere, MQTT 3.1.1 section 3.1.2.4)."""
         if self.bus is None:
             return None
         state = await self.bus.claim(clientid, clean)

@@ -164,7 +164,8 @@ def store_offline_queues_in_the_cluster() -> None:
     original_queue = Broker._retain_broadcast_message
     original_send = Broker._publish_session_retained_messages
 
-    async def retain_broadcast_message(broker: Broker, broadcast: dict[str, Any], qos: int, target_session: Any) -> None:
+    async def retain_broadcast_message(broker: Broker, broadcast: dict[str, Any], qos: int,
+                                       target_session: Any) -> None:
         await original_queue(broker, broadcast, qos, target_session)
         plugin = find_target(broker.plugins_manager)
         if plugin is not None and not is_ecq_topic(broadcast["topic"]):

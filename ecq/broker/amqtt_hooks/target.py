@@ -54,7 +54,8 @@ class EcqHooksTarget(Protocol):
         """Send a message broadcast on this broker to the cluster's other brokers (no-op without a cluster)."""
 
     def retained_changed(self, topic: str, data: bytes, qos: int | None) -> None:
-        """Store a retained message of an ordinary topic for the cluster (empty ``data``: cleared; no-op without one)."""
+        """Store a retained message of an ordinary topic for the cluster (empty ``data``: cleared; no-op without
+        one)."""
 
     async def claim_session(self, clientid: str, clean: bool) -> SessionState | None:
         """Claim ``clientid`` from the cluster at its CONNECT (``clean``: its CleanSession flag): the persistent
