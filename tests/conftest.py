@@ -78,7 +78,7 @@ async def _delete_streams(urls: list[str], namespace: str) -> None:
     try:
         js = client.jetstream(timeout=10)
         for info in await js.streams_info():
-            if info.config.name.startswith(f"{namespace}_"):
+            if info.config.name.startswith((f"{namespace}_", f"KV_{namespace}_")):  # KV: ecq.broker.cluster_state
                 await js.delete_stream(info.config.name)
     finally:
         await client.close()

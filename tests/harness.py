@@ -55,7 +55,9 @@ class Client:
         self._c.on_disconnect = lambda *_args: self.disconnected.set()
         connected = threading.Event()
         connack: list[mqtt.ReasonCode] = []
-        self._c.on_connect = lambda _c, _u, _flags, reason, _p: (connack.append(reason), connected.set())
+        self.session_present: bool | None = None  # the CONNACK's flag (MQTT 3.1.1 section 3.2.2.2)
+        self._c.on_connect = lambda _c, _u, flags, reason, _p: (
+            setattr(self, "session_present", flags.session_present), connack.append(reason), connected.set())
         self._c.connect("127.0.0.1", port, keepalive=keepalive)
         self._c.loop_start()
         if not connected.wait(10):

@@ -1,5 +1,6 @@
 """Two ECQ nodes on the session's 3-server NATS JetStream cluster, over TCP with paho and raw MQTT clients: the
-issue's cluster points 2 (cross-node queues), 6 (ordinary MQTT across nodes) and 7 (cluster-wide operations).
+issue's cluster points 2 (cross-node queues), 6 (ordinary MQTT across nodes; retained messages and sessions across
+nodes are in test_cluster_state.py) and 7 (cluster-wide operations).
 The destructive points (3, 4, 5) are in test_cluster_failures.py."""
 
 from __future__ import annotations
@@ -109,18 +110,6 @@ def test_a_plain_publish_reaches_every_subscriber_of_both_nodes_exactly_once(clu
             ("plain/from-1", b"one", qos), ("plain/from-2", b"two", qos)], name
     for name, subscriber in subscribers.items():  # no copy coming back through NATS, no loop
         assert subscriber.quiet(1.0) == [], name
-
-
-def test_a_retained_message_stays_on_the_node_that_took_it(cluster_nodes, connect):
-    node1, node2 = started(cluster_nodes())
-    connect(node1.port, "pub").publish("state/lamp", b"on", qos=1, retain=True)
-    local = connect(node1.port, "late-1")
-    local.subscribe("state/#")
-    [retained] = local.expect(1)
-    assert (retained.topic, retained.payload) == ("state/lamp", b"on")
-    remote = connect(node2.port, "late-2")  # documented: retained messages are per node
-    remote.subscribe("state/#")
-    assert remote.quiet(1.0) == []
 
 
 # --- point 7: operations are cluster-wide ----------------------------------------------------------

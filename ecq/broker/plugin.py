@@ -65,6 +65,7 @@ class EcqPlugin(BaseTopicPlugin):
         self.bus: Any = None  # ecq.broker.bus.ClusterBus with backend: jetstream
         self.stream_health: Any = None  # ecq.store.jetstream_health.StreamHealth with backend: jetstream
         self._spreading: asyncio.Future | None = None  # the leader spread at start
+        self.cluster_state: Any = None  # ecq.broker.cluster_state.ClusterState with backend: jetstream
         cluster = self.settings.backend == "jetstream"
         self.metrics = EcqMetrics({
             **({"ecq_nats_connected": self._nats_connected} if cluster else {}),
@@ -126,9 +127,13 @@ class EcqPlugin(BaseTopicPlugin):
 
     async def _join_cluster(self) -> None:
         from ecq.broker.bus import ClusterBus  # needs the [cluster] extra
+        from ecq.broker.cluster_state import ClusterState
         loop = asyncio.get_running_loop()
-        self.bus = ClusterBus(self.settings, loop, deliver=self._deliver_from_cluster, release=self.sessions.release)
+        self.bus = ClusterBus(self.settings, loop, deliver=self._deliver_from_cluster,
+                              release=self._release_to_cluster)
         await loop.run_in_executor(None, self.bus.start)
+        self.cluster_state = ClusterState(self.settings, self.bus.link, loop, self._retained_from_cluster)
+        await loop.run_in_executor(None, self.cluster_state.start)  # before the listeners open: retained loaded
         self.sessions.bus = self.bus
         self.stream_health = self.engine.store.stream_health()
         self.stream_health.start()
@@ -138,6 +143,57 @@ class EcqPlugin(BaseTopicPlugin):
 
     async def _deliver_from_cluster(self, topic: str, data: bytes, qos: int) -> None:
         await hooks.broadcast_from_cluster(self.context, topic, data, qos)
+
+    def _retained_from_cluster(self, topic: str, data: bytes | None, qos: int | None) -> None:
+        hooks.set_retained_from_cluster(self.context, topic, data, qos)
+
+    def retained_changed(self, topic: str, data: bytes, qos: int | None) -> None:
+        """Store a retained message of an ordinary topic for the cluster (empty ``data``: cleared)."""
+        if self.cluster_state is not None:
+            self.cluster_state.retain(topic, data, qos)
+
+    def session_message_queued(self, clientid: str, topic: str, qos: int, data: bytes) -> None:
+        """Store a message queued for an offline persistent session in the cluster."""
+        if self.cluster_state is not None:
+            self.cluster_state.queue_message(clientid, topic, qos, data)
+
+    def session_queue_taken(self, clientid: str) -> None:
+        """Drop the cluster's copy of a persistent session's queue, which is being sent."""
+        if self.cluster_state is not None:
+            self.cluster_state.drop_queue(clientid)
+
+    async def claim_session(self, clientid: str, clean: bool) -> Any:
+        """At a CONNECT, take ``clientid`` over from the cluster (see ClusterBus.claim): returns the persistent
+        session (a SessionState) another broker handed over or, when no broker answered and none is here, the
+        subscriptions and queued messages stored in the cluster; None without a cluster or for a clean session
+        (which is then discarded everywhere, MQTT 3.1.1 section 3.1.2.4)."""
+        if self.bus is None:
+            return None
+        state = await self.bus.claim(clientid, clean)
+        if clean:
+            self.cluster_state.forget_session(clientid)
+            return None
+        if state is None and self.bus.connected and hooks.persistent_subscriptions(self.context, clientid) is None:
+            state = await self.bus.link.submit(self.cluster_state.load_session(clientid))
+        return state
+
+    async def _release_to_cluster(self, clientid: str, clean: bool) -> Any:
+        from ecq.broker.cluster_state import SessionState
+        await self.sessions.release(clientid)
+        if clean:
+            await hooks.discard_session(self.context, clientid)
+            return SessionState(False)
+        handed = await hooks.hand_over_session(self.context, clientid)
+        await self.bus.link.submit(self.cluster_state.settle())
+        return SessionState(False) if handed is None else SessionState(True, *handed)
+
+    def _store_session(self, clientid: str) -> None:
+        """Write ``clientid``'s persistent subscriptions to the cluster while this broker answers for it."""
+        if self.cluster_state is None or not self.bus.holds(clientid):
+            return
+        subscriptions = hooks.persistent_subscriptions(self.context, clientid)
+        if subscriptions is not None:
+            self.cluster_state.save_subscriptions(clientid, subscriptions)
 
     def forward_to_cluster(self, topic: str, data: bytes, qos: int) -> None:
         """Send a message of an ordinary topic broadcast here to the cluster's other brokers."""
@@ -164,6 +220,8 @@ class EcqPlugin(BaseTopicPlugin):
             await self._admin.cleanup()
         if self.stream_health is not None:
             self.stream_health.stop()
+        if self.cluster_state is not None:
+            self.cluster_state.close()
         if self.bus is not None:
             self.bus.close()
         await self.engine.close()
@@ -307,11 +365,16 @@ class EcqPlugin(BaseTopicPlugin):
     async def on_broker_client_subscribed(self, client_id: str, topic: str, qos: int) -> None:
         """Start delivering once the SUBACK for ``$ECQ/<clientid>/#`` went out."""
         await self.sessions.subscribed(client_id, topic)
+        self._store_session(client_id)
 
     async def on_broker_client_unsubscribed(self, client_id: str, topic: str) -> None:
         """Stop delivering when the consumer unsubscribes from its queue."""
         await self.sessions.unsubscribed(client_id, topic)
+        self._store_session(client_id)
 
     async def on_broker_client_disconnected(self, client_id: str, client_session: Session) -> None:
-        """Detach a consumer whose connection closed (see QueueSessions.disconnected)."""
-        await self.sessions.disconnected(client_id)
+        """Detach a consumer whose connection closed (see QueueSessions.disconnected); in a cluster, store a
+        persistent session's subscriptions once more (their stored copy expires ``session_expiry`` after)."""
+        await self.sessions.disconnected(client_id, client_session.clean_session is False)
+        if client_session.clean_session is False:
+            self._store_session(client_id)

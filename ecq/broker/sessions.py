@@ -65,16 +65,18 @@ class QueueSessions:
         if topic == queue_filter(client_id):
             self._engine.stop_sending(client_id)
 
-    async def disconnected(self, client_id: str) -> None:
-        """Detach a consumer whose connection closed; a newer connection (takeover) keeps or gets it."""
+    async def disconnected(self, client_id: str, persistent: bool) -> None:
+        """Detach a consumer whose connection closed; a newer connection (takeover) keeps or gets it. In a cluster,
+        this broker keeps answering for a ``persistent`` session (CleanSession=0) so that it can hand it over."""
         if self._connections.get(client_id) is not None and not hooks.connection_is_open(self._connections[client_id]):
             del self._connections[client_id]
         if self.bus is not None and not hooks.connection_is_open(hooks.live_connection(self._context, client_id)):
-            # the broker where it connects next finds nobody to ask and reads the saved acks at once: save them first
+            # the broker where it connects next may find nobody to ask and read the saved acks at once: save them first
             await self._engine.release(client_id)
             if not hooks.connection_is_open(hooks.live_connection(self._context, client_id)):
                 self._claims.pop(client_id, None)
-                await self.bus.disown(client_id)
+                if not persistent:
+                    await self.bus.disown(client_id)
         if client_id not in self._engine.consumers or hooks.connection_is_open(self._engine.connection_of(client_id)):
             return
         self._engine.detach(client_id)

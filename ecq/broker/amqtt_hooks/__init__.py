@@ -19,7 +19,8 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   retained messages);
 - :mod:`.conformance`: MQTT 3.1.1 for ordinary topics (what was read before a disconnect is routed, persistent sessions, without their dead connection's
   handler, retained messages, QoS of a fan-out, resend on reconnect, keepalive, with per-session bounds);
-- :mod:`.cluster`: ordinary MQTT messages forwarded to and from the other brokers of a cluster;
+- :mod:`.cluster`: ordinary MQTT messages forwarded to and from the other brokers of a cluster, retained messages
+  and persistent sessions that follow the client across them;
 - :mod:`.start_up`: start-up failures are reported, not hidden;
 - :mod:`.framer`: the packet reader (``fast_path``): buffered framing, ECQ writes and PUBACKs without amqtt's
   packet objects and tasks;
@@ -37,7 +38,8 @@ from __future__ import annotations
 from ecq.broker.amqtt_hooks import (acks, bad_clients, cluster, conformance, ecq_guards, ecq_paths, framer, start_up,
                                     target, websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
-from ecq.broker.amqtt_hooks.cluster import broadcast_from_cluster
+from ecq.broker.amqtt_hooks.cluster import (broadcast_from_cluster, discard_session, hand_over_session,
+                                           persistent_subscriptions, set_retained_from_cluster)
 from ecq.broker.amqtt_hooks.drain import close_listeners, open_connections, stop_reading
 from ecq.broker.amqtt_hooks.conformance import set_session_expiry
 from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge_soon, client_id, close_connection, connection_is_open,
@@ -45,9 +47,11 @@ from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge_soon, client_id, close
                                               set_listen_backlog, shorten_subscriptions_repr)
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 
-__all__ = ["EcqHooksTarget", "ProtocolViolation", "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection", "close_listeners",
-           "connection_is_open", "install", "listener_addresses", "live_connection", "open_connections", "publish_qos1", "qos2_receipts", "send_soon", "set_listen_backlog",
-           "set_session_expiry", "shorten_subscriptions_repr", "stop_reading"]
+__all__ = ["EcqHooksTarget", "ProtocolViolation", "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection",
+           "close_listeners", "connection_is_open", "discard_session", "hand_over_session", "install", "listener_addresses",
+           "live_connection", "open_connections", "persistent_subscriptions", "publish_qos1", "qos2_receipts", "send_soon",
+           "set_listen_backlog", "set_retained_from_cluster", "set_session_expiry", "shorten_subscriptions_repr",
+           "stop_reading"]
 
 
 def install(plugin_class: type[EcqHooksTarget]) -> None:
@@ -84,6 +88,9 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     conformance.conformant_fan_out()
     conformance.resend_unacked_on_reconnect()
     conformance.enforce_keepalive()
+    cluster.replicate_retained_messages()  # outside keep_ecq_out_of_retained_store: $ECQ/ never reaches it
+    cluster.adopt_sessions_from_the_cluster()  # outermost init_from_connect: a refused CONNECT claims nothing
+    cluster.store_offline_queues_in_the_cluster()  # outermost: sees the queue before it is taken
     start_up.raise_pre_start_failure()
     start_up.quiet_start_failure_traceback()
     framer.read_with_the_framer()

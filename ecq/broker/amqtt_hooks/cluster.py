@@ -1,9 +1,15 @@
-"""Ordinary MQTT messages across the brokers of a cluster (``backend: jetstream``).
+"""Ordinary MQTT messages and state across the brokers of a cluster (``backend: jetstream``).
 
 amqtt 0.12.1 broadcasts a PUBLISH only to the subscribers of its own process. In a cluster, each broadcast of
 an ordinary topic is also handed to the plugin (:meth:`EcqHooksTarget.forward_to_cluster`), which sends it to
 the other brokers; what they send arrives through :func:`broadcast_from_cluster`, which broadcasts locally
 and marks the broadcast so that it is not forwarded again (no loop, no duplicate).
+
+amqtt keeps retained messages and sessions in its own process too: retained messages of ordinary topics are
+handed to the plugin for the cluster and the cluster's are written into amqtt's table
+(:func:`set_retained_from_cluster`); a CONNECT first claims its clientid from the cluster, so a persistent
+session held by another broker is moved here before amqtt looks it up (:func:`adopt_sessions_from_the_cluster`,
+:func:`hand_over_session`).
 """
 
 from __future__ import annotations
@@ -11,9 +17,12 @@ from __future__ import annotations
 import contextvars
 from typing import Any
 
-from amqtt.broker import Broker, BrokerContext
+from amqtt.broker import Broker, BrokerContext, RetainedApplicationMessage
+from amqtt.mqtt.constants import QOS_1, QOS_2
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker.amqtt_hooks.target import find_target
+from ecq.queue.topics import is_ecq_topic
 
 _FROM_CLUSTER: contextvars.ContextVar[bool] = contextvars.ContextVar("ecq_from_cluster", default=False)
 
@@ -41,3 +50,133 @@ async def broadcast_from_cluster(context: BrokerContext, topic: str, data: bytes
         await context._broker_instance._broadcast_message(None, topic, data, force_qos=qos)
     finally:
         _FROM_CLUSTER.reset(token)
+
+
+def replicate_retained_messages() -> None:
+    """After amqtt's ``Broker.retain_message`` (a PUBLISH with RETAIN, a Will with Will Retain, a plugin) of a topic
+    not starting with ``$``, hand the message to the plugin for the cluster (an empty payload clears it, MQTT 3.1.1
+    section 3.3.1.3). amqtt 0.12.1 keeps it only in its own ``_retained_messages``, so a SUBSCRIBE on another broker
+    did not get it."""
+    original = Broker.retain_message
+
+    async def retain_message(broker: Broker, source_session: Any, topic_name: str | None, data: Any,
+                             qos: int | None = None) -> None:
+        await original(broker, source_session, topic_name, data, qos)
+        plugin = find_target(broker.plugins_manager)
+        if plugin is not None and topic_name and not topic_name.startswith("$"):
+            plugin.retained_changed(topic_name, bytes(data or b""), qos)
+
+    Broker.retain_message = retain_message
+
+
+def set_retained_from_cluster(context: BrokerContext, topic: str, data: bytes | None, qos: int | None) -> None:
+    """Make ``topic``'s retained message in amqtt's table the cluster's: ``data``, or none when ``data`` is None."""
+    retained = context._broker_instance._retained_messages
+    if data is None:
+        retained.pop(topic, None)
+    else:
+        retained[topic] = RetainedApplicationMessage(None, topic, data, qos)
+
+
+def adopt_sessions_from_the_cluster() -> None:
+    """Before amqtt 0.12.1's ``Broker._initialize_client_session`` looks the CONNECT's clientid up in its own
+    ``_sessions`` (session present, MQTT 3.1.1 section 3.2.2.2), the plugin claims the clientid from the cluster
+    (:meth:`EcqHooksTarget.claim_session`): another broker's connection is closed and a persistent session it
+    held, with its subscriptions and queued messages, is installed here as an offline session, which amqtt then
+    resumes. A CleanSession=1 CONNECT has the other broker discard it (section 3.1.2.4). amqtt alone found only
+    sessions of its own process: a client reconnecting to another broker lost its session."""
+    original = BrokerProtocolHandler.init_from_connect
+
+    async def init_from_connect(cls: type, reader: Any, writer: Any, plugins_manager: Any,
+                                loop: Any = None) -> tuple[BrokerProtocolHandler, Any]:
+        handler, session = await original(reader, writer, plugins_manager, loop)
+        plugin = find_target(plugins_manager)
+        if plugin is not None and session.client_id:
+            state = await plugin.claim_session(session.client_id, bool(session.clean_session))
+            if state is not None and state.present and not session.clean_session:
+                _install_session(plugin.context._broker_instance, session.client_id, state.subscriptions,
+                                 state.messages)
+        return handler, session
+
+    BrokerProtocolHandler.init_from_connect = classmethod(init_from_connect)
+
+
+def _install_session(broker: Broker, clientid: str, subscriptions: list[tuple[str, int]],
+                     messages: list[tuple[str, int, bytes]]) -> None:
+    """An offline persistent session of ``clientid`` in ``broker``, unless it holds one already."""
+    if clientid in broker._sessions:
+        return
+    _handler, session = broker.create_offline_session(clientid)
+    session.clean_session = False
+    for topic_filter, qos in subscriptions:
+        holders = broker._subscriptions.setdefault(topic_filter, [])
+        holders[:] = [(s, q) for s, q in holders if s.client_id != clientid]
+        holders.append((session, qos))
+    for topic, qos, data in messages:
+        session.retained_messages.put_nowait(RetainedApplicationMessage(None, topic, data, qos))
+    broker._sessions[clientid] = (session, None)
+
+
+def persistent_subscriptions(context: BrokerContext, clientid: str) -> list[tuple[str, int]] | None:
+    """``[(filter, granted QoS)]`` of ``clientid``'s persistent session on this broker; None when it has none."""
+    session, _handler = context._broker_instance._sessions.get(clientid, (None, None))
+    if session is None or session.clean_session is not False:
+        return None
+    return [(topic_filter, qos) for topic_filter, holders in context.subscriptions.items()
+            for holder, qos in holders if holder is session]
+
+
+async def hand_over_session(context: BrokerContext, clientid: str) -> tuple[list[tuple[str, int]],
+                                                                           list[tuple[str, int, bytes]]] | None:
+    """Remove ``clientid``'s persistent session from this broker (its connection closed already) and return its
+    subscriptions and the messages it has not received, oldest first: those sent but not acknowledged (MQTT 3.1.1
+    section 4.4; they go out again as new messages) then those queued while it was offline (QoS 1 and 2 only,
+    ``$ECQ/`` excluded: ECQ redelivers its queues itself). None, and nothing removed, when it has none here."""
+    broker = context._broker_instance
+    subscriptions = persistent_subscriptions(context, clientid)
+    if subscriptions is None:
+        if clientid in broker._sessions:
+            await broker._cleanup_session(clientid)
+        return None
+    session, _handler = broker._sessions[clientid]
+    messages = [(m.topic, m.qos, bytes(m.data)) for m in session.inflight_out.values()
+                if m.qos in (QOS_1, QOS_2) and not is_ecq_topic(m.topic)
+                and (m.puback_packet if m.qos == QOS_1 else m.pubcomp_packet) is None]
+    while not session.retained_messages.empty():
+        message = session.retained_messages.get_nowait()
+        messages.append((message.topic, message.qos, bytes(message.data)))
+    await broker._cleanup_session(clientid)
+    return subscriptions, messages
+
+
+async def discard_session(context: BrokerContext, clientid: str) -> None:
+    """Remove ``clientid``'s session from this broker, if it has one (a CleanSession=1 CONNECT elsewhere)."""
+    if clientid in context._broker_instance._sessions:
+        await context._broker_instance._cleanup_session(clientid)
+
+
+def store_offline_queues_in_the_cluster() -> None:
+    """amqtt 0.12.1 queues the QoS 1/2 messages of an offline persistent session in its own process only
+    (``Broker._retain_broadcast_message``) and sends them on reconnect (``_publish_session_retained_messages``): when
+    that broker died, they were lost with it. MQTT 3.1.1 section 3.1.2.4 keeps them with the session, so each one
+    queued is also handed to the plugin for the cluster (:meth:`EcqHooksTarget.session_message_queued`), and the
+    cluster's copy is dropped when the queue is taken for sending (:meth:`EcqHooksTarget.session_queue_taken`)."""
+    original_queue = Broker._retain_broadcast_message
+    original_send = Broker._publish_session_retained_messages
+
+    async def retain_broadcast_message(broker: Broker, broadcast: dict[str, Any], qos: int,
+                                       target_session: Any) -> None:
+        await original_queue(broker, broadcast, qos, target_session)
+        plugin = find_target(broker.plugins_manager)
+        if plugin is not None and not is_ecq_topic(broadcast["topic"]):
+            plugin.session_message_queued(target_session.client_id, broadcast["topic"], qos,
+                                          bytes(broadcast["data"] or b""))
+
+    async def publish_session_retained_messages(broker: Broker, session: Any) -> None:
+        plugin = find_target(broker.plugins_manager)
+        if plugin is not None and not session.retained_messages.empty():
+            plugin.session_queue_taken(session.client_id)
+        await original_send(broker, session)
+
+    Broker._retain_broadcast_message = retain_broadcast_message
+    Broker._publish_session_retained_messages = publish_session_retained_messages

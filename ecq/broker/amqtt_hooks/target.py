@@ -12,9 +12,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from amqtt.broker import BrokerContext
     from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
     from amqtt.session import Session
 
+    from ecq.broker.cluster_state import SessionState
     from ecq.config import EcqSettings
 
 _target_class: type | None = None
@@ -24,6 +26,7 @@ class EcqHooksTarget(Protocol):
     """The plugin as the corrections use it (``ecq.broker.plugin.EcqPlugin`` implements it)."""
 
     settings: EcqSettings
+    context: BrokerContext  # the broker the plugin runs in
     start_error: Exception | None  # a failure of the plugin's start, raised from ``Broker.start``
 
     def take_ecq_write(self, handler: BrokerProtocolHandler, topic: str, qos: int, packet_id: int | None,
@@ -49,6 +52,20 @@ class EcqHooksTarget(Protocol):
 
     def forward_to_cluster(self, topic: str, data: bytes, qos: int) -> None:
         """Send a message broadcast on this broker to the cluster's other brokers (no-op without a cluster)."""
+
+    def retained_changed(self, topic: str, data: bytes, qos: int | None) -> None:
+        """Store a retained message of an ordinary topic for the cluster (empty ``data``: cleared; no-op without
+        one)."""
+
+    async def claim_session(self, clientid: str, clean: bool) -> SessionState | None:
+        """Claim ``clientid`` from the cluster at its CONNECT (``clean``: its CleanSession flag): the persistent
+        session another broker or the cluster's store held for it, or None (none, or no cluster)."""
+
+    def session_message_queued(self, clientid: str, topic: str, qos: int, data: bytes) -> None:
+        """Store a message queued for an offline persistent session in the cluster (no-op without one)."""
+
+    def session_queue_taken(self, clientid: str) -> None:
+        """Drop the cluster's copy of a persistent session's queue: it is being sent (no-op without a cluster)."""
 
     def session_message_dropped(self, clientid: str, topic: str, reason: str) -> None:
         """Count a message of an ordinary topic dropped from a persistent session at a bound

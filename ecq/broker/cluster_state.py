@@ -1,0 +1,265 @@
+"""Ordinary MQTT state that follows a client across the brokers of a cluster (``backend: jetstream``), kept in two
+JetStream KV buckets of ``jetstream_replicas`` copies (``NS`` being ``jetstream_namespace``, ``T(x)`` the subject
+token of :func:`ecq.store.jsapi.token`):
+
+- ``NS_retained``: key T(topic), value one byte of QoS (3: none given) then the payload; one entry per topic, an
+  empty retained payload deletes it (MQTT 3.1.1 section 3.3.1.3). Every broker watches the bucket and keeps amqtt's
+  retained table in step with it; a broker that starts loads every entry before its listeners open.
+- ``NS_sessions``: key T(clientid), value the JSON list of a persistent session's subscriptions
+  ``[[filter, qos], ...]``, written on each SUBSCRIBE, UNSUBSCRIBE and disconnect; entries expire
+  ``session_expiry`` after their last write (MQTT 3.1.1 section 3.1.2.4 leaves session lifetime to the server).
+  Read by a broker where the clientid reconnects when the broker that held it does not answer (it died).
+
+And one stream, ``NS_SESSIONS`` (subjects ``NS.sq.T(clientid)``, at most ``session_max_queued`` messages per subject,
+the oldest dropped, kept ``session_expiry``): the QoS 1/2 messages queued for each offline persistent session
+(headers ``Ecq-Topic`` T(topic), ``Ecq-Qos``), purged when the session's queue is taken for sending or the session
+is discarded. The broker that holds a session hands its queue over in the takeover's answer (:class:`SessionState`,
+:mod:`ecq.broker.bus`); the stream is read only when that broker does not answer (it died).
+
+Writes here are ordered and asynchronous: a retained PUBLISH is PUBACKed before its KV write is acknowledged, and a
+failed write is logged, not retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError
+
+from ecq.config import EcqSettings
+from ecq.store.jsapi import REQUEST_TIMEOUT_S, JetStreamApi, token, until, untoken
+from ecq.store.link import NatsLink
+from ecq.store.protocol import StoreError
+
+log = logging.getLogger(__name__)
+
+NO_QOS = 3                 # the QoS byte of a retained message stored without a QoS (amqtt's ``qos=None``)
+LOAD_TIMEOUT_S = 10.0      # how long a starting broker waits for the retained messages and buckets
+CLOSE_TIMEOUT_S = 5.0      # how long a stopping broker waits for its last writes
+SETTLE_TIMEOUT_S = 1.0     # how long a takeover's answer waits for this broker's pending writes
+LEADER_READ_TIMEOUT_S = 2.0  # a read of a stored session retried through a leader election
+KV_OPERATION = b"KV-Operation"  # the header of a KV delete or purge marker
+
+
+@dataclass
+class SessionState:
+    """A persistent session as one broker hands it to another: ``subscriptions`` ``[(filter, granted QoS)]`` and
+    ``messages`` ``[(topic, QoS, payload)]`` queued for it, oldest first; ``present`` False when there is none."""
+
+    present: bool
+    subscriptions: list[tuple[str, int]] = field(default_factory=list)
+    messages: list[tuple[str, int, bytes]] = field(default_factory=list)
+
+    def to_bytes(self) -> bytes:
+        """JSON, payloads in base64."""
+        return json.dumps({"present": self.present, "subscriptions": self.subscriptions,
+                           "messages": [[t, q, base64.b64encode(d).decode()] for t, q, d in self.messages]}).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SessionState:
+        """Inverse of :meth:`to_bytes`. Raises ValueError (or KeyError, TypeError) for anything else."""
+        raw = json.loads(data)
+        return cls(bool(raw["present"]), [(str(f), int(q)) for f, q in raw["subscriptions"]],
+                   [(str(t), int(q), base64.b64decode(d)) for t, q, d in raw["messages"]])
+
+
+class ClusterState:
+    """Retained messages and persistent sessions' subscriptions in the cluster's KV buckets, over ``link`` (the bus's).
+
+    ``apply_retained(topic, payload or None, qos or None)`` is called on the broker loop ``loop`` for every change
+    of the retained bucket, this broker's own included (None: deleted). Raises from :meth:`start` what NATS raised
+    when the buckets cannot be opened, or TimeoutError.
+    """
+
+    def __init__(self, settings: EcqSettings, link: NatsLink, loop: asyncio.AbstractEventLoop,
+                 apply_retained: Callable[[str, bytes | None, int | None], None]) -> None:
+        self._settings, self._link, self._loop = settings, link, loop
+        self._apply_retained = apply_retained
+        self._retained: Any = None
+        self._sessions: Any = None
+        self._js: Any = None
+        self._api = JetStreamApi(link)
+        self._queues = f"{settings.jetstream_namespace}_SESSIONS"  # the stream of offline sessions' queues
+        self._writes: asyncio.Queue | None = None  # (coroutine function, args) run in order on the link's loop
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        """Open the buckets and apply every retained message stored (blocking: call it off the broker loop)."""
+        self._link.call(self._open(), LOAD_TIMEOUT_S)
+
+    async def _open(self) -> None:
+        js = self._link.nc.jetstream(timeout=REQUEST_TIMEOUT_S)
+        namespace, replicas = self._settings.jetstream_namespace, self._settings.jetstream_replicas
+        self._retained = await _bucket(js, f"{namespace}_retained", replicas, None)
+        self._sessions = await _bucket(js, f"{namespace}_sessions", replicas, self._settings.session_expiry)
+        await _stream(js, StreamConfig(
+            name=self._queues, subjects=[f"{namespace}.sq.>"], max_msgs_per_subject=self._settings.session_max_queued,
+            max_age=self._settings.session_expiry, num_replicas=replicas, allow_direct=True,
+            storage=StorageType.FILE, discard=DiscardPolicy.OLD))
+        self._js = js
+        watcher = await self._retained.watch(">")
+        loaded = asyncio.get_running_loop().create_future()
+        self._writes = asyncio.Queue()
+        self._tasks = [asyncio.ensure_future(self._follow(watcher, loaded)), asyncio.ensure_future(self._write())]
+        await loaded
+
+    async def _follow(self, watcher: Any, loaded: asyncio.Future) -> None:
+        async for entry in watcher:
+            if entry is None:  # nats-py's marker: the entries stored before the watch are all delivered
+                loaded.set_result(None)
+                continue
+            try:
+                topic = untoken(entry.key)
+            except ValueError as exc:
+                log.warning("ECQ ignored a retained entry it did not write (key %r): %s", entry.key, exc)
+                continue
+            if entry.operation is not None or not entry.value:  # DEL or PURGE
+                self._loop.call_soon_threadsafe(self._apply_retained, topic, None, None)
+            else:
+                qos = None if entry.value[0] == NO_QOS else entry.value[0]
+                self._loop.call_soon_threadsafe(self._apply_retained, topic, bytes(entry.value[1:]), qos)
+
+    async def _write(self) -> None:
+        while True:
+            what, args = await self._writes.get()
+            try:
+                await what(*args)
+            except Exception as exc:  # NATS away or the bucket gone: the state stays on this broker
+                log.warning("ECQ could not store %s in the cluster: %s", args[0], exc or type(exc).__name__)
+            finally:
+                self._writes.task_done()
+
+    def _enqueue(self, what: Callable, *args: Any) -> None:
+        self._link.loop.call_soon_threadsafe(self._writes.put_nowait, (what, args))
+
+    # --- retained messages ------------------------------------------------------------------------------
+
+    def retain(self, topic: str, payload: bytes, qos: int | None) -> None:
+        """Store the retained message of ``topic`` for the whole cluster; an empty ``payload`` deletes it (returns at
+        once; written in call order)."""
+        if payload:
+            value = bytes([NO_QOS if qos is None else qos]) + payload
+            self._enqueue(self._put_retained, f"retained message of {topic!r}", token(topic), value)
+        else:
+            self._enqueue(self._delete_retained, f"cleared retained message of {topic!r}", token(topic))
+
+    async def _put_retained(self, _what: str, key: str, value: bytes) -> None:
+        await self._retained.put(key, value)
+
+    async def _delete_retained(self, _what: str, key: str) -> None:
+        await self._retained.delete(key)
+
+    # --- persistent sessions' subscriptions ---------------------------------------------------------------
+
+    def save_subscriptions(self, clientid: str, subscriptions: list[tuple[str, int]]) -> None:
+        """Store the subscriptions of ``clientid``'s persistent session (returns at once; written in call order)."""
+        self._enqueue(self._put_session, f"session of {clientid!r}", token(clientid),
+                      json.dumps(subscriptions).encode())
+
+    def forget_session(self, clientid: str) -> None:
+        """Delete ``clientid``'s stored session and queue (a clean-session CONNECT; returns at once, written in call
+        order)."""
+        self._enqueue(self._delete_session, f"end of the session of {clientid!r}", token(clientid))
+        self.drop_queue(clientid)
+
+    def queue_message(self, clientid: str, topic: str, qos: int, payload: bytes) -> None:
+        """Store a message queued for ``clientid``'s offline persistent session (returns at once; call order)."""
+        headers = {"Ecq-Topic": token(topic), "Ecq-Qos": str(qos)}
+        self._enqueue(self._publish_queued, f"message queued for {clientid!r}", self._queue_subject(clientid),
+                      payload, headers)
+
+    def drop_queue(self, clientid: str) -> None:
+        """Delete the stored queue of ``clientid`` (it was taken for sending; returns at once; call order)."""
+        self._enqueue(self._purge_queue, f"sent queue of {clientid!r}", self._queue_subject(clientid))
+
+    async def _publish_queued(self, _what: str, subject: str, payload: bytes, headers: dict[str, str]) -> None:
+        await self._js.publish(subject, payload, headers=headers)
+
+    async def _purge_queue(self, _what: str, subject: str) -> None:
+        await self._js.purge_stream(self._queues, subject=subject)
+
+    async def _load_queue(self, clientid: str) -> list[tuple[str, int, bytes]]:
+        stream, subject = self._queues, self._queue_subject(clientid)
+        newest = await self._from_leader(stream, subject)
+        if newest is None:
+            return []
+        request = {"seq": 1, "next_by_subj": subject, "batch": self._settings.session_max_queued}
+        replies = await self._api.direct(stream, request, leader_seq=newest["seq"])  # a replica may lag the leader
+        return [(untoken(r.headers["Ecq-Topic"]), int(r.headers["Ecq-Qos"]), bytes(r.data)) for r in replies]
+
+    async def _from_leader(self, stream: str, subject: str) -> dict | None:
+        """The newest message of ``subject`` as the stream leader has it (JetStream's stored-message JSON), or None."""
+        answer = await until(time.monotonic() + LEADER_READ_TIMEOUT_S,
+                             lambda: self._api.api(f"STREAM.MSG.GET.{stream}", {"last_by_subj": subject}))
+        if "message" in answer:
+            return answer["message"]
+        if answer.get("error", {}).get("code") == 404:
+            return None
+        raise StoreError(f"reading {subject} from {stream}: {answer.get('error')}")
+
+    def _queue_subject(self, clientid: str) -> str:
+        return f"{self._settings.jetstream_namespace}.sq.{token(clientid)}"
+
+    async def _put_session(self, _what: str, key: str, value: bytes) -> None:
+        await self._sessions.put(key, value)
+
+    async def _delete_session(self, _what: str, key: str) -> None:
+        await self._sessions.delete(key)
+
+    async def load_session(self, clientid: str) -> SessionState:
+        """The stored subscriptions and queued messages of ``clientid`` (run on the link's loop); not present when
+        none are stored or they cannot be read (logged)."""
+        bucket = f"{self._settings.jetstream_namespace}_sessions"
+        try:  # from the leader: a replica may not hold the subscriptions written just before their broker died
+            entry = await self._from_leader(f"KV_{bucket}", f"$KV.{bucket}.{token(clientid)}")
+            if entry is None or KV_OPERATION in base64.b64decode(entry.get("hdrs") or ""):  # none, or deleted
+                return SessionState(False)
+            subscriptions = json.loads(base64.b64decode(entry["data"]))
+            return SessionState(True, [(str(f), int(q)) for f, q in subscriptions], await self._load_queue(clientid))
+        except Exception as exc:
+            log.warning("ECQ could not read the stored session of %r: %s", clientid, exc or type(exc).__name__)
+            return SessionState(False)
+
+    async def settle(self) -> None:
+        """Wait (on the link's loop, at most ``SETTLE_TIMEOUT_S``) until the writes asked for so far are done: a
+        broker handing a session over lets its queued messages land before the new holder may purge them."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._writes.join()), SETTLE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("ECQ: writes to the cluster still pending after %.0f s", SETTLE_TIMEOUT_S)
+
+    def close(self) -> None:
+        """Finish the writes asked for (at most ``CLOSE_TIMEOUT_S``), then stop watching and writing (blocking; call
+        before the link closes)."""
+        if self._writes is not None:
+            try:
+                self._link.call(self._writes.join(), CLOSE_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("ECQ: %d writes of retained messages or sessions not stored at close: %s",
+                            self._writes.qsize(), exc)
+        for task in self._tasks:
+            self._link.loop.call_soon_threadsafe(task.cancel)
+
+
+async def _bucket(js: Any, name: str, replicas: int, ttl: float | None) -> Any:
+    """The KV bucket ``name``, created when missing (one value per key)."""
+    try:
+        return await js.key_value(name)
+    except Exception:  # nats-py's BucketNotFoundError, or NotFoundError from the stream info
+        return await js.create_key_value(bucket=name, history=1, replicas=replicas, ttl=ttl)
+
+
+async def _stream(js: Any, config: StreamConfig) -> None:
+    """Create the stream ``config`` describes, or bring an existing one to it."""
+    try:
+        await js.add_stream(config)
+    except BadRequestError:  # it exists with another configuration (session_max_queued or session_expiry changed)
+        await js.update_stream(config)

@@ -1,0 +1,193 @@
+"""State of ordinary MQTT that follows the client across two ECQ nodes on the session's 3-server NATS cluster
+(issue 24, point 7), over TCP with paho clients: retained messages in the cluster's KV, persistent sessions handed
+over by the node that held them (or read from the KV when it died), clean sessions discarded everywhere."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ecq.store.jsapi import token
+from tests.harness import BrokerProcess, RawClient, wait_until, write
+
+PROPAGATION_BOUND_S = 5.0   # a KV write seen by the other node's watch
+
+
+def started(nodes: list[BrokerProcess]) -> list[BrokerProcess]:
+    return [node.start() for node in nodes]
+
+
+def retained_seen(connect, node: BrokerProcess, topic_filter: str, name: str) -> list[tuple[str, bytes]]:
+    """What a new subscription to ``topic_filter`` on ``node`` gets at once (its retained messages)."""
+    client = connect(node.port, name)
+    client.subscribe(topic_filter)
+    seen = [(m.topic, m.payload) for m in client.quiet(0.3)]
+    client.close()
+    return seen
+
+
+def eventually_retained(connect, node: BrokerProcess, topic_filter: str, expected: list[tuple[str, bytes]]) -> None:
+    seen: list = []
+    attempts = iter(range(1000))
+
+    def matches() -> bool:
+        seen[:] = retained_seen(connect, node, topic_filter, f"probe-{next(attempts)}")
+        return seen == expected
+    assert wait_until(matches, PROPAGATION_BOUND_S, 0.1), f"retained on {topic_filter}: {seen}, expected {expected}"
+
+
+# --- retained messages -----------------------------------------------------------------------------
+
+
+def test_a_retained_message_on_one_node_is_retained_on_the_other_and_cleared_from_either(cluster_nodes, connect):
+    node1, node2 = started(cluster_nodes())
+    connect(node1.port, "pub-1").publish("state/lamp", b"on", qos=1, retain=True)
+    eventually_retained(connect, node2, "state/#", [("state/lamp", b"on")])
+    connect(node2.port, "pub-2").publish("state/lamp", b"", qos=1, retain=True)  # MQTT 3.1.1 section 3.3.1.3
+    eventually_retained(connect, node1, "state/#", [])
+    assert retained_seen(connect, node2, "state/#", "after-clear") == []
+
+
+def test_a_node_started_after_the_retain_and_the_first_node_stopped_has_it(cluster_nodes, connect):
+    [node1] = started(cluster_nodes(1))
+    connect(node1.port, "pub").publish("state/door", b"open", qos=1, retain=True)
+    connect(node1.port, "pub").publish("state/fan", b"off", qos=0, retain=True)
+    eventually_retained(connect, node1, "state/#", [("state/door", b"open"), ("state/fan", b"off")])
+    assert node1.stop() == 0  # the KV writes go before the NATS link closes
+    [node2] = started(cluster_nodes(1))
+    assert sorted(retained_seen(connect, node2, "state/#", "late")) == [("state/door", b"open"), ("state/fan", b"off")]
+
+
+# --- persistent sessions ---------------------------------------------------------------------------
+
+
+def test_a_persistent_session_moves_to_the_node_where_the_client_reconnects(cluster_nodes, connect):
+    node1, node2 = started(cluster_nodes())
+    client = connect(node1.port, "ps", clean_session=False)
+    assert client.subscribe("ps/#", 1) == 1
+    client.close()
+    witness = connect(node1.port, "witness")  # shows that a message reached node 1, where the session waits
+    witness.subscribe("ps/#", 1)
+    publishers = [connect(node1.port, "pub-1"), connect(node2.port, "pub-2")]
+    for i in range(6):
+        publishers[i % 2].publish("ps/m", f"m{i}".encode(), qos=1)
+        [arrived] = witness.expect(1)  # in order: the next one is published once this one is at node 1
+        assert arrived.payload == f"m{i}".encode()
+
+    moved = connect(node2.port, "ps", clean_session=False)  # no SUBSCRIBE from here on
+    assert moved.session_present is True
+    assert [(m.topic, m.payload, m.qos) for m in moved.expect(6)] == [("ps/m", f"m{i}".encode(), 1) for i in range(6)]
+    for i, publisher in enumerate(publishers):
+        publisher.publish("ps/m", f"live{i}".encode(), qos=1)
+    assert sorted(m.payload for m in moved.expect(2)) == [b"live0", b"live1"]
+    assert moved.quiet(1.0) == []  # node 1 dropped its copy: no second delivery
+    moved.close()
+
+    cleaner = connect(node2.port, "ps", clean_session=True)  # discards the session everywhere
+    cleaner.close()
+    back = connect(node1.port, "ps", clean_session=False)
+    assert back.session_present is False
+    publishers[1].publish("ps/m", b"after-clean", qos=1)
+    assert back.quiet(1.0) == []
+
+
+def test_a_persistent_session_outlives_the_death_of_its_node(cluster_nodes, connect, jetstream_options, nats_cluster):
+    node1, node2 = started(cluster_nodes())
+    client = connect(node1.port, "orphan", clean_session=False)
+    assert client.subscribe("orphan/#", 1) == 1
+    client.close()
+    bucket = f"{jetstream_options['jetstream_namespace']}_sessions"
+    assert wait_until(lambda: asyncio.run(kv_value(nats_cluster.urls, bucket, token("orphan"))) is not None,
+                      PROPAGATION_BOUND_S, 0.1)
+    node1.kill()
+    moved = connect(node2.port, "orphan", clean_session=False)
+    assert moved.session_present is True
+    connect(node2.port, "pub").publish("orphan/x", b"still subscribed", qos=1)
+    [message] = moved.expect(1)
+    assert (message.topic, message.payload, message.qos) == ("orphan/x", b"still subscribed", 1)
+
+
+async def kv_value(urls: list[str], bucket: str, key: str) -> bytes | None:
+    """The value of ``key`` in the KV ``bucket`` as NATS has it (None: no such key or bucket)."""
+    import nats
+    client = await nats.connect(urls, connect_timeout=2, max_reconnect_attempts=2)
+    try:
+        return (await (await client.jetstream(timeout=5).key_value(bucket)).get(key)).value
+    except Exception:
+        return None
+    finally:
+        await client.close()
+
+
+def test_a_clean_connect_on_one_node_discards_the_session_the_other_node_holds(cluster_nodes, connect):
+    node1, node2 = started(cluster_nodes())
+    client = connect(node1.port, "wiped", clean_session=False)
+    assert client.subscribe("wiped/#", 1) == 1
+    client.close()
+    connect(node1.port, "pub").publish("wiped/queued", b"dropped with the session", qos=1)
+    connect(node2.port, "wiped", clean_session=True).close()  # MQTT 3.1.1 section 3.1.2.4
+    back = connect(node1.port, "wiped", clean_session=False)
+    assert back.session_present is False
+    connect(node2.port, "pub-2").publish("wiped/new", b"no subscription left", qos=1)
+    assert back.quiet(1.0) == []
+
+
+def test_a_persistent_queue_consumer_resumes_on_the_other_node_without_subscribing(cluster_nodes, connect):
+    node1, node2 = started(cluster_nodes())
+    consumer = connect(node1.port, "pq", clean_session=False)
+    assert consumer.subscribe("$ECQ/pq/#", 1) == 1
+    producer = connect(node2.port, "producer")
+    write(producer, "pq", "k1", "v1")
+    assert [(m.topic, m.payload) for m in consumer.expect(1)] == [("$ECQ/pq/k1", b"v1")]
+    consumer.close()
+    write(producer, "pq", "k2", "v2")
+    moved = connect(node2.port, "pq", clean_session=False)
+    assert moved.session_present is True
+    assert [(m.topic, m.payload) for m in moved.expect(1)] == [("$ECQ/pq/k2", b"v2")]
+    assert moved.quiet(1.0) == []
+
+
+def test_a_persistent_connection_taken_over_from_the_other_node_brings_its_subscriptions(cluster_nodes, connect):
+    node1, node2 = started(cluster_nodes())
+    old = RawClient(node1.port, "live", clean_session=False)  # raw: paho would reconnect by itself
+    assert old.subscribe(b"live/#")[0] == 0x90
+    new = connect(node2.port, "live", clean_session=False)  # MQTT 3.1.1 section 3.1.4: the old connection is closed
+    assert new.session_present is True
+    old.read_until_closed(timeout=5)
+    old.close()
+    connect(node1.port, "pub").publish("live/x", b"to the new connection", qos=1)
+    assert [(m.topic, m.payload) for m in new.expect(1)] == [("live/x", b"to the new connection")]
+    assert new.quiet(1.0) == []
+
+
+def test_the_queue_of_a_persistent_session_outlives_the_death_of_its_node(cluster_nodes, connect, jetstream_options,
+                                                                          nats_cluster):
+    node1, node2 = started(cluster_nodes())
+    client = connect(node1.port, "orphanq", clean_session=False)
+    assert client.subscribe("orphanq/#", 1) == 1
+    client.close()
+    witness = connect(node1.port, "witness")  # shows that a message reached node 1, where the session waits
+    witness.subscribe("orphanq/#", 1)
+    publishers = [connect(node1.port, "pub-1"), connect(node2.port, "pub-2")]
+    for i in range(4):
+        publishers[i % 2].publish("orphanq/m", f"m{i}".encode(), qos=1)
+        assert witness.expect(1)[0].payload == f"m{i}".encode()
+    stream = f"{jetstream_options['jetstream_namespace']}_SESSIONS"
+    assert wait_until(lambda: asyncio.run(stored_count(nats_cluster.urls, stream)) == 4, PROPAGATION_BOUND_S, 0.1)
+    node1.kill()
+    moved = connect(node2.port, "orphanq", clean_session=False)
+    assert moved.session_present is True
+    expected = [("orphanq/m", f"m{i}".encode(), 1) for i in range(4)]
+    assert [(m.topic, m.payload, m.qos) for m in moved.expect(4)] == expected
+    assert wait_until(lambda: asyncio.run(stored_count(nats_cluster.urls, stream)) == 0, PROPAGATION_BOUND_S, 0.1)
+
+
+async def stored_count(urls: list[str], stream: str) -> int | None:
+    """How many messages ``stream`` holds (None: no such stream)."""
+    import nats
+    client = await nats.connect(urls, connect_timeout=2, max_reconnect_attempts=2)
+    try:
+        return (await client.jetstream(timeout=5).stream_info(stream)).state.messages
+    except Exception:
+        return None
+    finally:
+        await client.close()
