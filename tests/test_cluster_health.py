@@ -5,6 +5,8 @@ admin API over HTTP, `ecq` on the command line and raw MQTT clients over TCP."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 import urllib.error
@@ -13,7 +15,7 @@ import urllib.request
 import pytest
 
 from ecq.testing.failover import ROLES, PacedWriter, holds_connection, move_leader, time_to_first_puback, victim
-from ecq.testing.nats import LocalNatsCluster
+from ecq.testing.nats import LocalNatsCluster, monitor_json
 from tests.harness import RawClient, metrics_text, wait_until
 from tests.test_cluster import ECQ, ecq_json
 from tests.test_cluster_failures import shard_stream
@@ -200,3 +202,27 @@ def test_puback_resumes_within_5_s_of_a_kill9_of_a_nats_server(own_nats, cluster
             f"PUBACKs resumed {resumed} s after kill -9 of {server.name} ({kind})"
     finally:
         writer.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_nats_server_that_stops_answering_is_left_within_seconds(own_nats, cluster_nodes):
+    """A hung server (SIGSTOP: the TCP connection stays open, nothing is answered) is noticed by the link's pings
+    (ecq.store.link.PING_INTERVAL_S x MAX_OUTSTANDING_PINGS) and the node reconnects to another server; with
+    nats-py's default, 2 pings 2 minutes apart, the store's link stayed on the hung server for minutes."""
+    [node] = [n.start() for n in cluster_nodes(1, nats=own_nats, write_timeout="2s")]
+    assert wait_until(lambda: healthy(node), 15), admin_get(node, "/api/v1/health")
+    held = [server for server in own_nats.servers if holds_connection(server, "ecq node-1")]
+    assert held, "the node's connections were not found"
+    hung = held[0]
+
+    def links_on(server) -> int:
+        connections = (monitor_json(server.ports.http, "/connz", 1.0) or {}).get("connections") or []
+        return sum(c.get("name") == "ecq node-1" for c in connections)
+
+    others = [server for server in own_nats.servers if server is not hung]
+    os.kill(hung.pid, signal.SIGSTOP)
+    try:
+        moved = time_until(lambda: sum(links_on(s) for s in others) >= 2, 20, 0.2)  # the store's link and the bus's
+    finally:
+        os.kill(hung.pid, signal.SIGCONT)
+    assert moved is not None and moved <= 10, f"the node's links left the hung server after {moved} s"
