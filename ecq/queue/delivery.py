@@ -15,9 +15,10 @@ LevelDB before the next delivery to that consumer leaves, so after a crash only 
 last message the consumer was sent can be lost, and only those messages are delivered again. A failed
 save (disk full) is retried every ``SAVE_RETRY_S`` and holds delivery meanwhile.
 
-The consumer reads up to one window ahead of what is in flight, so one store read (a thread hop)
-serves about one window of PUBACKs instead of each PUBACK causing a read (the reads benchmark's profile). A
-read-ahead message that compaction superseded meanwhile is dropped, one that expired is skipped. A consumer
+The consumer reads up to two windows ahead of what is in flight and asks for the next window before the last
+one is used up (one read in flight, beside the deliveries): a read's round trip (a thread hop; on JetStream a
+request) overlaps the sends, and one read serves about one window of PUBACKs. PUBACKs that arrive together
+are saved together (:meth:`Consumer._save_soon`). A read-ahead message that compaction superseded meanwhile is dropped, one that expired is skipped. A consumer
 that has read everything stored (the realtime case) takes a new append straight from its commit
 (:meth:`Consumer.appended` with the message), without a store read: Kafka's consumers read the tail of a log
 from the page cache for the same reason.
@@ -91,6 +92,9 @@ class Consumer:
         self._ready: deque[Message] = deque()  # read ahead, not yet handed out (at most one window)
         self._newest = state.acked          # highest seqno known to be stored (appends tell it)
         self._handed: deque[int] = deque()  # seqnos handed to this connection, oldest first, not yet folded
+        self._told = 0                      # highest seqno told by an append since the read in flight started
+        self._reading: asyncio.Task | None = None   # the read-ahead in flight
+        self._unreadable = False            # a read found damaged data: delivery stops (StoreReadError)
         self._wake = asyncio.Event()
         self._pump_task: asyncio.Task | None = None
 
@@ -115,6 +119,7 @@ class Consumer:
         """Stop delivering; unacked inflight messages will be delivered again on the next attach."""
         if self._pump_task:
             self._pump_task.cancel()
+        self._cancel_read()
         for task in self.inflight.values():
             task.cancel()
         self.inflight.clear()
@@ -155,9 +160,7 @@ class Consumer:
         self.state = AckState(acked, self.state.last_ack_ms, set())
         self._read_cursor = acked
         self._newest = _UNKNOWN  # read until a short read
-        if self._pump_task:  # a read in progress would bring back entries after the old cursor
-            self._pump_task.cancel()
-            self._pump_task = asyncio.create_task(self._pump(), name=f"ecq-deliver-{self.clientid}")
+        self._cancel_read()  # a read in progress would bring back entries after the old cursor
         self._rewinds += 1
         stored = asyncio.get_running_loop().create_future()
         self._rewind_waiters.append((self._rewinds, stored))
@@ -204,6 +207,7 @@ class Consumer:
             self._ready.append(message)
             self._read_cursor = seqno
         self._newest = max(self._newest, seqno)
+        self._told = max(self._told, seqno)
         self._wake.set()
 
     def _takes_from_commit(self, seqno: int) -> bool:
@@ -213,39 +217,51 @@ class Consumer:
         return self.online and self._newest == self._read_cursor < seqno and len(self._ready) < self._window
 
     async def _pump(self) -> None:
-        while True:
+        while not self._unreadable:
             await self._wake.wait()
             self._wake.clear()
             if not self._sending:
                 continue
-            free = self._window - len(self.inflight)
-            if free <= 0:
-                continue
-            if not self._ready and self.behind:
-                wanted = free + self._window  # read one window ahead: one store read per window of PUBACKs
-                try:
-                    messages = await self._read(wanted)
-                except StoreReadError as exc:  # a damaged block stays damaged: stop rather than retry forever
-                    log.error("ECQ delivery of %s stopped: cannot read its queue: %s; stop the broker and run "
-                              "`ecq repair`", self.clientid, exc)
-                    return
-                except Exception as exc:  # timeout or LevelDB error: a later round retries, nothing is skipped
-                    log.warning("ECQ read for %s failed (%s); retrying in %.1fs",
-                                self.clientid, exc or type(exc).__name__, self._read_deadline.timeout_s)
-                    asyncio.get_running_loop().call_later(self._read_deadline.timeout_s, self.wake)
-                    continue
-                self._ready.extend(messages)
-                self._read_cursor = messages[-1].seqno if messages else self._read_cursor
-                if len(messages) == wanted:
-                    self.wake()  # there may be more once slots free up; the next round checks
-                elif not self._wake.is_set():  # no append since the read began: everything stored was read
-                    self._newest = self._read_cursor
+            self._read_ahead()
             if self._fold_acked():
                 self._save()
             if not self.saving:  # every PUBACK received so far is stored before anything more is sent
                 self._hand_out_ready()
-                if not self._ready and self.behind and len(self.inflight) < self._window:
-                    self.wake()  # read-ahead used up with room left (acks came while a save was slow): read on
+                self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        """Start a read, up to two windows ahead, when less than one is read ahead and the store may hold more."""
+        if self._reading is None and self.behind and len(self._ready) < self._window:
+            limit = 2 * self._window - len(self._ready)
+            self._reading = asyncio.create_task(self._read_into_ready(limit), name=f"ecq-read-{self.clientid}")
+
+    def _cancel_read(self) -> None:
+        if self._reading is not None:
+            self._reading, reading = None, self._reading
+            reading.cancel()
+
+    async def _read_into_ready(self, limit: int) -> None:
+        self._told = 0
+        try:
+            messages = await self._read(limit)
+        except StoreReadError as exc:  # a damaged block stays damaged: stop rather than retry forever
+            log.error("ECQ delivery of %s stopped: cannot read its queue: %s; stop the broker and run `ecq repair`",
+                      self.clientid, exc)
+            self._unreadable = True
+            return
+        except Exception as exc:  # timeout or LevelDB error: a later round retries, nothing is skipped
+            log.warning("ECQ read for %s failed (%s); retrying in %.1fs",
+                        self.clientid, exc or type(exc).__name__, self._read_deadline.timeout_s)
+            asyncio.get_running_loop().call_later(self._read_deadline.timeout_s, self.wake)
+            return
+        finally:
+            if self._reading is asyncio.current_task():
+                self._reading = None
+            self.wake()
+        self._ready.extend(messages)
+        self._read_cursor = messages[-1].seqno if messages else self._read_cursor
+        if len(messages) < limit:  # everything stored was read, but what was appended meanwhile
+            self._newest = max(self._read_cursor, self._told)
 
     async def _read(self, limit: int) -> list[Message]:
         min_ts = retention_cutoff_ms(self._retention_s)
@@ -290,7 +306,7 @@ class Consumer:
         if self._tombstones and not message.payload:
             self._acked_tombstones.append(ExpiredRow(message.seqno, message.key, message.ts_ms, 0))
         self._fold_acked()
-        self._save()
+        self._save_soon()
         if self._sending:
             self.wake()
         elif not self.inflight:  # the last delivery in flight when the consumer unsubscribed is complete
@@ -329,6 +345,18 @@ class Consumer:
         self._acked_tombstones = []
         future.add_done_callback(lambda done: self._saved(done, rewinds, tombstones))
 
+    def _save_soon(self) -> None:
+        """:meth:`_save` once the event loop has run what is ready now: the PUBACKs read from the connection
+        together resume their deliveries in this iteration, and one save then holds them all. ``saving`` is
+        true meanwhile, so nothing is sent before they are stored."""
+        if not self._save_due:
+            self._save_due = True
+            asyncio.get_running_loop().call_soon(self._save_if_due)
+
+    def _save_if_due(self) -> None:
+        if self._save_due and not self.saves_pending:
+            self._save()
+
     def _saved(self, future: asyncio.Future, rewinds: int, tombstones: list[ExpiredRow]) -> None:
         self.saves_pending -= 1
         if not future.cancelled() and future.exception():
@@ -336,7 +364,7 @@ class Consumer:
             log.error("ECQ saving the state of consumer %s failed: %s; delivery to it waits and the save is "
                       "retried in %.1fs", self.clientid, future.exception(), SAVE_RETRY_S)
             self._save_due = True
-            asyncio.get_running_loop().call_later(SAVE_RETRY_S, self._retry_save)
+            asyncio.get_running_loop().call_later(SAVE_RETRY_S, self._save_if_due)
             return
         self._settle_rewinds(rewinds)
         if tombstones:
@@ -363,10 +391,6 @@ class Consumer:
                 future.set_result(None)
             else:
                 future.set_exception(error)
-
-    def _retry_save(self) -> None:
-        if self._save_due and not self.saves_pending:
-            self._save()
 
 
 def _log_failed_tombstone_delete(future: asyncio.Future) -> None:
