@@ -105,6 +105,19 @@ def test_draining_a_stored_queue_costs_one_direct_get_per_read_and_one_leader_ch
         writer.close()
 
 
+def test_a_read_goes_on_past_expired_entries_so_a_short_answer_means_the_end(jetstream_options):
+    """Expired entries not yet collected are skipped without making the answer short: a consumer takes a short
+    answer for the end of its queue (as on LevelDB, whose read skips them within its scan)."""
+    store = open_store(jetstream_options)
+    try:
+        store.commit([Append("e", key, b"v", ts) for key, ts in (("old1", 100), ("old2", 100), ("old3", 100),
+                                                                 ("new1", 5000), ("new2", 5000))])
+        assert [m.key for m in store.read_after("e", 0, 2, min_ts_ms=1000)] == ["new1", "new2"]
+        assert [m.key for m in store.read_after("e", 0, 10, min_ts_ms=1000)] == ["new1", "new2"]
+    finally:
+        store.close()
+
+
 class Observer:
     def delivered(self, clientid: str, message: Message, attempt: int) -> None:
         pass

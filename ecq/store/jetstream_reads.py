@@ -51,15 +51,29 @@ class JetStreamReads:
 
     async def read_after_async(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0,
                                known_last: int | None = None) -> list[Message]:
-        """:meth:`read_after` on the link's loop."""
+        """:meth:`read_after` on the link's loop. Expired entries (before ``min_ts_ms``, not yet collected) are
+        skipped and the read goes on past them, so a short answer still means the end of the queue."""
         stream, subject = self._stream(self._shard(clientid)), self._queue_subject(clientid)
+        live: list[Message] = []
+        while len(live) < limit:
+            wanted = limit - len(live)
+            stored = await self._stored_after(stream, subject, after, wanted, known_last)
+            live += [m for m in stored if m.ts_ms >= min_ts_ms]
+            if len(stored) < wanted:
+                break
+            after = stored[-1].seqno
+        return live
+
+    async def _stored_after(self, stream: str, subject: str, after: int, limit: int,
+                            known_last: int | None) -> list[Message]:
+        """Up to ``limit`` stored entries after ``after``: one direct get, and the leader for what it lacks."""
         messages = [message_of(reply) for reply in await self._js.direct(
             stream, {"seq": after + 1, "next_by_subj": subject, "batch": limit})]
         if len(messages) < limit:
             last = messages[-1].seqno if messages else after
             if known_last is None or known_last > last:  # the replica may lag the leader
                 messages += await self._from_leader(stream, subject, last, limit - len(messages), known_last)
-        return [m for m in messages if m.ts_ms >= min_ts_ms]
+        return messages
 
     async def _from_leader(self, stream: str, subject: str, after: int, limit: int,
                            known_last: int | None) -> list[Message]:
