@@ -188,6 +188,47 @@ async def test_a_consumer_whose_acks_overlap_its_reads_reads_appends_without_ask
         store.close()
 
 
+async def test_a_poll_during_a_read_makes_the_consumer_read_again_to_the_end(jetstream_options):
+    """A heartbeat poll says appends may have been stored without a notice (lost on the network). A read that
+    was already in flight, begun before such an append, comes back short: the consumer must not take it for
+    the end of its queue, but read again and deliver the entry no notice told."""
+    store = open_store(jetstream_options)
+    pool = WriterPool(store, 2, lambda _ops, _results: None)
+    pool.start()
+    connection, held = FakeConnection(), asyncio.Event()
+    held.set()
+
+    async def read_then_wait(func, *args):
+        result = await store.read_async(func, *args)
+        await held.wait()  # the read's answer is in, the consumer does not have it yet
+        return result
+
+    consumer = Consumer("p", AckState(), store=store, pool=pool, publish=publish, observer=Observer(),
+                        read=lambda func, *args: asyncio.ensure_future(read_then_wait(func, *args)),
+                        read_deadline=SharedDeadline(5.0, "test read"), window=5, retention_s=3600)
+
+    async def append(key: str) -> int:
+        return (await pool.submit("p", Append("p", key, b"v", now_ms()))).seqno
+
+    try:
+        await append("a")
+        consumer.attach(connection)
+        await settle(lambda: len(connection.sent) == 1)
+        connection.ack()
+        held.clear()
+        consumer.appended(await append("b"), "b")
+        await asyncio.sleep(0.2)  # the read of b is answered and held
+        await append("c")  # its notice is lost
+        consumer.poll()
+        held.set()
+        await settle(lambda: len(connection.sent) == 3, timeout_s=3)
+        assert [topic for topic, _ in connection.sent] == ["$ECQ/p/a", "$ECQ/p/b", "$ECQ/p/c"]
+    finally:
+        consumer.detach()
+        await pool.close()
+        store.close()
+
+
 # --- order and no skip, over MQTT ---------------------------------------------------------------------------
 
 ENTRIES = 400

@@ -92,7 +92,7 @@ class Consumer:
         self._ready: deque[Message] = deque()  # read ahead, not yet handed out (at most one window)
         self._newest = state.acked          # highest seqno known to be stored (appends tell it)
         self._handed: deque[int] = deque()  # seqnos handed to this connection, oldest first, not yet folded
-        self._told = 0                      # highest seqno told by an append since the read in flight started
+        self._told = 0                      # highest seqno told since the read in flight started (_UNKNOWN: polled)
         self._reading: asyncio.Task | None = None   # the read-ahead in flight
         self._unreadable = False            # a read found damaged data: delivery stops (StoreReadError)
         self._wake = asyncio.Event()
@@ -105,7 +105,7 @@ class Consumer:
 
     def attach(self, connection: Any) -> None:
         """Start delivering to ``connection``; a different connection already attached is detached first."""
-        self._newest = _UNKNOWN  # appends made while detached were not told: read until a short read
+        self._newest = self._told = _UNKNOWN  # appends made while detached were not told: read to a short read
         if connection is self.connection:
             self._sending = True
             self.wake()
@@ -159,7 +159,7 @@ class Consumer:
         self.attempts.clear()
         self.state = AckState(acked, self.state.last_ack_ms, set())
         self._read_cursor = acked
-        self._newest = _UNKNOWN  # read until a short read
+        self._newest = self._told = _UNKNOWN  # read until a short read
         self._cancel_read()  # a read in progress would bring back entries after the old cursor
         self._rewinds += 1
         stored = asyncio.get_running_loop().create_future()
@@ -185,7 +185,7 @@ class Consumer:
     def poll(self) -> None:
         """Appends may have been made without :meth:`appended` being called (a shared store's notices were
         lost): read the store until a short read, as after an attach."""
-        self._newest = _UNKNOWN
+        self._newest = self._told = _UNKNOWN  # a read in flight now does not end the unknown
         self._wake.set()
 
     def forget(self, seqnos: set[int]) -> None:
