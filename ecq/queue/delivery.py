@@ -18,7 +18,8 @@ save (disk full) is retried every ``SAVE_RETRY_S`` and holds delivery meanwhile.
 The consumer reads up to two windows ahead of what is in flight and asks for the next window before the last
 one is used up (one read in flight, beside the deliveries): a read's round trip (a thread hop; on JetStream a
 request) overlaps the sends, and one read serves about one window of PUBACKs. PUBACKs that arrive together
-are saved together (:meth:`Consumer._save_soon`). A read-ahead message that compaction superseded meanwhile is dropped, one that expired is skipped. A consumer
+are saved together (:meth:`Consumer._save_soon`). A read-ahead message that compaction superseded meanwhile
+is dropped, one that expired is skipped. A consumer
 that has read everything stored (the realtime case) takes a new append straight from its commit
 (:meth:`Consumer.appended` with the message), without a store read: Kafka's consumers read the tail of a log
 from the page cache for the same reason.
@@ -89,7 +90,7 @@ class Consumer:
         self._tombstones = tombstones
         self._acked_tombstones: list[ExpiredRow] = []  # acked, to delete once a save holding their ack commits
         self._read_cursor = state.acked     # highest seqno read from the store for this connection
-        self._ready: deque[Message] = deque()  # read ahead, not yet handed out (at most one window)
+        self._ready: deque[Message] = deque()  # read ahead, not yet handed out (at most two windows)
         self._newest = state.acked          # highest seqno known to be stored (appends tell it)
         self._handed: deque[int] = deque()  # seqnos handed to this connection, oldest first, not yet folded
         self._told = 0                      # highest seqno told since the read in flight started (_UNKNOWN: polled)
@@ -126,7 +127,7 @@ class Consumer:
         self._handed.clear()
         self._ready.clear()
         self._read_cursor = self.state.acked
-        self.connection, self._sending = None, False
+        self.connection, self._sending, self._unreadable = None, False, False
         self._pump_task = None
 
     def stop_sending(self) -> None:
@@ -241,23 +242,24 @@ class Consumer:
             reading.cancel()
 
     async def _read_into_ready(self, limit: int) -> None:
-        self._told = 0
+        self._told = 0  # after a failed read this task stays the read in flight until its retry is due
         try:
             messages = await self._read(limit)
         except StoreReadError as exc:  # a damaged block stays damaged: stop rather than retry forever
             log.error("ECQ delivery of %s stopped: cannot read its queue: %s; stop the broker and run `ecq repair`",
                       self.clientid, exc)
             self._unreadable = True
+            self.wake()
             return
         except Exception as exc:  # timeout or LevelDB error: a later round retries, nothing is skipped
             log.warning("ECQ read for %s failed (%s); retrying in %.1fs",
                         self.clientid, exc or type(exc).__name__, self._read_deadline.timeout_s)
-            asyncio.get_running_loop().call_later(self._read_deadline.timeout_s, self.wake)
+            await asyncio.sleep(self._read_deadline.timeout_s)
+            messages = None
+        self._reading = None
+        self.wake()
+        if messages is None:
             return
-        finally:
-            if self._reading is asyncio.current_task():
-                self._reading = None
-            self.wake()
         self._ready.extend(messages)
         self._read_cursor = messages[-1].seqno if messages else self._read_cursor
         if len(messages) < limit:  # everything stored was read, but what was appended meanwhile
@@ -346,9 +348,8 @@ class Consumer:
         future.add_done_callback(lambda done: self._saved(done, rewinds, tombstones))
 
     def _save_soon(self) -> None:
-        """:meth:`_save` once the event loop has run what is ready now: the PUBACKs read from the connection
-        together resume their deliveries in this iteration, and one save then holds them all. ``saving`` is
-        true meanwhile, so nothing is sent before they are stored."""
+        """:meth:`_save` once the loop has run what is ready: the PUBACKs read together resume their deliveries
+        in this iteration, and one save holds them all (``saving`` is true meanwhile: nothing is sent)."""
         if not self._save_due:
             self._save_due = True
             asyncio.get_running_loop().call_soon(self._save_if_due)

@@ -14,8 +14,9 @@ drains one queue of --cluster-queue-entries stored entries (deliveries/s of a si
 of --cluster-rate writes/s to --cluster-consumers online consumers for --cluster-seconds (write-to-delivery
 p50/p99 of the steady state, after its first second, and of the first second apart). CPU per write comes from
 the sampler over the write phase, per process kind: ECQ node(s), NATS servers (summed) and load processes
-(summed). Last, the LevelDB node and the 2 JetStream nodes are given --cluster-idle-entries stored entries
-(benchlib.cluster_idle) and left idle for --cluster-idle-seconds: CPU per node and of the NATS servers.
+(summed). Last, the 2 JetStream nodes are given --cluster-idle-entries stored entries (published to the
+streams from here, benchlib.cluster_idle) and left idle for --cluster-idle-seconds: CPU per node and of the
+NATS servers; the baseline is a LevelDB broker started on as many entries written straight into its store.
 The rows, with the issue-24 targets, come from benchlib.cluster_rows.
 """
 
@@ -30,12 +31,11 @@ from benchlib.cluster_rows import cluster_rows
 from benchlib.loadgen import ConsumeTask, Endpoints
 from benchlib.report import ScenarioResult
 from benchlib.scenarios import (ECQ_QUEUE, ECQ_WRITE, Bench, consume, flow_summary, flow_tasks, keys,
-                                phase_deadline_s, progress, publish)
+                                phase_deadline_s, preload_store, progress, publish)
 from ecq.testing.nats import LocalNatsCluster, nats_server_binary
 
 CONFIGS = ("leveldb", "jetstream-1", "jetstream-2")
 NODES = {"leveldb": 1, "jetstream-1": 1, "jetstream-2": 2}
-IDLE_CONFIGS = ("leveldb", "jetstream-2")   # the idle phase: the baseline and the 2-node cluster
 IDLE_KEYS = 10                              # keys per queue of the idle phase's entries
 FIRST_SECOND_S = 1.0                        # the flow's start (consumers attaching), reported apart
 
@@ -110,8 +110,10 @@ def measure(bench: Bench, name: str, options: list[dict[str, Any]], result: dict
             nodes.endpoint, part, key_names, ECQ_QUEUE, subscribe_after_start=True, deadline_s=deadline), cids)
         result["one_queue"] = drain_one_queue(bench, nodes, f"{label}-one-queue", name)
         result["flow"] = paced_flow(bench, nodes, f"{label}-flow", bench.ids(f"cf-{name}-", args.cluster_consumers))
-        if name in IDLE_CONFIGS:
-            result["idle"] = idle(bench, nodes, f"{label}-idle", name, options[0])
+        if name == "jetstream-2":
+            result["idle"] = idle_jetstream(bench, nodes, f"{label}-idle", name, options[0])
+    if name == "leveldb":
+        result["idle"] = idle_leveldb(bench, f"{label}-idle")
 
 
 def drain_one_queue(bench: Bench, nodes: Nodes, phase: str, name: str) -> dict[str, Any]:
@@ -140,16 +142,25 @@ def paced_flow(bench: Bench, nodes: Nodes, phase: str, cids: tuple[str, ...]) ->
             "steady": {k: steady[k] for k in ("measured", "p50_ms", "p99_ms", "max_ms")}}
 
 
-def idle(bench: Bench, nodes: Nodes, phase: str, name: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Store --cluster-idle-entries entries (LevelDB: MQTT writes; JetStream: published to the streams from
-    here), then CPU of the idle nodes and NATS servers over --cluster-idle-seconds."""
-    args = bench.args
-    cids = bench.ids(f"i-{name}-", max(1, args.cluster_idle_entries // IDLE_KEYS))
-    key_names = keys(IDLE_KEYS)
-    if name == "leveldb":
-        preload = publish(bench, nodes, f"{phase}-preload", ECQ_WRITE, cids, key_names, args.cluster_size)
-    else:
-        preload = preload_jetstream(options["nats_servers"], options["jetstream_namespace"], cids, key_names,
-                                    args.cluster_size)
-    return {"preload": {k: preload[k] for k in ("per_s", "seconds")}, "entries": len(cids) * IDLE_KEYS,
-            **idle_cpu(bench, nodes, phase, args.cluster_idle_seconds)}
+def idle_entries(bench: Bench, name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(clientids, keys) of the idle phase's --cluster-idle-entries entries."""
+    return bench.ids(f"i-{name}-", max(1, bench.args.cluster_idle_entries // IDLE_KEYS)), keys(IDLE_KEYS)
+
+
+def idle_jetstream(bench: Bench, nodes: Nodes, phase: str, name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Publish --cluster-idle-entries entries to the nodes' streams from here, then CPU of the idle nodes and
+    NATS servers over --cluster-idle-seconds."""
+    cids, key_names = idle_entries(bench, name)
+    preload = preload_jetstream(options["nats_servers"], options["jetstream_namespace"], cids, key_names,
+                                bench.args.cluster_size)
+    return {"preload": preload, **idle_cpu(bench, nodes, phase, bench.args.cluster_idle_seconds)}
+
+
+def idle_leveldb(bench: Bench, phase: str) -> dict[str, Any]:
+    """A LevelDB broker started on --cluster-idle-entries entries written straight into its store, idle for
+    --cluster-idle-seconds: the baseline of the idle CPU."""
+    cids, key_names = idle_entries(bench, "leveldb")
+    broker = bench.new_ecq(bench.workdir / phase)
+    preload = preload_store(broker.queues_dir, cids, key_names, bench.args.cluster_size)
+    with bench.serving(broker, phase) as node:
+        return {"preload": preload, **idle_cpu(bench, Nodes([node]), phase, bench.args.cluster_idle_seconds)}

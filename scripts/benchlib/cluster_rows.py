@@ -115,7 +115,7 @@ def _idle_rows(name: str, run: dict[str, Any], base: dict[str, Any]) -> list[Row
     per_node = [v for v in idle["node_cpu_pct"] if v is not None]
     busiest = max(per_node, default=None)
     base_node = max((v for v in base_idle.get("node_cpu_pct", []) if v is not None), default=None)
-    entries = f"{idle['entries']:,} entries stored, idle {idle['seconds']:g} s"
+    entries = f"{idle['preload']['entries']:,} entries stored, idle {idle['seconds']:g} s"
     row = Row("cluster", f"idle CPU % per node, {title}", "%", None, busiest, base_node, f"<{IDLE_MAX_PCT:g} %",
               note=f"busiest node; each: {idle['node_cpu_pct']}; {entries}")
     row.met = busiest is not None and busiest < IDLE_MAX_PCT and len(per_node) == len(idle["node_cpu_pct"])
