@@ -15,10 +15,11 @@ LevelDB before the next delivery to that consumer leaves, so after a crash only 
 last message the consumer was sent can be lost, and only those messages are delivered again. A failed
 save (disk full) is retried every ``SAVE_RETRY_S`` and holds delivery meanwhile.
 
-The consumer reads up to two windows ahead and asks for the next window before the last one is used up (one
-read in flight beside the deliveries: its round trip overlaps the sends); PUBACKs that arrive together are
-saved together (:meth:`Consumer._save_soon`). A read-ahead message that compaction superseded meanwhile is
-dropped, one that expired is skipped. A consumer
+The consumer reads up to two windows ahead of what is in flight and asks for the next window before the last
+one is used up (one read in flight, beside the deliveries): a read's round trip (a thread hop; on JetStream a
+request) overlaps the sends, and one read serves about one window of PUBACKs. PUBACKs that arrive together
+are saved together (:meth:`Consumer._save_soon`). A read-ahead message that compaction superseded meanwhile
+is dropped, one that expired is skipped. A consumer
 that has read everything stored (the realtime case) takes a new append straight from its commit
 (:meth:`Consumer.appended` with the message), without a store read: Kafka's consumers read the tail of a log
 from the page cache for the same reason.
@@ -49,7 +50,6 @@ log = logging.getLogger(__name__)
 
 _UNKNOWN = 2**64  # above every seqno: "the stored tail is not known"
 SAVE_RETRY_S = 1.0  # after a failed ack-state save (disk full, I/O error), try again this much later
-SAVE_GATHER_S = 0.002  # on a shared store, how long an ack save waits for the PUBACKs still in flight
 
 # publish(connection, topic, payload) -> awaits the PUBACK; raises ConnectionError when the connection is gone.
 Publish = Callable[[Any, str, bytes], Awaitable[None]]
@@ -95,7 +95,7 @@ class Consumer:
         self._handed: deque[int] = deque()  # seqnos handed to this connection, oldest first, not yet folded
         self._told = 0                      # highest seqno told since the read in flight started (_UNKNOWN: polled)
         self._reading: asyncio.Task | None = None   # the read-ahead in flight
-        self._unreadable = False            # a read found damaged data (StoreReadError): delivery stops
+        self._unreadable = False            # a read found damaged data: delivery stops (StoreReadError)
         self._wake = asyncio.Event()
         self._pump_task: asyncio.Task | None = None
 
@@ -120,7 +120,12 @@ class Consumer:
         """Stop delivering; unacked inflight messages will be delivered again on the next attach."""
         if self._pump_task:
             self._pump_task.cancel()
-        self._drop_sent()
+        self._cancel_read()
+        for task in self.inflight.values():
+            task.cancel()
+        self.inflight.clear()
+        self._handed.clear()
+        self._ready.clear()
         self._read_cursor = self.state.acked
         self.connection, self._sending, self._unreadable = None, False, False
         self._pump_task = None
@@ -147,11 +152,16 @@ class Consumer:
         """
         if self.connection is not None and not self._sending:
             self.detach()
-        self._drop_sent()
+        for task in self.inflight.values():
+            task.cancel()
+        self.inflight.clear()
+        self._handed.clear()
+        self._ready.clear()
         self.attempts.clear()
         self.state = AckState(acked, self.state.last_ack_ms, set())
         self._read_cursor = acked
         self._newest = self._told = _UNKNOWN  # read until a short read
+        self._cancel_read()  # a read in progress would bring back entries after the old cursor
         self._rewinds += 1
         stored = asyncio.get_running_loop().create_future()
         self._rewind_waiters.append((self._rewinds, stored))
@@ -223,29 +233,24 @@ class Consumer:
     def _read_ahead(self) -> None:
         """Start a read, up to two windows ahead, when less than one is read ahead and the store may hold more."""
         if self._reading is None and self.behind and len(self._ready) < self._window:
-            reading = self._read_into_ready(2 * self._window - len(self._ready))
-            self._reading = asyncio.create_task(reading, name=f"ecq-read-{self.clientid}")
+            limit = 2 * self._window - len(self._ready)
+            self._reading = asyncio.create_task(self._read_into_ready(limit), name=f"ecq-read-{self.clientid}")
 
-    def _drop_sent(self) -> None:
-        """Forget the deliveries in flight, what was handed out and read ahead, and cancel the read in flight."""
-        for task in self.inflight.values():
-            task.cancel()
-        self.inflight.clear()
-        self._handed.clear()
-        self._ready.clear()
-        if reading := self._reading:
-            self._reading = None
+    def _cancel_read(self) -> None:
+        if self._reading is not None:
+            self._reading, reading = None, self._reading
             reading.cancel()
 
     async def _read_into_ready(self, limit: int) -> None:
-        self._told = 0  # (after a failed read, this task stays the read in flight until its retry is due)
+        self._told = 0  # after a failed read this task stays the read in flight until its retry is due
         try:
             messages = await self._read(limit)
         except StoreReadError as exc:  # a damaged block stays damaged: stop rather than retry forever
             log.error("ECQ delivery of %s stopped: cannot read its queue: %s; stop the broker and run `ecq repair`",
                       self.clientid, exc)
             self._unreadable = True
-            return self.wake()
+            self.wake()
+            return
         except Exception as exc:  # timeout or LevelDB error: a later round retries, nothing is skipped
             log.warning("ECQ read for %s failed (%s); retrying in %.1fs",
                         self.clientid, exc or type(exc).__name__, self._read_deadline.timeout_s)
@@ -343,13 +348,10 @@ class Consumer:
         future.add_done_callback(lambda done: self._saved(done, rewinds, tombstones))
 
     def _save_soon(self) -> None:
-        """:meth:`_save` once the PUBACKs read together were taken (a shared store, where a save is a round trip:
-        all in flight, or SAVE_GATHER_S), in one save; nothing is sent meanwhile."""
-        was_due, self._save_due = self._save_due, True
-        if self.inflight and self._store.shared:
-            if not was_due:
-                asyncio.get_running_loop().call_later(SAVE_GATHER_S, self._save_if_due)
-        else:
+        """:meth:`_save` once the loop has run what is ready: the PUBACKs read together resume their deliveries
+        in this iteration, and one save holds them all (``saving`` is true meanwhile: nothing is sent)."""
+        if not self._save_due:
+            self._save_due = True
             asyncio.get_running_loop().call_soon(self._save_if_due)
 
     def _save_if_due(self) -> None:
