@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from ecq.config import EcqSettings
+from ecq.config import JETSTREAM_WINDOW, LEVELDB_WINDOW, EcqSettings
 from ecq.queue.clock import now_ms
 from ecq.queue.deadlines import SharedDeadline
 from ecq.queue.delivery import Consumer
@@ -116,6 +116,14 @@ def test_a_read_goes_on_past_expired_entries_so_a_short_answer_means_the_end(jet
         assert [m.key for m in store.read_after("e", 0, 10, min_ts_ms=1000)] == ["new1", "new2"]
     finally:
         store.close()
+
+
+def test_the_default_window_is_wider_on_jetstream_and_a_configured_one_is_kept(jetstream_options):
+    """An ack is stored before the next delivery, on JetStream a quorum round trip: the default window there is
+    JETSTREAM_WINDOW (one queue delivers about a window per save); LevelDB keeps LEVELDB_WINDOW."""
+    assert EcqSettings(**jetstream_options).reader_batch_size == JETSTREAM_WINDOW == 16
+    assert EcqSettings(**jetstream_options, reader_batch_size=3).reader_batch_size == 3
+    assert EcqSettings().reader_batch_size == LEVELDB_WINDOW == 5
 
 
 class Observer:
