@@ -44,6 +44,8 @@ def parse_duration(value: Any) -> float:
 
 LEVELDB_MAX_OPEN_FILES = 1000  # LevelDB's own default
 MAX_DURATION_S = 10 * 365 * 86400.0  # ten years: anything longer is a typo, and timers need finite values
+LEVELDB_WINDOW = 5     # default inflight window per consumer (reader_batch_size)
+JETSTREAM_WINDOW = 16  # the same with backend jetstream, where each ack save is a quorum round trip
 
 
 def _bounded(minimum_s: float):
@@ -92,7 +94,9 @@ class EcqSettings(BaseModel):
     state_retention: Retention = Field(default=30 * 86400.0, description="age after which GC forgets an empty "
                                        "queue's seqno and ack state (no consumer online, no write or ack since)")
     gc_interval: GcInterval = Field(default=3600.0, description="time between GC passes")
-    reader_batch_size: Int = Field(default=5, ge=1, le=31, description="inflight window per consumer")
+    reader_batch_size: Int = Field(default=LEVELDB_WINDOW, ge=1, le=31,
+                                   description=f"inflight window per consumer; when not set, {LEVELDB_WINDOW}, or "
+                                               f"{JETSTREAM_WINDOW} with backend jetstream")
     write_timeout: Timer = Field(default=5.0, description="an append not committed in time fails")
     read_timeout: Timer = Field(default=5.0, description="a batch read not done in time is retried")
     heartbeat_interval: Timer = Field(default=5.0, description="re-poll of idle online consumers")
@@ -153,6 +157,17 @@ class EcqSettings(BaseModel):
                                                  "several ECQ clusters")
     node_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
                                   description="this broker's name in the cluster; None = <hostname>-<pid>")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _window_for_backend(cls, data: Any) -> Any:
+        """An ack is stored before the next delivery to its consumer, and on JetStream that save is a quorum
+        round trip (~4 ms): one consumer delivers at most a window per save, so the cluster's default window is
+        wider (one queue drains at >= 2,000/s, issue 24)."""
+        if isinstance(data, dict) and data.get("reader_batch_size") is None:
+            window = JETSTREAM_WINDOW if data.get("backend") == "jetstream" else LEVELDB_WINDOW
+            return {**data, "reader_batch_size": window}
+        return data
 
     @field_validator("nats_servers")
     @classmethod

@@ -15,9 +15,11 @@ LevelDB before the next delivery to that consumer leaves, so after a crash only 
 last message the consumer was sent can be lost, and only those messages are delivered again. A failed
 save (disk full) is retried every ``SAVE_RETRY_S`` and holds delivery meanwhile.
 
-The consumer reads up to one window ahead of what is in flight, so one store read (a thread hop)
-serves about one window of PUBACKs instead of each PUBACK causing a read (the reads benchmark's profile). A
-read-ahead message that compaction superseded meanwhile is dropped, one that expired is skipped. A consumer
+The consumer reads up to two windows ahead of what is in flight and asks for the next window before the last
+one is used up (one read in flight, beside the deliveries): a read's round trip (a thread hop; on JetStream a
+request) overlaps the sends, and one read serves about one window of PUBACKs. PUBACKs that arrive together
+are saved together (:meth:`Consumer._save_soon`). A read-ahead message that compaction superseded meanwhile
+is dropped, one that expired is skipped. A consumer
 that has read everything stored (the realtime case) takes a new append straight from its commit
 (:meth:`Consumer.appended` with the message), without a store read: Kafka's consumers read the tail of a log
 from the page cache for the same reason.
@@ -88,9 +90,12 @@ class Consumer:
         self._tombstones = tombstones
         self._acked_tombstones: list[ExpiredRow] = []  # acked, to delete once a save holding their ack commits
         self._read_cursor = state.acked     # highest seqno read from the store for this connection
-        self._ready: deque[Message] = deque()  # read ahead, not yet handed out (at most one window)
+        self._ready: deque[Message] = deque()  # read ahead, not yet handed out (at most two windows)
         self._newest = state.acked          # highest seqno known to be stored (appends tell it)
         self._handed: deque[int] = deque()  # seqnos handed to this connection, oldest first, not yet folded
+        self._told = 0                      # highest seqno told since the read in flight started (_UNKNOWN: polled)
+        self._reading: asyncio.Task | None = None   # the read-ahead in flight
+        self._unreadable = False            # a read found damaged data: delivery stops (StoreReadError)
         self._wake = asyncio.Event()
         self._pump_task: asyncio.Task | None = None
 
@@ -101,7 +106,7 @@ class Consumer:
 
     def attach(self, connection: Any) -> None:
         """Start delivering to ``connection``; a different connection already attached is detached first."""
-        self._newest = _UNKNOWN  # appends made while detached were not told: read until a short read
+        self._newest = self._told = _UNKNOWN  # appends made while detached were not told: read to a short read
         if connection is self.connection:
             self._sending = True
             self.wake()
@@ -115,13 +120,14 @@ class Consumer:
         """Stop delivering; unacked inflight messages will be delivered again on the next attach."""
         if self._pump_task:
             self._pump_task.cancel()
+        self._cancel_read()
         for task in self.inflight.values():
             task.cancel()
         self.inflight.clear()
         self._handed.clear()
         self._ready.clear()
         self._read_cursor = self.state.acked
-        self.connection, self._sending = None, False
+        self.connection, self._sending, self._unreadable = None, False, False
         self._pump_task = None
 
     def stop_sending(self) -> None:
@@ -154,10 +160,8 @@ class Consumer:
         self.attempts.clear()
         self.state = AckState(acked, self.state.last_ack_ms, set())
         self._read_cursor = acked
-        self._newest = _UNKNOWN  # read until a short read
-        if self._pump_task:  # a read in progress would bring back entries after the old cursor
-            self._pump_task.cancel()
-            self._pump_task = asyncio.create_task(self._pump(), name=f"ecq-deliver-{self.clientid}")
+        self._newest = self._told = _UNKNOWN  # read until a short read
+        self._cancel_read()  # a read in progress would bring back entries after the old cursor
         self._rewinds += 1
         stored = asyncio.get_running_loop().create_future()
         self._rewind_waiters.append((self._rewinds, stored))
@@ -182,7 +186,7 @@ class Consumer:
     def poll(self) -> None:
         """Appends may have been made without :meth:`appended` being called (a shared store's notices were
         lost): read the store until a short read, as after an attach."""
-        self._newest = _UNKNOWN
+        self._newest = self._told = _UNKNOWN  # a read in flight now does not end the unknown
         self._wake.set()
 
     def forget(self, seqnos: set[int]) -> None:
@@ -204,6 +208,7 @@ class Consumer:
             self._ready.append(message)
             self._read_cursor = seqno
         self._newest = max(self._newest, seqno)
+        self._told = max(self._told, seqno)
         self._wake.set()
 
     def _takes_from_commit(self, seqno: int) -> bool:
@@ -213,39 +218,52 @@ class Consumer:
         return self.online and self._newest == self._read_cursor < seqno and len(self._ready) < self._window
 
     async def _pump(self) -> None:
-        while True:
+        while not self._unreadable:
             await self._wake.wait()
             self._wake.clear()
             if not self._sending:
                 continue
-            free = self._window - len(self.inflight)
-            if free <= 0:
-                continue
-            if not self._ready and self.behind:
-                wanted = free + self._window  # read one window ahead: one store read per window of PUBACKs
-                try:
-                    messages = await self._read(wanted)
-                except StoreReadError as exc:  # a damaged block stays damaged: stop rather than retry forever
-                    log.error("ECQ delivery of %s stopped: cannot read its queue: %s; stop the broker and run "
-                              "`ecq repair`", self.clientid, exc)
-                    return
-                except Exception as exc:  # timeout or LevelDB error: a later round retries, nothing is skipped
-                    log.warning("ECQ read for %s failed (%s); retrying in %.1fs",
-                                self.clientid, exc or type(exc).__name__, self._read_deadline.timeout_s)
-                    asyncio.get_running_loop().call_later(self._read_deadline.timeout_s, self.wake)
-                    continue
-                self._ready.extend(messages)
-                self._read_cursor = messages[-1].seqno if messages else self._read_cursor
-                if len(messages) == wanted:
-                    self.wake()  # there may be more once slots free up; the next round checks
-                elif not self._wake.is_set():  # no append since the read began: everything stored was read
-                    self._newest = self._read_cursor
+            self._read_ahead()
             if self._fold_acked():
                 self._save()
             if not self.saving:  # every PUBACK received so far is stored before anything more is sent
                 self._hand_out_ready()
-                if not self._ready and self.behind and len(self.inflight) < self._window:
-                    self.wake()  # read-ahead used up with room left (acks came while a save was slow): read on
+                self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        """Start a read, up to two windows ahead, when less than one is read ahead and the store may hold more."""
+        if self._reading is None and self.behind and len(self._ready) < self._window:
+            limit = 2 * self._window - len(self._ready)
+            self._reading = asyncio.create_task(self._read_into_ready(limit), name=f"ecq-read-{self.clientid}")
+
+    def _cancel_read(self) -> None:
+        if self._reading is not None:
+            self._reading, reading = None, self._reading
+            reading.cancel()
+
+    async def _read_into_ready(self, limit: int) -> None:
+        self._told = 0  # after a failed read this task stays the read in flight until its retry is due
+        try:
+            messages = await self._read(limit)
+        except StoreReadError as exc:  # a damaged block stays damaged: stop rather than retry forever
+            log.error("ECQ delivery of %s stopped: cannot read its queue: %s; stop the broker and run `ecq repair`",
+                      self.clientid, exc)
+            self._unreadable = True
+            self.wake()
+            return
+        except Exception as exc:  # timeout or LevelDB error: a later round retries, nothing is skipped
+            log.warning("ECQ read for %s failed (%s); retrying in %.1fs",
+                        self.clientid, exc or type(exc).__name__, self._read_deadline.timeout_s)
+            await asyncio.sleep(self._read_deadline.timeout_s)
+            messages = None
+        self._reading = None
+        self.wake()
+        if messages is None:
+            return
+        self._ready.extend(messages)
+        self._read_cursor = messages[-1].seqno if messages else self._read_cursor
+        if len(messages) < limit:  # everything stored was read, but what was appended meanwhile
+            self._newest = max(self._read_cursor, self._told)
 
     async def _read(self, limit: int) -> list[Message]:
         min_ts = retention_cutoff_ms(self._retention_s)
@@ -290,7 +308,7 @@ class Consumer:
         if self._tombstones and not message.payload:
             self._acked_tombstones.append(ExpiredRow(message.seqno, message.key, message.ts_ms, 0))
         self._fold_acked()
-        self._save()
+        self._save_soon()
         if self._sending:
             self.wake()
         elif not self.inflight:  # the last delivery in flight when the consumer unsubscribed is complete
@@ -329,6 +347,17 @@ class Consumer:
         self._acked_tombstones = []
         future.add_done_callback(lambda done: self._saved(done, rewinds, tombstones))
 
+    def _save_soon(self) -> None:
+        """:meth:`_save` once the loop has run what is ready: the PUBACKs read together resume their deliveries
+        in this iteration, and one save holds them all (``saving`` is true meanwhile: nothing is sent)."""
+        if not self._save_due:
+            self._save_due = True
+            asyncio.get_running_loop().call_soon(self._save_if_due)
+
+    def _save_if_due(self) -> None:
+        if self._save_due and not self.saves_pending:
+            self._save()
+
     def _saved(self, future: asyncio.Future, rewinds: int, tombstones: list[ExpiredRow]) -> None:
         self.saves_pending -= 1
         if not future.cancelled() and future.exception():
@@ -336,7 +365,7 @@ class Consumer:
             log.error("ECQ saving the state of consumer %s failed: %s; delivery to it waits and the save is "
                       "retried in %.1fs", self.clientid, future.exception(), SAVE_RETRY_S)
             self._save_due = True
-            asyncio.get_running_loop().call_later(SAVE_RETRY_S, self._retry_save)
+            asyncio.get_running_loop().call_later(SAVE_RETRY_S, self._save_if_due)
             return
         self._settle_rewinds(rewinds)
         if tombstones:
@@ -363,10 +392,6 @@ class Consumer:
                 future.set_result(None)
             else:
                 future.set_exception(error)
-
-    def _retry_save(self) -> None:
-        if self._save_due and not self.saves_pending:
-            self._save()
 
 
 def _log_failed_tombstone_delete(future: asyncio.Future) -> None:

@@ -24,21 +24,19 @@ it stored, payload included, on ``NS.appended.<shard>.>`` and the acks stream ev
 ``NS.acked.>``: every broker learns of every append and ack save, whichever broker took it
 (:meth:`JetStreamStore.watch`, ecq.store.jetstream_notices).
 
-Reads use JetStream's direct get (answered by any current replica) in batches, and confirm a short read with
-the stream leader, since a replica may not yet hold what was just stored.
+Reads (ecq/store/jetstream_reads.py) use JetStream's batched direct get (answered by a current replica) and
+ask the stream leader only for what a lagging replica has not yet stored.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import itertools
-import json
 import logging
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from nats.errors import NoRespondersError
@@ -46,22 +44,20 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import DiscardPolicy, RePublish, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError
 
-from ecq.store.jsapi import (REQUEST_TIMEOUT_S, RETRY_PAUSE_S, JetStreamApi, Retry, index_entry_of, message_of, token,
-                              until, untoken)
+from ecq.store.jsapi import REQUEST_TIMEOUT_S, RETRY_PAUSE_S, JetStreamApi, Retry, token, until
 from ecq.store.jetstream_notices import ShardWatch
+from ecq.store.jetstream_reads import JetStreamReads
 from ecq.store.jetstream_writes import JetStreamWrites
 from ecq.store.jetstream_health import StreamHealth
 from ecq.store.link import NatsLink
 from ecq.config import EcqSettings
-from ecq.store.protocol import (AckState, ExpiredRow, IndexEntry, Message, StoreError, StoreListener,
-                                stored_pages)
+from ecq.store.protocol import AckState, ExpiredRow, IndexEntry, Message, StoreError, StoreListener
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DUPLICATE_WINDOW_S = 120.0   # JetStream's de-duplication of a retried publish by Nats-Msg-Id
 META_TIMEOUT_S = 30.0        # creating or checking the streams at start-up
-SCAN_PAGE = 256              # entries per direct get of stored_entries
 
 
 class JetStreamStore(JetStreamWrites):
@@ -85,6 +81,8 @@ class JetStreamStore(JetStreamWrites):
         self._msg_id_prefix = f"{settings.effective_node_name()}-{uuid.uuid4().hex[:8]}-"
         self._link = NatsLink(settings, on_reconnect=self._reconnected)
         self._js = JetStreamApi(self._link)
+        self.reads = JetStreamReads(settings, self._js, self._call, self.shard, self.stream, self._queue_subject,
+                                    self._ack_subject)
         self._link.start()
         try:
             self._call(self._ensure_streams(), META_TIMEOUT_S)
@@ -197,83 +195,38 @@ class JetStreamStore(JetStreamWrites):
         """``read_after`` and ``ack_state`` (delivery's reads) on the link's loop without a thread; None for
         the other reads (run them in a reader thread)."""
         if func == self.read_after:
-            return self._link.submit(self._read_after(*args))
+            return self._link.submit(self.reads.read_after_async(*args))
         if func == self.ack_state:
-            return self._link.submit(self._ack_state(*args))
+            return self._link.submit(self.reads.ack_state_async(*args))
         return None
 
 
     async def _holds_entries(self, clientid: str) -> bool:
-        answer = await self._js.api(f"STREAM.MSG.GET.{self.stream(self.shard(clientid))}",
-                                    {"last_by_subj": self._queue_subject(clientid)})
-        return "message" in answer
+        return await self.reads.holds_entries(clientid)
 
-    # --- reads --------------------------------------------------------------------------------------
+    # --- reads (JetStreamReads) --------------------------------------------------------------------
 
     def read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0,
                    known_last: int | None = None) -> list[Message]:
-        """Up to ``limit`` entries of ``clientid`` with seqno > ``after``, in seqno order (QueueStore). An
-        answer short of ``known_last`` (or of an unknown end) is checked with the stream leader."""
-        return self._call(self._read_after(clientid, after, limit, min_ts_ms, known_last),
-                          self._settings.read_timeout)
-
-    async def _read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0,
-                          known_last: int | None = None) -> list[Message]:
-        stream, subject = self.stream(self.shard(clientid)), self._queue_subject(clientid)
-        request = {"seq": after + 1, "next_by_subj": subject, "batch": limit}
-        replies = await self._js.direct(stream, request)
-        last = int(replies[-1].headers["Nats-Sequence"]) if replies else after
-        if len(replies) < limit and (known_last is None or known_last > last):  # the replica may lag the leader
-            answer = await self._js.api(f"STREAM.MSG.GET.{stream}", {"seq": last + 1, "next_by_subj": subject})
-            if "message" in answer:
-                replies = await self._js.direct(stream, request, leader_seq=answer["message"]["seq"])
-        messages = [message_of(reply) for reply in replies]
-        return [m for m in messages if m.ts_ms >= min_ts_ms]
+        """See :meth:`JetStreamReads.read_after`."""
+        return self.reads.read_after(clientid, after, limit, min_ts_ms, known_last)
 
     def ack_state(self, clientid: str) -> AckState:
-        """The saved progress of ``clientid``'s consumer, read from the leader of the acks stream."""
-        return self._call(self._ack_state(clientid), self._settings.read_timeout)
-
-    async def _ack_state(self, clientid: str) -> AckState:
-        request = {"last_by_subj": self._ack_subject(clientid)}
-        answer = await until(time.monotonic() + self._settings.read_timeout - 0.2,
-                             lambda: self._js.api(f"STREAM.MSG.GET.{self._ns}_ACKS", request))
-        if "message" not in answer:
-            if answer.get("error", {}).get("code") == 404:
-                return AckState()
-            raise StoreError(f"reading the ack state of {clientid}: {answer.get('error')}")
-        body = json.loads(base64.b64decode(answer["message"]["data"]))
-        return AckState(body["acked"], body["last_ack_ms"], {s for s in body["above"] if s > body["acked"]})
+        """See :meth:`JetStreamReads.ack_state`."""
+        return self.reads.ack_state(clientid)
 
     def ack_states(self) -> Iterator[tuple[str, AckState]]:
-        """Every saved consumer state as (clientid, state), in clientid order."""
-        subjects = self._call(self._js.subjects(f"{self._ns}_ACKS", f"{self._ns}.ack.>"), self._settings.read_timeout)
-        for clientid in sorted(untoken(subject.rsplit(".", 1)[1]) for subject in subjects):
-            yield clientid, self.ack_state(clientid)
+        """See :meth:`JetStreamReads.ack_states`."""
+        return self.reads.ack_states()
 
     def expired_step(self, cutoff_ms: int, limit: int, start: bytes | None = None
                      ) -> tuple[dict[str, list[ExpiredRow]], bytes | None]:
-        """One GC step over the shards in order: up to ``limit`` entries published before ``cutoff_ms``.
-        ``start`` is ``b"<shard>:<seqno>"``."""
-        shard, seq = map(int, start.split(b":")) if start else (0, 1)
-        request = {"seq": seq, "next_by_subj": f"{self._ns}.q.{shard}.>", "batch": limit}
-        replies = self._call(self._js.direct(self.stream(shard), request), self._settings.read_timeout)
-        found: dict[str, list[ExpiredRow]] = {}
-        for reply in replies:
-            entry = index_entry_of(reply)
-            if entry.ts_ms >= cutoff_ms:  # the stream is in time order: the rest of this shard is fresh
-                return found, _next_shard(shard, self._shards)
-            found.setdefault(entry.clientid, []).append(ExpiredRow(entry.seqno, entry.key, entry.ts_ms,
-                                                                   len(reply.data)))
-        if len(replies) < limit:
-            return found, _next_shard(shard, self._shards)
-        return found, f"{shard}:{int(replies[-1].headers['Nats-Sequence']) + 1}".encode()
+        """See :meth:`JetStreamReads.expired_step`."""
+        return self.reads.expired_step(cutoff_ms, limit, start)
 
     def idle_queues(self, cutoff_ms: int) -> list[str]:
-        """Clientids with an ack state saved before ``cutoff_ms`` whose queue stores no entry (state GC's
-        candidates; a queue never acked has no state here to forget)."""
-        return [clientid for clientid, state in self.ack_states() if state.last_ack_ms < cutoff_ms
-                and not self._call(self._holds_entries(clientid), self._settings.read_timeout)]
+        """See :meth:`JetStreamReads.idle_queues`."""
+        return self.reads.idle_queues(cutoff_ms)
 
     def stored_totals(self) -> tuple[int, int]:
         """(entries, bytes) stored across every shard, from the streams' state: bytes are JetStream's stored
@@ -287,65 +240,30 @@ class JetStreamStore(JetStreamWrites):
 
     def count_queues(self) -> int:
         """How many queues hold entries now: from the map of stored subjects once :meth:`watch` built it,
-        otherwise a listing of every stored subject (O(keys))."""
+        otherwise :meth:`JetStreamReads.count_queues` (a listing of every stored subject, O(keys))."""
         if self._watch is not None:
             return self._call(_on_loop(self._watch.queues), self._settings.read_timeout)
-        clientids = set()
-        for shard in range(self._shards):
-            subjects = self._call(self._js.subjects(self.stream(shard), f"{self._ns}.q.{shard}.>"),
-                                  self._settings.read_timeout)
-            clientids.update(subject.split(".")[3] for subject in subjects)
-        return len(clientids)
+        return self.reads.count_queues()
 
     def last_seqno(self, clientid: str) -> int:
-        """Seqno of the newest stored entry of ``clientid``, 0 when it holds none."""
-        answer = self._call(self._js.api(f"STREAM.MSG.GET.{self.stream(self.shard(clientid))}",
-                                         {"last_by_subj": self._queue_subject(clientid)}), self._settings.read_timeout)
-        return answer["message"]["seq"] if "message" in answer else 0
+        """See :meth:`JetStreamReads.last_seqno`."""
+        return self.reads.last_seqno(clientid)
 
     def seqnos(self, clientid: str) -> Iterator[int]:
-        """Seqnos of the stored entries of ``clientid``, ascending."""
-        for page in stored_pages(self, clientid, 256):
-            yield from (m.seqno for m in page)
+        """See :meth:`JetStreamReads.seqnos`."""
+        return self.reads.seqnos(clientid)
 
     def queue_range(self, clientid: str) -> tuple[int, int, int] | None:
-        """(first seqno, last seqno, entry count) of the stored queue of ``clientid``, or None when empty."""
-        seqnos = list(self.seqnos(clientid))
-        return (seqnos[0], seqnos[-1], len(seqnos)) if seqnos else None
+        """See :meth:`JetStreamReads.queue_range`."""
+        return self.reads.queue_range(clientid)
 
     def edge_index_entries(self) -> tuple[IndexEntry | None, IndexEntry | None]:
-        """The oldest and the newest stored entry across every shard (by publish time)."""
-        entries = []
-        for shard in range(self._shards):
-            stream = self.stream(shard)
-            for request in ({"seq": 1, "next_by_subj": f"{self._ns}.q.{shard}.>"},
-                            {"last_by_subj": f"{self._ns}.q.{shard}.>"}):
-                replies = self._call(self._js.direct(stream, request), self._settings.read_timeout)
-                entries.extend(index_entry_of(reply) for reply in replies)
-        if not entries:
-            return None, None
-        return min(entries, key=lambda e: e.ts_ms), max(entries, key=lambda e: e.ts_ms)
+        """See :meth:`JetStreamReads.edge_index_entries`."""
+        return self.reads.edge_index_entries()
 
     def stored_entries(self, clientid: str | None = None, after: int = 0) -> Iterator[tuple[str, int, int, int]]:
-        """(clientid, seqno, publish ms, payload bytes) of every stored entry, shard by shard in stream order (so
-        each queue's in seqno order); with ``clientid``, that queue's entries with seqno > ``after``. Direct gets
-        answer whole messages: this reads every stored payload, O(stored bytes), in pages of SCAN_PAGE."""
-        if clientid is not None:
-            while page := self.read_after(clientid, after, SCAN_PAGE):
-                yield from ((clientid, m.seqno, m.ts_ms, len(m.payload)) for m in page)
-                after = page[-1].seqno
-            return
-        for shard in range(self._shards):
-            seq = 1
-            while True:
-                request = {"seq": seq, "next_by_subj": f"{self._ns}.q.{shard}.>", "batch": SCAN_PAGE}
-                replies = self._call(self._js.direct(self.stream(shard), request), self._settings.read_timeout)
-                for reply in replies:
-                    entry = index_entry_of(reply)
-                    yield entry.clientid, entry.seqno, entry.ts_ms, len(reply.data)
-                if len(replies) < SCAN_PAGE:
-                    break
-                seq = int(replies[-1].headers["Nats-Sequence"]) + 1
+        """See :meth:`JetStreamReads.stored_entries`."""
+        return self.reads.stored_entries(clientid, after)
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
@@ -381,10 +299,6 @@ class JetStreamStore(JetStreamWrites):
             return self._link.call(coro, timeout)
         except (NatsTimeout, NoRespondersError, Retry) as exc:
             raise TimeoutError(f"NATS: {exc or type(exc).__name__}") from None
-
-
-def _next_shard(shard: int, shards: int) -> bytes | None:
-    return f"{shard + 1}:1".encode() if shard + 1 < shards else None
 
 
 def _republish(config: StreamConfig) -> tuple | None:

@@ -97,6 +97,16 @@ def message_of(reply: Any) -> Message:
     return Message(int(headers["Nats-Sequence"]), key, reply.data, ts_ms)
 
 
+def stored_message_of(answer: dict) -> Message:
+    """The queue entry in the ``message`` of a ``STREAM.MSG.GET`` answer (JSON: ``subject``, ``seq``, base64
+    ``hdrs`` in NATS header format and ``data``, RFC 3339 ``time``)."""
+    _clientid, key = queue_subject_parts(answer["subject"])
+    headers = dict(line.split(": ", 1) for line in base64.b64decode(answer.get("hdrs") or b"").decode().split("\r\n")
+                   if ": " in line)
+    ts_ms = int(headers[TS_HEADER]) if TS_HEADER in headers else stream_ms(answer["time"])
+    return Message(answer["seq"], key, base64.b64decode(answer.get("data") or b""), ts_ms)
+
+
 def index_entry_of(reply: Any) -> IndexEntry:
     """Where a direct get answer sits: clientid, seqno, key, publish ms."""
     message = message_of(reply)
@@ -115,17 +125,12 @@ class JetStreamApi:
     def __init__(self, link: NatsLink) -> None:
         self._link = link
 
-    async def direct(self, stream: str, request: dict, leader_seq: int = 0) -> list[Any]:
-        """JetStream direct get (any current replica): the messages answered, [] when none matched. With
-        ``leader_seq``, tries until the answer reaches that seqno (a lagging replica catches up)."""
-        for _ in range(20):
-            replies = await (self._direct_batch(stream, request) if "batch" in request
-                             else self._direct_one(stream, request))
-            if not leader_seq or any(int(r.headers["Nats-Sequence"]) >= leader_seq for r in replies) \
-                    or len(replies) >= request.get("batch", 1):
-                return replies
-            await asyncio.sleep(0.005)
-        raise TimeoutError(f"JetStream replicas of {stream} did not catch up with seqno {leader_seq}")
+    async def direct(self, stream: str, request: dict) -> list[Any]:
+        """JetStream direct get (one current replica answers): the messages answered, [] when none matched;
+        with ``batch`` in ``request``, up to that many in one request (NATS 2.11+, ended by a 204 status)."""
+        if "batch" in request:
+            return await self._direct_batch(stream, request)
+        return await self._direct_one(stream, request)
 
     async def _direct_one(self, stream: str, request: dict) -> list[Any]:
         reply = await self._link.request(f"$JS.API.DIRECT.GET.{stream}", json.dumps(request).encode(),

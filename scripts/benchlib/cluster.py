@@ -9,10 +9,15 @@ configurations are measured one after the other with the same load, each on fres
   over both (loadgen.endpoint_at), so half of the realtime deliveries cross nodes (see Flow.producer_for).
 
 Each configuration: --cluster-clientids x --cluster-keys QoS 1 writes of --cluster-size bytes (acked writes/s),
-then consumers drain those stored queues (deliveries/s, the reads scenario's reactive drain), then a paced
-flow of --cluster-rate writes/s to --cluster-consumers online consumers for --cluster-seconds (write-to-delivery
-p50/p99). CPU per write comes from the sampler over the write phase, per process kind: ECQ node(s), NATS
-servers (summed) and load processes (summed).
+then consumers drain those stored queues (deliveries/s, the reads scenario's reactive drain), then ONE consumer
+drains one queue of --cluster-queue-entries stored entries (deliveries/s of a single queue), then a paced flow
+of --cluster-rate writes/s to --cluster-consumers online consumers for --cluster-seconds (write-to-delivery
+p50/p99 of the steady state, after its first second, and of the first second apart). CPU per write comes from
+the sampler over the write phase, per process kind: ECQ node(s), NATS servers (summed) and load processes
+(summed). Last, the 2 JetStream nodes are given --cluster-idle-entries stored entries (published to the
+streams from here, benchlib.cluster_idle) and left idle for --cluster-idle-seconds: CPU per node and of the
+NATS servers; the baseline is a LevelDB broker started on as many entries written straight into its store.
+The rows, with the issue-24 targets, come from benchlib.cluster_rows.
 """
 
 from __future__ import annotations
@@ -21,14 +26,18 @@ from contextlib import ExitStack
 from typing import Any
 
 from benchlib.brokers import EcqBroker
+from benchlib.cluster_idle import idle_cpu, preload_jetstream
+from benchlib.cluster_rows import cluster_rows
 from benchlib.loadgen import ConsumeTask, Endpoints
-from benchlib.report import Row, ScenarioResult
-from benchlib.scenarios import ECQ_QUEUE, ECQ_WRITE, Bench, consume, flow, keys, phase_deadline_s, progress, publish
+from benchlib.report import ScenarioResult
+from benchlib.scenarios import (ECQ_QUEUE, ECQ_WRITE, Bench, consume, flow_summary, flow_tasks, keys,
+                                phase_deadline_s, preload_store, progress, publish)
 from ecq.testing.nats import LocalNatsCluster, nats_server_binary
 
 CONFIGS = ("leveldb", "jetstream-1", "jetstream-2")
-TITLES = {"leveldb": "LevelDB, 1 node", "jetstream-1": "JetStream, 1 node", "jetstream-2": "JetStream, 2 nodes"}
 NODES = {"leveldb": 1, "jetstream-1": 1, "jetstream-2": 2}
+IDLE_KEYS = 10                              # keys per queue of the idle phase's entries
+FIRST_SECOND_S = 1.0                        # the flow's start (consumers attaching), reported apart
 
 
 class Nodes:
@@ -87,7 +96,7 @@ def node_options(bench: Bench, name: str, nats_urls: list[str]) -> list[dict[str
 
 
 def measure(bench: Bench, name: str, options: list[dict[str, Any]], result: dict[str, Any]) -> None:
-    """Start the nodes, run the three phases into ``result`` (filled as they finish), stop the nodes."""
+    """Start the nodes, run the phases into ``result`` (filled as they finish), stop the nodes."""
     args = bench.args
     cids, key_names = bench.ids(f"c-{name}-", args.cluster_clientids), keys(args.cluster_keys)
     label = f"cluster-{name}"
@@ -99,70 +108,59 @@ def measure(bench: Bench, name: str, options: list[dict[str, Any]], result: dict
         deadline = phase_deadline_s(len(cids) * len(key_names))
         result["reads"] = consume(bench, nodes, f"{label}-reads", lambda part: ConsumeTask(
             nodes.endpoint, part, key_names, ECQ_QUEUE, subscribe_after_start=True, deadline_s=deadline), cids)
-        flow_cids = bench.ids(f"cf-{name}-", args.cluster_consumers)
-        result["flow"] = flow(bench, nodes, f"{label}-flow", flow_cids, ECQ_QUEUE, ECQ_WRITE, args.cluster_rate,
-                              args.cluster_seconds)
+        result["one_queue"] = drain_one_queue(bench, nodes, f"{label}-one-queue", name)
+        result["flow"] = paced_flow(bench, nodes, f"{label}-flow", bench.ids(f"cf-{name}-", args.cluster_consumers))
+        if name == "jetstream-2":
+            result["idle"] = idle_jetstream(bench, nodes, f"{label}-idle", name, options[0])
+    if name == "leveldb":
+        result["idle"] = idle_leveldb(bench, f"{label}-idle")
 
 
-def cpu_ms_per_write(writes: dict[str, Any]) -> dict[str, float | None]:
-    """CPU milliseconds per acked write of the write phase, per process kind: ``ecq`` (the node(s)),
-    ``nats`` (the servers, summed) and ``load`` (the load processes, summed)."""
-    load, acked = writes["load"], writes["acked"]
-
-    def per_write(percent: float | None) -> float | None:
-        if percent is None or not acked:
-            return None
-        return round(percent / 100 * load["seconds"] * 1000 / acked, 3)
-
-    return {"ecq": per_write(load["broker_cpu_pct"]), "nats": per_write(load["nats_cpu_pct"]),
-            "load": per_write(sum(v or 0.0 for v in load["load_cpu_pct"]))}
+def drain_one_queue(bench: Bench, nodes: Nodes, phase: str, name: str) -> dict[str, Any]:
+    """--cluster-queue-entries entries written to one queue, then drained by its one consumer: deliveries/s
+    of a single queue (the figure a device with a backlog sees)."""
+    args = bench.args
+    cid, key_names = bench.ids(f"q-{name}-", 1), keys(args.cluster_queue_entries)
+    publish(bench, nodes, f"{phase}-writes", ECQ_WRITE, cid, key_names, args.cluster_size)
+    deadline = phase_deadline_s(len(key_names))
+    return consume(bench, nodes, phase, lambda part: ConsumeTask(
+        nodes.endpoint, part, key_names, ECQ_QUEUE, subscribe_after_start=True, deadline_s=deadline), cid)
 
 
-def cluster_rows(bench: Bench, out: ScenarioResult) -> None:
-    """A row per figure and JetStream configuration, against LevelDB's figure as the baseline; what a
-    configuration did not measure (timeout, error) is left out."""
-    args, size = bench.args, bench.args.cluster_size
-    for name, run in out.details.items():
-        if "writes" in run:
-            run["cpu_ms_per_write"] = cpu_ms_per_write(run["writes"])
-    base = out.details.get("leveldb", {})
-    for name in CONFIGS[1:]:
-        run = out.details.get(name, {})
-        title = TITLES[name]
-        if "writes" in run:
-            out.rows.append(Row("cluster", f"acked writes/s, {title}", "/s", size, run["writes"]["per_s"],
-                                _get(base, "writes", "per_s"),
-                                note=f"{run['writes']['acked']} of {run['writes']['messages']}; baseline LevelDB"))
-        if "reads" in run:
-            reads = run["reads"]
-            out.rows.append(Row("cluster", f"deliveries/s, {title}", "/s", size, reads["per_s"],
-                                _get(base, "reads", "per_s"),
-                                note=f"reactive drain; missing {reads['missing']}, duplicates {reads['duplicates']}"))
-        if "cpu_ms_per_write" in run:
-            cpu, base_cpu = run["cpu_ms_per_write"], base.get("cpu_ms_per_write", {})
-            for kind, what in (("ecq", "ECQ node(s)"), ("nats", "NATS servers"), ("load", "load procs")):
-                out.rows.append(Row("cluster", f"CPU per write, {what}, {title}", "ms", size, cpu[kind],
-                                    base_cpu.get(kind) if kind != "nats" else None,
-                                    note="summed over processes, over the write phase"))
-        if "flow" in run:
-            flow_run = run["flow"]
-            rate = f"{args.cluster_rate:g}/s"
-            out.rows.append(Row("cluster", f"p50 @{rate}, {title}", "ms", size, flow_run["p50_ms"],
-                                _get(base, "flow", "p50_ms")))
-            out.rows.append(Row("cluster", f"p99 @{rate}, {title}", "ms", size, flow_run["p99_ms"],
-                                _get(base, "flow", "p99_ms"),
-                                note=f"{flow_run['undelivered']} of {flow_run['sent']} not delivered; duplicates "
-                                     f"{flow_run['duplicates']}; {_first_last(flow_run['p99_ms_by_second'])}"))
+def paced_flow(bench: Bench, nodes: Nodes, phase: str, cids: tuple[str, ...]) -> dict[str, Any]:
+    """The paced flow of --cluster-rate writes/s for --cluster-seconds: latency over the whole flow, over its
+    first second (consumers attaching, streams warming up) and over the steady state after it."""
+    args = bench.args
+    tasks = flow_tasks(bench, nodes, phase, cids, ECQ_QUEUE, ECQ_WRITE, args.cluster_seconds, args.cluster_rate)
+    results = bench.run_phase(tasks, args.cluster_seconds + tasks[0].grace_s)
+    whole = flow_summary(bench, nodes, phase, results)
+    start = min(r["start_ns"] for r in results) / 1e9
+    send_end = max(r["send_end_ns"] for r in results) / 1e9
+    first = flow_summary(bench, nodes, f"{phase}-first-second", results, (start, start + FIRST_SECOND_S))
+    steady = flow_summary(bench, nodes, f"{phase}-steady", results, (start + FIRST_SECOND_S, send_end))
+    return {**whole, "first_second": {k: first[k] for k in ("measured", "p50_ms", "p99_ms", "max_ms")},
+            "steady": {k: steady[k] for k in ("measured", "p50_ms", "p99_ms", "max_ms")}}
 
 
-def _first_last(p99_by_second: list[float | None]) -> str:
-    """``p99 of the writes sent in the first / last second: A / B ms``: a backlog left by the consumers'
-    attach shows as a first second far above the last."""
-    seconds = [p for p in p99_by_second if p is not None]
-    if not seconds:
-        return "no delivery"
-    return f"p99 of the writes sent in the first / last second: {seconds[0]:,.0f} / {seconds[-1]:,.0f} ms"
+def idle_entries(bench: Bench, name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(clientids, keys) of the idle phase's --cluster-idle-entries entries."""
+    return bench.ids(f"i-{name}-", max(1, bench.args.cluster_idle_entries // IDLE_KEYS)), keys(IDLE_KEYS)
 
 
-def _get(run: dict[str, Any], phase: str, figure: str) -> float | None:
-    return run.get(phase, {}).get(figure)
+def idle_jetstream(bench: Bench, nodes: Nodes, phase: str, name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Publish --cluster-idle-entries entries to the nodes' streams from here, then CPU of the idle nodes and
+    NATS servers over --cluster-idle-seconds."""
+    cids, key_names = idle_entries(bench, name)
+    preload = preload_jetstream(options["nats_servers"], options["jetstream_namespace"], cids, key_names,
+                                bench.args.cluster_size)
+    return {"preload": preload, **idle_cpu(bench, nodes, phase, bench.args.cluster_idle_seconds)}
+
+
+def idle_leveldb(bench: Bench, phase: str) -> dict[str, Any]:
+    """A LevelDB broker started on --cluster-idle-entries entries written straight into its store, idle for
+    --cluster-idle-seconds: the baseline of the idle CPU."""
+    cids, key_names = idle_entries(bench, "leveldb")
+    broker = bench.new_ecq(bench.workdir / phase)
+    preload = preload_store(broker.queues_dir, cids, key_names, bench.args.cluster_size)
+    with bench.serving(broker, phase) as node:
+        return {"preload": preload, **idle_cpu(bench, Nodes([node]), phase, bench.args.cluster_idle_seconds)}

@@ -389,7 +389,7 @@ async def run_consume(task: ConsumeTask, sync: Sync) -> dict:
         if publishers:
             messages = task.then_publish.messages.build()
             jobs.append(asyncio.ensure_future(publish_all(publishers, messages, task.then_publish.window, Tally())))
-        done, pending = await asyncio.wait(jobs, timeout=task.deadline_s)
+        done, pending = await asyncio.wait(jobs, timeout=task.deadline_s) if jobs else (set(), set())  # no clientid dealt here
         for job in pending:
             job.cancel()
     finally:
