@@ -16,7 +16,7 @@ from ecq.queue.deadlines import SharedDeadline
 from ecq.queue.delivery import Consumer
 from ecq.queue.writer import WriterPool
 from ecq.store.jetstream import JetStreamStore
-from ecq.store.protocol import AckState, Append, Message
+from ecq.store.protocol import AckState, Append, AppendNotice, Message
 from tests.fake_connection import FakeConnection, publish, settle
 from tests.harness import BrokerProcess
 
@@ -140,6 +140,27 @@ WRITE_PAUSE_S = 0.002
 ACK_PAUSE_S = 0.005       # the consumer PUBACKs what it got (but the newest) every ACK_PAUSE_S
 
 
+class TellConsumer:
+    """A StoreListener that tells ``consumer`` of each append by seqno and key only (no message: the test counts
+    the reads that need), on ``loop``, as the engine hands notices over to its loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, consumer: Consumer) -> None:
+        self._loop, self._consumer = loop, consumer
+
+    def appended(self, notices: list[AppendNotice]) -> None:
+        for notice in notices:
+            self._loop.call_soon_threadsafe(self._consumer.appended, notice.result.seqno, notice.op.key)
+
+    def deleted(self, clientid: str, rows: tuple, reason: str) -> None:
+        """Not used here."""
+
+    def ack_saved(self, clientid: str, state: AckState) -> None:
+        """Not used here."""
+
+    def resynced(self, clientids: set[str]) -> None:
+        """Not used here."""
+
+
 async def test_a_consumer_whose_acks_overlap_its_reads_reads_appends_without_asking_the_leader(nats_cluster,
                                                                                               jetstream_options):
     """A consumer on a real JetStream store and writer pool, told of appends by the store's notices (as the
@@ -164,7 +185,7 @@ async def test_a_consumer_whose_acks_overlap_its_reads_reads_appends_without_ask
     consumer = Consumer("rt", AckState(), store=store, pool=pool, publish=publish, observer=Observer(),
                         read=read_while_a_puback_comes, read_deadline=SharedDeadline(5.0, "test read"), window=5,
                         retention_s=3600)
-    store.watch(lambda _cid, seqno, key: loop.call_soon_threadsafe(consumer.appended, seqno, key), lambda: None)
+    store.watch(TellConsumer(loop, consumer))
 
     async def ack_all_but_the_newest() -> None:  # so that a PUBACK is due whenever a read starts
         while True:
