@@ -60,18 +60,25 @@ def test_a_node_started_after_the_retain_and_the_first_node_stopped_has_it(clust
 # --- persistent sessions ---------------------------------------------------------------------------
 
 
+def queued_while_offline(connect, node1: BrokerProcess, node2: BrokerProcess, clientid: str, count: int) -> list:
+    """``clientid`` subscribes ``<clientid>/#`` at QoS 1 on node 1 in a persistent session and disconnects; then
+    ``count`` messages ``m0``.. on ``<clientid>/m`` are published through both nodes in turn, each once a witness
+    on node 1 saw the one before (so they reach the offline session in order). Returns the two publishers."""
+    client = connect(node1.port, clientid, clean_session=False)
+    assert client.subscribe(f"{clientid}/#", 1) == 1
+    client.close()
+    witness = connect(node1.port, "witness")
+    witness.subscribe(f"{clientid}/#", 1)
+    publishers = [connect(node1.port, "pub-1"), connect(node2.port, "pub-2")]
+    for i in range(count):
+        publishers[i % 2].publish(f"{clientid}/m", f"m{i}".encode(), qos=1)
+        assert witness.expect(1)[0].payload == f"m{i}".encode()
+    return publishers
+
+
 def test_a_persistent_session_moves_to_the_node_where_the_client_reconnects(cluster_nodes, connect):
     node1, node2 = started(cluster_nodes())
-    client = connect(node1.port, "ps", clean_session=False)
-    assert client.subscribe("ps/#", 1) == 1
-    client.close()
-    witness = connect(node1.port, "witness")  # shows that a message reached node 1, where the session waits
-    witness.subscribe("ps/#", 1)
-    publishers = [connect(node1.port, "pub-1"), connect(node2.port, "pub-2")]
-    for i in range(6):
-        publishers[i % 2].publish("ps/m", f"m{i}".encode(), qos=1)
-        [arrived] = witness.expect(1)  # in order: the next one is published once this one is at node 1
-        assert arrived.payload == f"m{i}".encode()
+    publishers = queued_while_offline(connect, node1, node2, "ps", 6)
 
     moved = connect(node2.port, "ps", clean_session=False)  # no SUBSCRIBE from here on
     assert moved.session_present is True
@@ -162,15 +169,7 @@ def test_a_persistent_connection_taken_over_from_the_other_node_brings_its_subsc
 def test_the_queue_of_a_persistent_session_outlives_the_death_of_its_node(cluster_nodes, connect, jetstream_options,
                                                                           nats_cluster):
     node1, node2 = started(cluster_nodes())
-    client = connect(node1.port, "orphanq", clean_session=False)
-    assert client.subscribe("orphanq/#", 1) == 1
-    client.close()
-    witness = connect(node1.port, "witness")  # shows that a message reached node 1, where the session waits
-    witness.subscribe("orphanq/#", 1)
-    publishers = [connect(node1.port, "pub-1"), connect(node2.port, "pub-2")]
-    for i in range(4):
-        publishers[i % 2].publish("orphanq/m", f"m{i}".encode(), qos=1)
-        assert witness.expect(1)[0].payload == f"m{i}".encode()
+    queued_while_offline(connect, node1, node2, "orphanq", 4)
     stream = f"{jetstream_options['jetstream_namespace']}_SESSIONS"
     assert wait_until(lambda: asyncio.run(stored_count(nats_cluster.urls, stream)) == 4, PROPAGATION_BOUND_S, 0.1)
     node1.kill()

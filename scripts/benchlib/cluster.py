@@ -60,16 +60,24 @@ class Nodes:
         return [broker.pid for broker in self.brokers if broker.pid]
 
 
-def cluster(bench: Bench, out: ScenarioResult) -> None:
-    """Start the NATS cluster, measure every configuration of CONFIGS, fill ``out`` with a row per figure
-    (JetStream against LevelDB); skipped against --host/--port or without nats-server (the cluster extra)."""
+def skipped_without_nats(bench: Bench, out: ScenarioResult, needs: str) -> bool:
+    """True, with ``out`` marked skipped, against --host/--port (``needs`` says what the scenario starts) or
+    without nats-server (the cluster extra)."""
     if bench.args.port:
-        out.status, out.message = "skipped", "needs brokers this run starts (and a NATS cluster beside them)"
-        return
+        out.status, out.message = "skipped", needs
+        return True
     try:
         nats_server_binary()
     except RuntimeError as exc:
         out.status, out.message = "skipped", str(exc)
+        return True
+    return False
+
+
+def cluster(bench: Bench, out: ScenarioResult) -> None:
+    """Start the NATS cluster, measure every configuration of CONFIGS, fill ``out`` with a row per figure
+    (JetStream against LevelDB); skipped against --host/--port or without nats-server (the cluster extra)."""
+    if skipped_without_nats(bench, out, "needs brokers this run starts (and a NATS cluster beside them)"):
         return
     nats = LocalNatsCluster(bench.workdir / "nats").start()
     bench.nats_pids = [server.pid for server in nats.servers]

@@ -16,10 +16,11 @@ import time
 import zlib
 from typing import TYPE_CHECKING
 
+from benchlib.cluster import skipped_without_nats
 from benchlib.report import Row, ScenarioResult
 from ecq.testing import wait_until
 from ecq.testing.failover import ROLES, PacedWriter, all_current, holds_connection, time_to_first_puback, victim
-from ecq.testing.nats import LocalNatsCluster, nats_server_binary
+from ecq.testing.nats import LocalNatsCluster
 
 if TYPE_CHECKING:  # benchlib.scenarios registers this scenario: no import of it at run time
     from benchlib.scenarios import Bench
@@ -32,13 +33,7 @@ TARGET_S = 5.0
 
 def failover(bench: Bench, out: ScenarioResult) -> None:
     """Run the kills into ``out`` (details: every kill; rows: the max per role and overall)."""
-    if bench.args.port:
-        out.status, out.message = "skipped", "needs a NATS cluster of its own to kill servers of"
-        return
-    try:
-        nats_server_binary()
-    except RuntimeError as exc:
-        out.status, out.message = "skipped", str(exc)
+    if skipped_without_nats(bench, out, "needs a NATS cluster of its own to kill servers of"):
         return
     nats = LocalNatsCluster(bench.workdir / "nats-failover").start()
     namespace, node_name, clientid = f"BENCH{bench.tag}_failover", "bench-failover", f"{bench.tag}failover"

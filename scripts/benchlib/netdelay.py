@@ -30,13 +30,14 @@ from typing import Any
 import paho.mqtt.client as paho
 import psutil
 
-from benchlib.cluster import Nodes, cpu_ms_per_write
+from benchlib.cluster import Nodes, skipped_without_nats
+from benchlib.cluster_rows import cpu_ms_per_write
 from benchlib.delayproxy import ProxyProcess
 from benchlib.loadgen import Endpoint, Endpoints
 from benchlib.report import Row, ScenarioResult
 from benchlib.scenarios import ECQ_QUEUE, ECQ_WRITE, Bench, flow, keys, progress, publish
 from ecq.testing import free_port, wait_until
-from ecq.testing.nats import LocalNatsCluster, nats_server_binary
+from ecq.testing.nats import LocalNatsCluster
 
 DELAY_MS = 5.0
 PUBACK_RATE_PER_S = 500.0   # the PUBACK latency phase: one pipelined paho producer at this rate ...
@@ -62,13 +63,7 @@ class ProxiedNodes(Nodes):
 def netdelay(bench: Bench, out: ScenarioResult) -> None:
     """Measure every configuration of CONFIGS into ``out.details`` and add the rows; skipped against
     --host/--port or without nats-server."""
-    if bench.args.port:
-        out.status, out.message = "skipped", "needs brokers and NATS servers this run starts"
-        return
-    try:
-        nats_server_binary()
-    except RuntimeError as exc:
-        out.status, out.message = "skipped", str(exc)
+    if skipped_without_nats(bench, out, "needs brokers and NATS servers this run starts"):
         return
     try:
         for name, delay_ms in CONFIGS.items():
