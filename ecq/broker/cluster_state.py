@@ -35,7 +35,7 @@ from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
 from ecq.config import EcqSettings
-from ecq.store.jsapi import REQUEST_TIMEOUT_S, JetStreamApi, token, until, untoken
+from ecq.store.jsapi import REQUEST_TIMEOUT_S, JetStreamApi, Retry, token, until, untoken
 from ecq.store.link import NatsLink
 from ecq.store.protocol import StoreError
 
@@ -192,7 +192,14 @@ class ClusterState:
         if newest is None:
             return []
         request = {"seq": 1, "next_by_subj": subject, "batch": self._settings.session_max_queued}
-        replies = await self._api.direct(stream, request, leader_seq=newest["seq"])  # a replica may lag the leader
+
+        async def caught_up() -> list[Any]:  # the replica answering a direct get may lag the leader
+            replies = await self._api.direct(stream, request)
+            if not replies or int(replies[-1].headers["Nats-Sequence"]) < newest["seq"]:
+                raise Retry(f"the replica answering for {stream} has not caught up with seqno {newest['seq']}")
+            return replies
+
+        replies = await until(time.monotonic() + LEADER_READ_TIMEOUT_S, caught_up)
         return [(untoken(r.headers["Ecq-Topic"]), int(r.headers["Ecq-Qos"]), bytes(r.data)) for r in replies]
 
     async def _from_leader(self, stream: str, subject: str) -> dict | None:
