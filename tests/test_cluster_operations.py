@@ -4,11 +4,15 @@ loopback and MQTT clients over TCP."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import os
+import signal
 import struct
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -145,6 +149,17 @@ def ecq_drain(node: BrokerProcess) -> tuple[int, dict]:
     return done.returncode, json.loads(done.stdout) if done.stdout.strip() else {"stderr": done.stderr}
 
 
+def not_ready_because(node: BrokerProcess) -> str | None:
+    """Why /api/v1/ready says the node is not ready (None while it is, or when the API does not answer)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.admin_port}/api/v1/ready", timeout=2):
+            return None
+    except urllib.error.HTTPError as exc:
+        return json.load(exc).get("reason")
+    except (OSError, ValueError):
+        return None
+
+
 def health(node: BrokerProcess) -> str | None:
     """The node's /api/v1/health status, None when its admin API does not answer."""
     try:
@@ -181,6 +196,23 @@ def test_drain_closes_listeners_and_clients_saves_acks_and_the_consumer_resumes_
     assert node1.stop() == 0
 
 
+def drain_with_writes_in_flight(node: BrokerProcess, nats_cluster, piled_up) -> tuple[int, dict]:
+    """``ecq drain`` of ``node`` while its writes cannot commit: every NATS server is stopped (SIGSTOP) until
+    ``piled_up()`` (writes wait unacknowledged) and the node says it drains, then continued (SIGCONT, within a few
+    seconds: below JetStream's election timeout). Returns what :func:`ecq_drain` returns."""
+    pids = [server.pid for server in nats_cluster.servers]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        assert wait_until(piled_up, 5, 0.01), "no write waited for NATS"
+        draining = concurrent.futures.ThreadPoolExecutor(1).submit(ecq_drain, node)
+        assert wait_until(lambda: not_ready_because(node) == "draining", 10, 0.02), "the drain did not begin"
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    return draining.result(60)
+
+
 def qos1_write(queue: str, packet_id: int) -> bytes:
     """An encoded QoS 1 PUBLISH writing key ``k<packet_id>`` of ``queue`` (payload: the key)."""
     topic, key = f"$ECQ/w/{queue}/k{packet_id}".encode(), f"k{packet_id}".encode()
@@ -189,7 +221,7 @@ def qos1_write(queue: str, packet_id: int) -> bytes:
 
 
 @pytest.mark.timeout(90)
-def test_a_drain_pubacks_every_write_it_stored_before_it_closes_the_connection(cluster_nodes):
+def test_a_drain_pubacks_every_write_it_stored_before_it_closes_the_connection(cluster_nodes, nats_cluster):
     """A write the draining node stored but did not PUBACK would be sent again to another node, after which the
     client may write a newer value of its key there, and the older one could land last: so every write read
     is PUBACKed before the close, and nothing is stored that was not PUBACKed."""
@@ -225,7 +257,7 @@ def test_a_drain_pubacks_every_write_it_stored_before_it_closes_the_connection(c
     sender.start()
     try:
         assert wait_until(lambda: len(answers) >= 1000, 20), f"only {len(answers)} PUBACKs"
-        code, report = ecq_drain(node1)
+        code, report = drain_with_writes_in_flight(node1, nats_cluster, lambda: sent - len(answers) >= window // 2)
         reader.join(10)
         sender.join(10)
     finally:

@@ -46,6 +46,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from ecq.store.jsapi import REQUEST_TIMEOUT_S, RETRY_PAUSE_S, JetStreamApi, Retry, token, until
 from ecq.store.jetstream_notices import ShardWatch
+from ecq.store.jetstream_publish import BatchPublisher
 from ecq.store.jetstream_reads import JetStreamReads
 from ecq.store.jetstream_writes import JetStreamWrites
 from ecq.store.jetstream_health import StreamHealth
@@ -80,6 +81,7 @@ class JetStreamStore(JetStreamWrites):
         self._msg_ids = itertools.count(1)
         self._msg_id_prefix = f"{settings.effective_node_name()}-{uuid.uuid4().hex[:8]}-"
         self._link = NatsLink(settings, on_reconnect=self._reconnected)
+        self._publisher = BatchPublisher(self._link, lambda seconds: self.observe_publish(seconds))
         self._js = JetStreamApi(self._link)
         self.reads = JetStreamReads(settings, self._js, self._call, self.shard, self.stream, self._queue_subject,
                                     self._ack_subject)

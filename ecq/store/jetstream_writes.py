@@ -15,12 +15,12 @@ import base64
 import json
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from ecq.store.jsapi import REQUEST_TIMEOUT_S, TS_HEADER, JetStreamApi, Retry, stream_ms, until
+from ecq.store.jetstream_publish import BatchPublisher, Publish
+from ecq.store.jsapi import REQUEST_TIMEOUT_S, TS_HEADER, JetStreamApi, Retry, stream_ms
 from ecq.store.link import NatsLink
 from ecq.store.protocol import (Append, Appended, CommitResult, Expire, ExpiredRow, ForgetQueue, Op, SaveAck,
                                 StoreError)
@@ -35,6 +35,7 @@ class JetStreamWrites:
     _ns: str
     write_error: str | None
     observe_publish: Callable[[float], None]
+    _publisher: BatchPublisher
 
     # --- writes -------------------------------------------------------------------------------------
 
@@ -62,44 +63,33 @@ class JetStreamWrites:
             raise StoreError(f"JetStream commit failed: {exc or type(exc).__name__}") from None
 
     async def _commit(self, ops: Sequence[Op], deadline: float) -> list[CommitResult]:
-        # Every publish of the batch is sent before any ack is awaited: the tasks are created in order, and
-        # nats-py writes their requests to its one connection in that order. What an append replaced comes
-        # later, from its notice (ecq.store.jetstream_notices), so the ack waits for nothing else.
-        done = await asyncio.gather(*[asyncio.ensure_future(self._apply(op, deadline)) for op in ops])
-        return [Appended(result) if isinstance(op, Append) else result for op, result in zip(ops, done, strict=True)]
+        # Every publish of the batch is sent, in order, before any ack is awaited (ecq.store.jetstream_publish).
+        # What an append replaced comes later, from its notice (ecq.store.jetstream_notices): the ack waits for
+        # nothing else. GC deletions and state GC are API requests, run beside the publishes.
+        publishes = [i for i, op in enumerate(ops) if isinstance(op, Append | SaveAck)]
+        others = {i: asyncio.ensure_future(self._forget(op) if isinstance(op, ForgetQueue) else self._expire(op))
+                  for i, op in enumerate(ops) if not isinstance(op, Append | SaveAck)}
+        try:
+            acks = await self._publisher.publish([self._message(ops[i]) for i in publishes], deadline)
+        finally:
+            done = await asyncio.gather(*others.values(), return_exceptions=True)
+        results: list[CommitResult] = [None] * len(ops)
+        for i, ack in zip(publishes, acks, strict=True):
+            results[i] = Appended(ack["seq"]) if isinstance(ops[i], Append) else None
+        for i, outcome in zip(others, done, strict=True):
+            if isinstance(outcome, BaseException):
+                raise outcome
+            results[i] = outcome
+        return results
 
-    async def _apply(self, op: Op, deadline: float) -> Any:
+    def _message(self, op: Append | SaveAck) -> Publish:
+        msg_id = {"Nats-Msg-Id": self._msg_id_prefix + str(next(self._msg_ids))}
         if isinstance(op, Append):
-            headers = {TS_HEADER: str(op.ts_ms), "Nats-Msg-Id": self._msg_id_prefix + str(next(self._msg_ids))}
-            ack = await self._publish(self._queue_subject(op.clientid, op.key), op.payload, headers, deadline)
-            return ack["seq"]
-        if isinstance(op, SaveAck):
-            state = op.state
-            above = sorted(seqno for seqno in state.above if seqno > state.acked)
-            body = json.dumps({"acked": state.acked, "last_ack_ms": state.last_ack_ms, "above": above})
-            await self._publish(self._ack_subject(op.clientid), body.encode(),
-                                {"Nats-Msg-Id": self._msg_id_prefix + str(next(self._msg_ids))}, deadline)
-            return None
-        if isinstance(op, ForgetQueue):
-            return await self._forget(op)
-        return await self._expire(op)
-
-    async def _publish(self, subject: str, payload: bytes, headers: dict[str, str], deadline: float) -> dict:
-        """Publish to JetStream until stored or ``deadline`` (time.monotonic()); the same Nats-Msg-Id on every
-        try, so a try whose ack was lost is not stored twice. Raises TimeoutError at the deadline."""
-        started = time.monotonic()
-
-        async def attempt() -> dict:
-            reply = await self._link.request(subject, payload, headers=headers,
-                                             timeout=min(REQUEST_TIMEOUT_S, max(0.05, deadline - time.monotonic())))
-            answer = json.loads(reply.data)
-            if "error" in answer:  # e.g. 503 while the stream elects a leader
-                raise Retry(f"JetStream did not store {subject}: {answer['error'].get('description')}")
-            return answer
-
-        answer = await until(deadline, attempt)
-        self.observe_publish(time.monotonic() - started)
-        return answer
+            return Publish(self._queue_subject(op.clientid, op.key), op.payload, {TS_HEADER: str(op.ts_ms), **msg_id})
+        state = op.state
+        above = sorted(seqno for seqno in state.above if seqno > state.acked)
+        body = json.dumps({"acked": state.acked, "last_ack_ms": state.last_ack_ms, "above": above})
+        return Publish(self._ack_subject(op.clientid), body.encode(), msg_id)
 
     async def _expire(self, op: Expire) -> tuple[ExpiredRow, ...]:
         stream = self.stream(self.shard(op.clientid))

@@ -157,7 +157,7 @@ class NatsLink:
         sent to a server that was just killed gets no answer, and waiting out ``timeout`` for it delayed the
         retry of a write by up to REQUEST_TIMEOUT_S. Raises ConnectionDropped then, or what nc.request raises
         (nats.errors.TimeoutError after ``timeout`` seconds, NoRespondersError)."""
-        dropped = self._drop_event()
+        dropped = self.drop_event()
         answer = asyncio.ensure_future(self.nc.request(subject, payload, timeout=timeout, headers=headers))
         drop = asyncio.ensure_future(dropped.wait())
         await asyncio.wait((answer, drop), return_when=asyncio.FIRST_COMPLETED)
@@ -167,7 +167,8 @@ class NatsLink:
         answer.cancel()
         raise ConnectionDropped(f"the NATS connection dropped before the answer to {subject}")
 
-    def _drop_event(self) -> asyncio.Event:
+    def drop_event(self) -> asyncio.Event:
+        """The event set when the current connection drops (on the link's loop; a new one after each drop)."""
         if self._dropped is None:
             self._dropped = asyncio.Event()
         return self._dropped
@@ -200,7 +201,7 @@ class NatsLink:
                       "not saved until it is back", now - self.outage_since, ", ".join(self._settings.nats_servers))
 
     async def _disconnected(self) -> None:
-        dropped, self._dropped = self._drop_event(), asyncio.Event()  # requests sent from now on wait for the next
+        dropped, self._dropped = self.drop_event(), asyncio.Event()  # requests sent from now on wait for the next
         dropped.set()
         if not self._closing:
             self.note_outage()
