@@ -5,8 +5,11 @@ The destructive points (3, 4, 5) are in test_cluster_failures.py."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import os
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -91,6 +94,40 @@ def test_a_consumer_that_acked_on_one_node_resumes_after_its_acked_position_on_t
 
 def test_a_takeover_across_nodes_closes_the_old_connection_and_moves_delivery(cluster_nodes, connect):
     hop_between_nodes(started(cluster_nodes()), connect, "tk", rounds=8, takeover=True)
+
+
+@pytest.mark.timeout(60)
+def test_pubacks_the_old_node_had_not_read_yet_count_after_a_takeover_from_the_other(cluster_nodes, connect):
+    """The consumer's PUBACKs reach node 1 while node 1 is stopped (SIGSTOP: they wait in its socket buffer);
+    the consumer then connects to node 2, whose takeover request waits for node 1 too; node 1 continues. It must
+    read the PUBACKs before it closes the old connection for the takeover: node 2 then delivers only the entry
+    left unacked, never one the consumer acked."""
+    node1, node2 = started(cluster_nodes())
+    producer = connect(node2.port, "producer")
+    for i in range(4):
+        write(producer, "late", f"k{i}", f"v{i}")
+    old = RawClient(node1.port, "late")
+    new = None
+    try:
+        old.subscribe(b"$ECQ/late/#")
+        delivered = receive(old, 4)
+        os.kill(node1.proc.pid, signal.SIGSTOP)
+        try:
+            old.puback(*[packet_id for _topic, packet_id, _payload in delivered[:3]])
+            connecting = concurrent.futures.ThreadPoolExecutor(1).submit(RawClient, node2.port, "late")
+            time.sleep(0.3)  # node 2 read the CONNECT and asked node 1, which cannot answer yet
+        finally:
+            os.kill(node1.proc.pid, signal.SIGCONT)
+        new = connecting.result(10)
+        new.subscribe(b"$ECQ/late/#")
+        assert [topic for topic, _id, _payload in receive(new, 1)] == [b"$ECQ/late/k3"]
+        new.sock.settimeout(1.0)
+        with pytest.raises(TimeoutError):  # nothing more: an entry acked on node 1 delivered again would come here
+            new.receive()
+    finally:
+        old.close()
+        if new is not None:
+            new.close()
 
 
 # --- point 6: ordinary MQTT across nodes -----------------------------------------------------------

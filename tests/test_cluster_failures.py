@@ -83,8 +83,8 @@ class PacedProducer:
     @property
     def acked(self) -> dict[str, float]:
         """{key: time.monotonic() of its PUBACK} of every PUBACKed write."""
-        keys = dict(self._keys)
-        return {keys[mid]: t for mid, t in list(self._pubacks.items()) if mid in keys}
+        keys, pubacks = self._keys.copy(), self._pubacks.copy()  # dict.copy is atomic: paho's thread adds to them
+        return {keys[mid]: t for mid, t in pubacks.items() if mid in keys}
 
     def unacked(self) -> int:
         return len(self.sent) - len(self.acked)

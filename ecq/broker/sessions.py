@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+RELEASE_READ_S = 0.5  # a takeover from another node: at most this long to read what the client sent before
+
 
 class QueueSessions:
     """Tracks the live connection of each clientid of ``context`` and attaches it to ``engine`` while it
@@ -89,8 +91,18 @@ class QueueSessions:
         its consumer's acks are saved."""
         live = hooks.live_connection(self._context, client_id)
         if hooks.connection_is_open(live):
+            await self._read_what_was_sent(live)
             await hooks.close_connection(live)
         await self._engine.release(client_id)
+
+    @staticmethod
+    async def _read_what_was_sent(connection: BrokerProtocolHandler) -> None:
+        """Let the connection's reader take what the client sent before the takeover (its last PUBACKs), at most
+        RELEASE_READ_S: a client that closed here and connected to another node sent them first."""
+        deadline = asyncio.get_running_loop().time() + RELEASE_READ_S
+        while hooks.received_unread(connection) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0)  # the PUBACKs read resolve their deliveries in this iteration
 
     def _holds_queue_subscription(self, clientid: str) -> bool:
         holders = self._context.subscriptions.get(queue_filter(clientid), [])

@@ -40,7 +40,7 @@ from ecq.broker.amqtt_hooks import (acks, bad_clients, cluster, conformance, ecq
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import (broadcast_from_cluster, discard_session, hand_over_session,
                                            persistent_subscriptions, set_retained_from_cluster)
-from ecq.broker.amqtt_hooks.drain import close_listeners, open_connections, stop_reading
+from ecq.broker.amqtt_hooks.drain import close_listeners, open_connections, received_unread, stop_reading
 from ecq.broker.amqtt_hooks.conformance import set_session_expiry
 from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge_soon, client_id, close_connection, connection_is_open,
                                               listener_addresses, live_connection, publish_qos1, qos2_receipts, send_soon,
@@ -49,9 +49,9 @@ from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 
 __all__ = ["EcqHooksTarget", "ProtocolViolation", "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection",
            "close_listeners", "connection_is_open", "discard_session", "hand_over_session", "install", "listener_addresses",
-           "live_connection", "open_connections", "persistent_subscriptions", "publish_qos1", "qos2_receipts", "send_soon",
-           "set_listen_backlog", "set_retained_from_cluster", "set_session_expiry", "shorten_subscriptions_repr",
-           "stop_reading"]
+           "live_connection", "open_connections", "persistent_subscriptions", "publish_qos1", "qos2_receipts",
+           "received_unread", "send_soon", "set_listen_backlog", "set_retained_from_cluster", "set_session_expiry",
+           "shorten_subscriptions_repr", "stop_reading"]
 
 
 def install(plugin_class: type[EcqHooksTarget]) -> None:

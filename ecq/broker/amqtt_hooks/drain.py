@@ -5,6 +5,10 @@ connections, or to stop reading one while its acknowledgements are still to be s
 
 from __future__ import annotations
 
+import array
+import fcntl
+import termios
+
 from amqtt.adapters import StreamReaderAdapter, StreamWriterAdapter
 from amqtt.broker import BrokerContext
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
@@ -46,3 +50,24 @@ def stop_reading(handler: BrokerProtocolHandler) -> bool:
     was_reading = transport.is_reading()
     transport.pause_reading()
     return was_reading or bool(reader._reader._buffer)
+
+
+def received_unread(handler: BrokerProtocolHandler) -> bool:
+    """True while bytes the client sent wait for the connection's reader: in the kernel's socket buffer
+    (FIONREAD) or in asyncio's StreamReader buffer. A connection closed for a takeover from another node is
+    first read to here, so that PUBACKs the client sent just before it left count (they are acks it made, and
+    its queue must never deliver them again). False for a connection that is not TCP/TLS or already closed."""
+    reader, writer = handler.reader, handler.writer
+    if not isinstance(reader, StreamReaderAdapter) or not isinstance(writer, StreamWriterAdapter) or writer.is_closed:
+        return False
+    if reader._reader._buffer:
+        return True
+    sock = writer._writer.transport.get_extra_info("socket")
+    if sock is None or sock.fileno() < 0:
+        return False
+    pending = array.array("i", [0])
+    try:
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, pending)
+    except OSError:
+        return False
+    return pending[0] > 0
