@@ -75,13 +75,22 @@ def test_socket_without_connect_is_closed_after_connect_timeout(make_broker):
         half.close()
 
 
+def closed_by_peer(sock: socket.socket) -> bool:
+    """True when the broker closed ``sock`` without sending anything: end of stream (FIN) or a reset (RST; the
+    kernel of a loaded machine sent one in a CI run for a socket the broker accepted late and closed at once)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
 def test_accept_failures_are_logged_once_per_interval(make_broker, connect):
     broker = make_broker(max_open_files=64, connect_timeout="1s")
     held = [socket.create_connection(("127.0.0.1", broker.port), timeout=10) for _ in range(150)]
     try:
         assert wait_until(lambda: "out of system resource" in broker.log(), timeout=10)
         for sock in held:  # the broker closes each after connect_timeout, once it could accept it
-            assert sock.recv(1) == b""
+            assert closed_by_peer(sock)
     finally:
         for sock in held:
             sock.close()
