@@ -12,7 +12,9 @@ Each configuration: --cluster-clientids x --cluster-keys QoS 1 writes of --clust
 then consumers drain those stored queues (deliveries/s, the reads scenario's reactive drain), then ONE consumer
 drains one queue of --cluster-queue-entries stored entries (deliveries/s of a single queue), then a paced flow
 of --cluster-rate writes/s to --cluster-consumers online consumers for --cluster-seconds (write-to-delivery
-p50/p99 of the steady state, after its first second, and of the first second apart). CPU per write comes from
+p50/p99 of the steady state, after its first second, and of the first second apart); on one JetStream node, the
+same pace of bare JetStream publishes (benchlib.cluster_floor: the quorum round trip every cluster write makes,
+the floor of its latency). CPU per write comes from
 the sampler over the write phase, per process kind: ECQ node(s), NATS servers (summed) and load processes
 (summed). Last, the 2 JetStream nodes are given --cluster-idle-entries stored entries (published to the
 streams from here, benchlib.cluster_idle) and left idle for --cluster-idle-seconds: CPU per node and of the
@@ -26,6 +28,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from benchlib.brokers import EcqBroker
+from benchlib.cluster_floor import publish_floor
 from benchlib.cluster_idle import idle_cpu, preload_jetstream
 from benchlib.cluster_rows import cluster_rows
 from benchlib.loadgen import ConsumeTask, Endpoints
@@ -118,6 +121,9 @@ def measure(bench: Bench, name: str, options: list[dict[str, Any]], result: dict
             nodes.endpoint, part, key_names, ECQ_QUEUE, subscribe_after_start=True, deadline_s=deadline), cids)
         result["one_queue"] = drain_one_queue(bench, nodes, f"{label}-one-queue", name)
         result["flow"] = paced_flow(bench, nodes, f"{label}-flow", bench.ids(f"cf-{name}-", args.cluster_consumers))
+        if name == "jetstream-1":
+            result["publish_floor"] = publish_floor(options[0]["nats_servers"], options[0]["jetstream_namespace"],
+                                                    args.cluster_rate, args.cluster_seconds, args.cluster_size)
         if name == "jetstream-2":
             result["idle"] = idle_jetstream(bench, nodes, f"{label}-idle", name, options[0])
     if name == "leveldb":

@@ -98,7 +98,7 @@ def _flow_rows(name: str, run: dict[str, Any], base: dict[str, Any], rate: float
     first, base_first = flow["first_second"], base_flow.get("first_second", {})
     losses = (f"{flow['undelivered']} of {flow['sent']} not delivered; duplicates {flow['duplicates']}; "
               f"whole flow p50/p99 {flow['p50_ms']} / {flow['p99_ms']} ms")
-    return [
+    return _floor_rows(run, base_steady, rate) + [
         _ratio_row(f"p50 @{rate:g}/s steady, {title}", "ms", steady["p50_ms"], base_steady.get("p50_ms"),
                    f"<={P50_MAX_RATIO:g}x", P50_MAX_RATIO, False, "writes sent after the flow's first second"),
         _ratio_row(f"p99 @{rate:g}/s steady, {title}", "ms", steady["p99_ms"], base_steady.get("p99_ms"),
@@ -106,6 +106,19 @@ def _flow_rows(name: str, run: dict[str, Any], base: dict[str, Any], rate: float
         Row("cluster", f"p99 @{rate:g}/s first second, {title}", "ms", None, first["p99_ms"], base_first.get("p99_ms"),
             note=f"p50 {first['p50_ms']} ms (LevelDB {base_first.get('p50_ms')}); consumers attach as it starts"),
     ]
+
+
+def _floor_rows(run: dict[str, Any], base_steady: dict[str, Any], rate: float) -> list[Row]:
+    """The bare quorum publish's p50/p99 against LevelDB's whole write-to-delivery latency (benchlib.cluster_floor):
+    where it alone exceeds a latency target, no node can meet that target on these servers."""
+    if "publish_floor" not in run:
+        return []
+    floor = run["publish_floor"]
+    note = "no ECQ: nats-py publishes to a shard stream, each awaited; the floor of the cluster's latency"
+    return [Row("cluster", f"bare JetStream publish p50 @{rate:g}/s", "ms", None, floor["p50_ms"],
+                base_steady.get("p50_ms"), note=note),
+            Row("cluster", f"bare JetStream publish p99 @{rate:g}/s", "ms", None, floor["p99_ms"],
+                base_steady.get("p99_ms"), note=f"{floor['measured']} publishes after the first second")]
 
 
 def _idle_rows(name: str, run: dict[str, Any], base: dict[str, Any]) -> list[Row]:

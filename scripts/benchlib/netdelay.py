@@ -35,7 +35,7 @@ from benchlib.cluster_rows import cpu_ms_per_write
 from benchlib.delayproxy import ProxyProcess
 from benchlib.loadgen import Endpoint, Endpoints
 from benchlib.report import Row, ScenarioResult
-from benchlib.scenarios import ECQ_QUEUE, ECQ_WRITE, Bench, flow, keys, progress, publish
+from benchlib.scenarios import ECQ_QUEUE, ECQ_WRITE, Bench, flow, keys, progress, publish, quantile
 from ecq.testing import free_port, wait_until
 from ecq.testing.nats import LocalNatsCluster
 
@@ -145,12 +145,8 @@ def puback_latency(port: int, queues: tuple[str, ...], rate_per_s: float, second
         client.loop_stop()
     latencies = sorted((acked_at[mid] - t) * 1000 for mid, t in sent_at.items() if mid in acked_at)
     return {"sent": len(sent_at), "acked": len(latencies), "rate_per_s": rate_per_s,
-            "p50_ms": _quantile(latencies, 0.5), "p99_ms": _quantile(latencies, 0.99),
+            "p50_ms": quantile(latencies, 0.5), "p99_ms": quantile(latencies, 0.99),
             "max_ms": round(latencies[-1], 2) if latencies else None}
-
-
-def _quantile(values: list[float], q: float) -> float | None:
-    return round(values[min(len(values) - 1, int(q * len(values)))], 2) if values else None
 
 
 def proxy_nats(nats: LocalNatsCluster) -> tuple[list[tuple[int, int]], list[str]]:

@@ -254,7 +254,7 @@ def consume(bench: Bench, broker, phase: str, make_task: Callable[[tuple[str, ..
             "missing": sum(r["missing"] for r in results),
             "missing_sample": [m for r in results for m in r["missing_idents"]][:10],
             "seconds": round(end - start, 3), "per_s": round(unique / (end - start), 1) if end > start else None,
-            "connect_p50_s": _quantile(connects, 0.5), "connect_max_s": _quantile(connects, 1.0),
+            "connect_p50_s": quantile(connects, 0.5), "connect_max_s": quantile(connects, 1.0),
             "connect_failures": sum(r["connect_failures"] for r in results),
             "reconnects": sum(r["reconnects"] for r in results),
             "listen_drops": None if drops_before is None else drops_after - drops_before,
@@ -262,7 +262,7 @@ def consume(bench: Bench, broker, phase: str, make_task: Callable[[tuple[str, ..
             "load": bench.load_check(phase, broker, start, end) if unique else None}
 
 
-def _quantile(values: list[float], q: float) -> float | None:
+def quantile(values: list[float], q: float) -> float | None:
     """The q-quantile (nearest rank) of sorted ``values``, rounded to 4 digits."""
     if not values:
         return None
@@ -295,8 +295,8 @@ def flow_summary(bench: Bench, broker, phase: str, results: list[dict],
     return {"sent": sent, "received_unique": sum(r["unique"] for r in results),
             "undelivered": sent - sum(r["unique"] for r in results), "duplicates": sum(r["duplicates"] for r in results),
             "send_rate_per_s": round(sent / (send_end - start), 1) if send_end > start else None,
-            "measured": len(latencies_ms), "p50_ms": _quantile(latencies_ms, 0.5),
-            "p99_ms": _quantile(latencies_ms, 0.99), "max_ms": latencies_ms[-1] if latencies_ms else None,
+            "measured": len(latencies_ms), "p50_ms": quantile(latencies_ms, 0.5),
+            "p99_ms": quantile(latencies_ms, 0.99), "max_ms": latencies_ms[-1] if latencies_ms else None,
             "p99_ms_by_second": p99_by_second(samples, start),
             "errors": _errors(results), "load": bench.load_check(phase, broker, *(window_s or (start, send_end)))}
 
@@ -308,7 +308,7 @@ def p99_by_second(samples: list[tuple[int, int]], start_s: float) -> list[float 
     for sent_ns, lat_us in samples:
         buckets.setdefault(int(sent_ns / 1e9 - start_s), []).append(lat_us / 1000)
     last = max(buckets, default=-1)
-    return [_quantile(sorted(buckets[s]), 0.99) if s in buckets else None for s in range(last + 1)]
+    return [quantile(sorted(buckets[s]), 0.99) if s in buckets else None for s in range(last + 1)]
 
 
 def flow(bench: Bench, broker, phase: str, cids: tuple[str, ...], subscribe_format: str,
