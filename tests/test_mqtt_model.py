@@ -9,7 +9,7 @@ unsubscribing and then acking, disconnecting, closing, resetting, taken over, re
 (SIGTERM and kill -9). After every step what the clients received is checked against :class:`QueueModel`, a
 small model of each queue; a drain step (and the end of every run) checks that everything owed was delivered.
 
-The model is exact where the guarantees are (README "Guarantees"; MQTT 3.1.1 sections 3.14.4, 4.3, 4.4, 4.6)
+The model is exact where the guarantees are (docs/guarantees.md; MQTT 3.1.1 sections 3.14.4, 4.3, 4.4, 4.6)
 and tolerant where they are not:
 
 - a write is stored once its PUBACK (QoS 1) or PUBREC (QoS 2) was read, or, at QoS 0, once the broker read it
@@ -22,7 +22,7 @@ and tolerant where they are not:
   key is the last one sent; delivery is in seqno order within a stream (one attach, or one rewind);
 - an ack the broker is proven to have read (a PINGRESP or the broker's close after it, or a later delivery that
   the window ``reader_batch_size`` only allows after it) is never delivered again; after kill -9 only an ack
-  proven stored by the window counts (README: a PUBACK less than one commit before a crash may be lost).
+  proven stored by the window counts (docs/guarantees.md: a PUBACK less than one commit before a crash may be lost).
   An ack not proven read (the connection was reset, taken over or the broker died) may or may not count;
 - an unacked delivery may be delivered again; nothing expires or is evicted here (no retention, no quotas);
 - and MQTT 3.1.1 itself: CONNACK's session present (3.2.2.2), a takeover closes the older connection (3.1.4),
@@ -214,7 +214,7 @@ class QueueModel:
         return ""
 
     def rewind_point(self, kind: str, value: int = 0) -> int | None:
-        """The acked seqno a rewind payload sets (README "Rewind"); None when it is refused (a seqno above the
+        """The acked seqno a rewind payload sets (docs/topics.md, "Rewind"); None when it is refused (a seqno above the
         last one, issue 23 point 8)."""
         stored = self.stored()
         if kind == "seqno":
@@ -450,10 +450,10 @@ class BrokerMachine(RuleBasedStateMachine):
             for acked in twins:
                 queue.acks[acked] = ack = Ack()
             if stream.rewound or len(twins) > 1:
-                # README: a late PUBACK of a delivery from before a rewind counts for nothing, and a write stored
-                # twice (a QoS 1 resend) makes two deliveries the consumer cannot tell apart: such a PUBACK may or
-                # may not count for the entry the model has in mind, so it is never proven (a stand-in keeps its
-                # place in the stream's acks, which the window counts)
+                # docs/topics.md: a late PUBACK of a delivery from before a rewind counts for nothing, and a write
+                # stored twice (a QoS 1 resend) makes two deliveries the consumer cannot tell apart: such a PUBACK
+                # may or may not count for the entry the model has in mind, so it is never proven (a stand-in keeps
+                # its place in the stream's acks, which the window counts)
                 stream.acks.append(Ack())
                 continue
             link.acks.append(ack)
@@ -626,7 +626,7 @@ class BrokerMachine(RuleBasedStateMachine):
         old = self._live(cid)
         if old is not None and old.clean and not clean:
             # amqtt 0.12.1 gives a CleanSession=0 CONNECT that takes over a live CleanSession=1 connection that clean
-            # session (session present 1, its subscriptions): known and in README ("MQTT conformance", not
+            # session (session present 1, its subscriptions): known and in docs/guarantees.md ("MQTT conformance", not
             # changed). The clean connection leaves first, so that the rest of the run is checked exactly.
             self._leave(old, "disconnect")
             old = None
@@ -729,14 +729,14 @@ class BrokerMachine(RuleBasedStateMachine):
           pick=st.integers(0, 100))
     @_step
     def consumer_rewinds(self, cid, kind, pick):
-        """The owner publishes ``$ECQ/ctl/<cid>/rewind`` (README "Rewind"); a seqno above the last one is refused
-        (still PUBACKed) and changes nothing. ``pick`` chooses the seqno or time (modulo the choices)."""
+        """The owner publishes ``$ECQ/ctl/<cid>/rewind`` (docs/topics.md, "Rewind"); a seqno above the last one is
+        refused (still PUBACKed) and changes nothing. ``pick`` chooses the seqno or time (modulo the choices)."""
         cid = self.cids[cid]
         link, queue = self._live(cid), self.queues[cid]
         if link is None:
             return
         if kind in ("seqno", "beyond"):
-            beyond = [queue.last_seqno + 1, 1767225600000]  # README's example without since: (issue 23 point 8)
+            beyond = [queue.last_seqno + 1, 1767225600000]  # docs/topics.md's example without since: (issue 23 point 8)
             value = pick % (queue.last_seqno + 1) if kind == "seqno" else beyond[pick % 2]
             payload, point = str(value), queue.rewind_point("seqno", value)
         elif kind in ("since", "since-far"):
@@ -795,8 +795,8 @@ class BrokerMachine(RuleBasedStateMachine):
         self.sessions.clear()
 
     def _stop_cleanly(self) -> None:
-        """SIGTERM: the broker exits 0 within 15 s (README "Configuration"); if not, it is killed and started
-        again (for the next run) before the step fails."""
+        """SIGTERM: the broker exits 0 within 15 s (docs/configuration.md, "Running the broker"); if not, it is
+        killed and started again (for the next run) before the step fails."""
         try:
             code = self.broker.stop()
         except subprocess.TimeoutExpired:
@@ -1040,7 +1040,7 @@ def test_session_max_queued_holds_when_subscribes_arrive_in_one_segment(make_bro
     # Issue 23 point 6: a persistent session whose SUBSCRIBEs to $ECQ/ps/# and plain/# arrive in one segment keeps
     # exactly session_max_queued (50) plain messages while offline: the newest, in order. It reconnects once a
     # witness subscriber got the last message, i.e. once amqtt fanned it out: amqtt PUBACKs a plain QoS 1 message
-    # before its fan-out (README, "Not changed, and known"), and a session reconnecting in between gets the
+    # before its fan-out (docs/guarantees.md, "Not changed, and known"), and a session reconnecting in between gets the
     # messages still being fanned out live, on top of its 50.
     broker = make_broker(session_max_queued=50)
     wire = WireClient(broker.port)
@@ -1079,7 +1079,7 @@ def test_malformed_packets_close_the_connection(make_broker, fast_path, malforme
 
 
 def test_a_rewind_past_the_last_seqno_is_refused_and_later_writes_are_delivered(make_broker):
-    # Issue 23 point 8: README's rewind example without `since:` (a seqno far above the queue's last) is refused
+    # Issue 23 point 8: docs/topics.md's rewind example without `since:` (a seqno far above the queue's last) is refused
     # as bad_rewind (still PUBACKed under MQTT 3.1.1) and swallows nothing written afterwards.
     broker = make_broker()
     producer, _present = WireClient.connected(broker.port, "carp")

@@ -208,7 +208,7 @@ def _refused_events(lake) -> list[tuple]:
 
 
 def test_a_rewind_to_a_seqno_past_the_end_is_refused_and_later_writes_are_delivered(backend_broker, tmp_path):
-    # README's example without `since:`: a time taken for a seqno, far above the last one. Stored, it made every
+    # docs/topics.md's example without `since:`: a time taken for a seqno, far above the last one. Stored, it made every
     # later write count as acked: PUBACKed, never delivered, pending 0. It is refused as bad_rewind (PUBACKed,
     # counted, logged, a refused event), the position stays, and the next write is delivered.
     lake = tmp_path / "lake"

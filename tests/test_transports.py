@@ -37,7 +37,7 @@ LARGE = 1_048_576  # bytes: the default max_payload_bytes
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory) -> tuple[str, str]:
     """(certificate, key) PEM paths: a self-signed certificate for 127.0.0.1 and localhost, made with the
-    openssl command README shows."""
+    openssl command docs/listeners.md shows."""
     folder = tmp_path_factory.mktemp("tls")
     cert, key = folder / "server.crt", folder / "server.key"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
@@ -210,8 +210,8 @@ def example_config(broker, certificate, passwd: Path) -> dict:
 
 
 def test_shipped_listeners_example(broker_process, certificate, paho, tmp_path):
-    """The example config README shows, as shipped: every listener serves ECQ to a user with the right password,
-    refuses a wrong password and a client without one; the ACL's ``${username}`` rules let the backend write
+    """The example config docs/listeners.md shows, as shipped: every listener serves ECQ to a user with the right
+    password, refuses a wrong password and a client without one; the ACL's ``${username}`` rules let the backend write
     into any queue, and a user read only the queue named as its username."""
     passwd = tmp_path / "passwd"
     passwd.write_text("".join(f"{user}:{Argon2Hasher().hash(user + '-secret')}\n" for user in ("alice", "backend")))
