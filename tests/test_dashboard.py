@@ -48,16 +48,19 @@ READ_PAGE = """() => {
 
 # --- the browser ---------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    """Debian's headless chromium, launched by playwright with a fresh profile; the test fails without it."""
+@pytest.fixture
+def browser(tmp_path):
+    """Debian's headless chromium, launched by playwright with a fresh profile; the test fails without it.
+
+    Function-scoped: playwright's sync API keeps an asyncio loop running in this thread while it is open, and
+    fixtures torn down after the test (jetstream_options) call asyncio.run; request them before this one."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.fail("chromium is not installed: run scripts/setup (it installs Debian's chromium)")
     from playwright.sync_api import sync_playwright
     with sync_playwright() as playwright:
         context = playwright.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=chromium, headless=True,
+            str(tmp_path / "chromium-profile"), executable_path=chromium, headless=True,
             args=CHROMIUM_FLAGS, viewport={"width": 1280, "height": 900}, timeout=60_000)
         yield context
         context.close()
@@ -302,3 +305,27 @@ def test_the_history_follows_a_gc_pass(monkeypatch):
     gc = history.gc(history.samples[-1].counters)
     assert gc == {"running": False, "passes": 1, "deleted": 45, "interval_s": 60.0, "pass_started_ms": 1_002_000,
                   "pass_deleted": 40}
+
+
+# --- a cluster ------------------------------------------------------------------------------------------------
+
+def test_on_a_cluster_the_page_shows_nats_and_the_stream_leaders(jetstream_options, cluster_nodes, page, tmp_path):
+    [node] = [n.start() for n in cluster_nodes(1)]
+    assert wait_until(lambda: api(node, "/api/v1/health")[0] == 200, 20), api(node, "/api/v1/health")
+    page.goto(f"http://127.0.0.1:{node.admin_port}/")
+    page.wait_for_selector("#panel-cluster", state="visible")
+    read_when(page, lambda r: r["fields"]["cluster.writable"] == "true")
+    _, status = api(node, "/api/v1/status")
+    streams = page.evaluate('() => [...document.querySelectorAll("#cluster-streams tr")].map('
+                            'tr => [...tr.children].map(td => td.dataset.value))')
+    expected = sorted([name, s["leader"], f'{s["replicas_current"]} of {s["replicas"]}', ", ".join(s["lagging"]) or "none"]
+                      for name, s in status["cluster"]["streams"].items())
+    assert streams == expected and len(streams) == 3  # 2 shards and the acks stream
+    servers = page.evaluate('() => [...document.querySelectorAll("#cluster-servers tr")].map('
+                            'tr => [...tr.children].map(td => td.dataset.value))')
+    assert servers == sorted([server, str(len(names))] for server, names in status["cluster"]["leaders"].items())
+    fields = page.evaluate(READ_PAGE)["fields"]
+    assert fields["node"] == "node-1" and fields["cluster.connected"] == "true"
+    assert page.errors == []
+    page.screenshot(path=str(tmp_path / "dashboard-cluster.png"), full_page=True)
+    print(f"dashboard screenshot: {tmp_path / 'dashboard-cluster.png'}")

@@ -148,6 +148,7 @@ function render(data) {
   fillSparklines(data.history);
   fillTables(data);
   fillCluster(data.cluster);
+  for (const el of document.querySelectorAll("[data-backend]")) el.hidden = el.dataset.backend !== data.backend;
   const eventsOn = Object.keys(data.events).length > 0;
   $("events-off").hidden = eventsOn;
   $("events-on").hidden = !eventsOn;
