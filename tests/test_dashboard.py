@@ -40,8 +40,8 @@ READ_PAGE = """() => {
   for (const el of document.querySelectorAll("[data-k]")) fields[el.dataset.k] = el.dataset.value;
   const rows = id => [...document.querySelectorAll(`#${id} tr`)].map(
     tr => [...tr.children].map(td => td.dataset.value ?? td.textContent));
-  return {fields, at_ms: Number(document.getElementById("updated").dataset.value), top: rows("top"), refused: rows("refused"), panels: !document.getElementById("panels").hidden,
-          login: !document.getElementById("login").hidden,
+  return {fields, at_ms: Number(document.getElementById("updated").dataset.value), top: rows("top"), refused: rows("refused"), panels: document.getElementById("panels").checkVisibility(),
+          login: document.getElementById("login").checkVisibility(),
           lines: document.querySelectorAll("[data-series] polyline").length};
 }"""
 
@@ -197,8 +197,8 @@ def assert_not_blank(png: Path) -> None:
 
 # --- the token ------------------------------------------------------------------------------------------
 
-def test_with_a_token_the_page_asks_for_it_and_the_data_stays_behind_it(make_broker, page):
-    broker = make_broker(admin_token=TOKEN)
+def test_with_a_token_the_page_asks_for_it_and_the_data_stays_behind_it(make_broker, page, tmp_path):
+    broker = make_broker(admin_token=TOKEN, events=False)
     for path in ("/", "/dashboard.js", "/dashboard.css"):  # the shell holds no data
         assert api(broker, path)[0] == 200, path
     for path in ("/api/v1/dashboard", "/api/v1/status", "/metrics", "/dashboard.js/../api/v1/status"):
@@ -214,6 +214,8 @@ def test_with_a_token_the_page_asks_for_it_and_the_data_stays_behind_it(make_bro
     page.click("button[type=submit]")
     page.wait_for_function('() => document.getElementById("login-error").textContent.includes("refused")')
     assert all("401" in error for error in page.errors), page.errors  # the refused request, nothing else
+    assert not page.is_visible("#panels")
+    page.screenshot(path=str(tmp_path / "dashboard-login.png"))
     page.errors.clear()
 
     page.fill("#token", TOKEN)
@@ -222,6 +224,7 @@ def test_with_a_token_the_page_asks_for_it_and_the_data_stays_behind_it(make_bro
     assert read["login"] is False and page.errors == []
     assert page.evaluate('() => sessionStorage.getItem("ecq-admin-token")') == TOKEN
     assert TOKEN not in page.url
+    assert page.is_visible("#events-off") and not page.is_visible("#events-on")  # events: false
     page.reload()  # the token stays for the tab
     read_when(page, lambda r: r["fields"]["store.queues"] == "0")
     assert page.errors == []

@@ -160,6 +160,8 @@ function askForToken(message) {
   $("panels").hidden = true;
   $("login").hidden = false;
   $("login-error").textContent = message;
+  $("health").className = "badge";
+  $("health").textContent = "signed out";
   $("token").focus();
 }
 
