@@ -1,7 +1,10 @@
 """Admin HTTP API of a running broker, served with aiohttp on ``admin_bind`` (default 127.0.0.1:18083).
 
-All responses are JSON except ``/metrics`` (Prometheus text). With ``admin_token`` set, every request
-needs ``Authorization: Bearer <token>``; otherwise 401. No answer shows the token (``**********``).
+All responses are JSON except ``/metrics`` (Prometheus text) and the dashboard's page (``/``, ecq.ops.dashboard).
+With ``admin_token`` set, every request needs ``Authorization: Bearer <token>``; otherwise 401. Only the
+dashboard's page and its script and stylesheet (``dashboard.PUBLIC_PATHS``, which hold no data) are served
+without it: the page asks for the token and sends it with each of its requests. No answer shows the token
+(``**********``).
 
 Every request that is not GET or HEAD must come with a ``Host`` header naming this API's address, and its
 ``Origin`` header, when present, must be ``http://`` and such a host; otherwise 403 with the reason. This
@@ -48,6 +51,8 @@ POST   /api/v1/drain                drain the node before stopping it (ecq.broke
                                     the report once done (``{"drained": true, ...}``), 503 with it when writes
                                     were left unsettled
 GET    /metrics                     Prometheus text exposition
+GET    /                            the live dashboard (HTML; its script polls ``/api/v1/dashboard``)
+GET    /api/v1/dashboard            what the dashboard shows (see ecq.ops.dashboard.dashboard_data)
 ====== ============================ ==================================================================
 """
 
@@ -61,6 +66,7 @@ from typing import Any, Protocol
 from aiohttp import hdrs, web
 
 from ecq.config import is_loopback
+from ecq.ops.dashboard import PUBLIC_PATHS, add_dashboard
 from ecq.ops.metrics import EcqMetrics
 from ecq.ops.status import broker_status, queue_info
 from ecq.queue.engine import QueueEngine
@@ -136,6 +142,7 @@ def build_app(engine: QueueEngine, controls: BrokerControls, metrics: EcqMetrics
         web.post("/api/v1/drain", _drain),
         web.get("/metrics", _metrics),
     ])
+    add_dashboard(app, engine, controls, metrics, bool(token))
     return app
 
 
@@ -198,7 +205,8 @@ def _bearer_auth(token: str):
     @web.middleware
     async def middleware(request: web.Request, handler):
         given = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
+        public = request.method in _READ_ONLY_METHODS and request.path in PUBLIC_PATHS
+        if not public and not hmac.compare_digest(given, expected):
             return web.json_response({"error": "missing or wrong bearer token"}, status=401)
         return await handler(request)
     return middleware
