@@ -172,10 +172,11 @@ def test_every_ecq_command_the_pages_name_exists():
 # --- admin API and metrics -------------------------------------------------------------------------------------
 
 def admin_routes() -> list[tuple[str, str]]:
-    """(method, path) of every route the admin API serves, read from ecq/ops/admin.py's route table."""
-    source = (REPO / "ecq" / "ops" / "admin.py").read_text()
-    routes = re.findall(r"web\.(get|post|put|delete|patch)\(\"([^\"]+)\"", source)
-    assert routes, "no route found in ecq/ops/admin.py: has the route table moved?"
+    """(method, path) of every API route the admin API serves, read from the route tables in ecq/ops/ (admin.py's,
+    dashboard.py's JSON route; the dashboard's static files are named in its own section)."""
+    source = "\n".join(path.read_text() for path in sorted((REPO / "ecq" / "ops").glob("*.py")))
+    routes = re.findall(r"(?:web\.|router\.add_)(get|post|put|delete|patch)\(\"([^\"]+)\"", source)
+    assert routes, "no route found in ecq/ops/: has the route table moved?"
     return [(method.upper(), path) for method, path in routes]
 
 
