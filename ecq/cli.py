@@ -22,7 +22,7 @@ from pathlib import Path
 import click
 import yaml
 
-from ecq.broker import server
+from ecq.broker import config_file
 from ecq.config import split_host_port
 from ecq.pipeline.cli import pipeline
 from ecq.ops.client import (EXIT_NOT_FOUND, Unreachable, call_admin, check_answer, emit, render_queue,
@@ -76,9 +76,11 @@ def broker(config_path: Path | None, bind: str | None, data_dir: Path | None, ac
            admin_bind: str | None, verbose: bool) -> None:
     """Run the MQTT broker with the ECQ plugin in the foreground until SIGINT or SIGTERM; SIGHUP reloads the ACL."""
     try:
-        config = server.prepare(config_path, bind=bind, data_dir=data_dir, acl_file=acl_file, admin_bind=admin_bind)
-    except server.ConfigError as exc:
+        config = config_file.prepare(config_path, bind=bind, data_dir=data_dir, acl_file=acl_file,
+                                     admin_bind=admin_bind)
+    except config_file.ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    from ecq.broker import server  # amqtt, loaded only to run the broker
     server.configure_logging(verbose)
     sys.exit(asyncio.run(server.serve(config)))
 

@@ -7,16 +7,18 @@ names the option and the rule it broke; ``ecq broker`` prints it and exits befor
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import math
 import os
 import re
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, StrictBool,
-                      StrictInt, field_validator, model_validator)
+                      StrictInt, ValidationError, field_validator, model_validator)
 
 from ecq.store import layout as storage_layout
 
@@ -266,6 +268,26 @@ class EcqSettings(BaseModel):
     def events_dir(self) -> Path:
         """The event buffer's directory: ``<data_dir>/events``."""
         return self.data_dir / storage_layout.EVENTS
+
+
+def did_you_mean(name: Any, known: Iterable[str], form: str = ": did you mean {}?") -> str:
+    """``form`` filled with the name in ``known`` closest to ``name`` (difflib's similarity ratio of at least
+    0.6), ``""`` when none is that close."""
+    close = difflib.get_close_matches(str(name), sorted(known), n=1)
+    return form.format(close[0]) if close else ""
+
+
+def explain_errors(exc: ValidationError) -> str:
+    """One line for a ValidationError of :class:`EcqSettings`: its problems joined by ``; ``, each as
+    ``option: rule``, or ``unknown option X: did you mean Y?`` for an option EcqSettings does not have."""
+    problems = []
+    for error in exc.errors():
+        where = ".".join(map(str, error["loc"])) or "options"
+        if error["type"] == "extra_forbidden":
+            problems.append(f"unknown option {where}{did_you_mean(where, EcqSettings.model_fields)}")
+        else:
+            problems.append(f"{where}: {error['msg']}")
+    return "; ".join(problems)
 
 
 def split_host_port(value: Any) -> tuple[str, int]:

@@ -35,7 +35,6 @@ from ecq.store.backends import open_store
 
 log = logging.getLogger(__name__)
 
-PLUGIN_PATH = "ecq.broker.plugin.EcqPlugin"
 SECRET_OPTIONS = frozenset({"admin_token", "nats_password", "nats_token"})  # never shown by options(); pydantic's SecretStr hides them in inuse
 REDACTED = "**********"                      # what pydantic's SecretStr shows
 
