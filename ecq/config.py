@@ -245,6 +245,14 @@ class EcqSettings(BaseModel):
     def _write_packet_bytes(self) -> int:
         return min(MAX_REMAINING_LENGTH, self.max_payload_bytes + PUBLISH_HEADER_ROOM)
 
+    def in_effect(self) -> dict[str, Any]:
+        """Every option as the broker uses it, JSON-ready (durations in seconds, secrets as ``**********``):
+        an option whose 0 or None stands for a computed value shows that value (``writer_pool_size``,
+        ``max_packet_bytes``, ``lake_dir``, ``node_name``)."""
+        return {**self.model_dump(mode="json"), "writer_pool_size": self.effective_pool_size(),
+                "max_packet_bytes": self.effective_max_packet_bytes(), "lake_dir": str(self.effective_lake_dir()),
+                "node_name": self.effective_node_name()}
+
     def describe(self, listeners: list[str]) -> str:
         """One line for the start-up log: the MQTT ``listeners`` (``host:port``), the admin API, where data and
         the event lake live, and how many writer agents run."""

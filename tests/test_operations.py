@@ -115,13 +115,16 @@ def test_show_config_origin_and_inuse(make_broker):
 
 
 def test_show_config_inuse_shows_the_values_in_effect_as_yaml(make_broker):
-    broker = make_broker(writer_pool_size=0, events=False)
+    broker = make_broker(writer_pool_size=0, events=False, max_payload_bytes=1000)
     inuse = json.loads(ecq("show-config", "--json", admin=broker.admin_port).stdout)
     assert inuse["writer_pool_size"] == (os.cpu_count() or 1)  # 0 means one agent per CPU
     assert inuse["lake_dir"] == str(broker.data_dir / "lake")
+    assert inuse["max_packet_bytes"] == 1000 + 65_539  # None: max_payload_bytes + a PUBLISH's largest header
+    assert inuse["node_name"].endswith(f"-{broker.proc.pid}")  # None: <hostname>-<pid>
     text = ecq("show-config", admin=broker.admin_port).stdout
     assert yaml.safe_load(text) == inuse
     assert "None" not in text and "False" not in text and "events: false" in text and "acl_file: null" in text
+    assert "max_packet_bytes: null" not in text and "node_name: null" not in text
 
 
 def test_start_up_log_says_where_everything_is(make_broker):

@@ -40,7 +40,8 @@ GET    /api/v1/top?n=N&by=K         the N (1..1000, default 20) queues with the 
                                     ``pending``, the default), the oldest pending entry (``age``) or the most
                                     pending payload bytes (``bytes``), from the engine's lag index (see
                                     ecq.queue.lag.top_report); 400 for a bad N or K
-GET    /api/v1/config?which=W       plugin options, ``origin`` (as given) or ``inuse`` (as parsed)
+GET    /api/v1/config?which=W       plugin options, ``origin`` (as given) or ``inuse`` (in effect: computed values
+                                    such as ``max_packet_bytes`` and ``node_name`` resolved)
 POST   /api/v1/acl/reload           reload the ACL file: ``{"reloaded": true, "rules": n}``; 400 and the
                                     parse error when the file is bad (the old rules stay)
 POST   /api/v1/drain                drain the node before stopping it (ecq.broker.drain): listeners closed,
