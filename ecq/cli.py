@@ -13,8 +13,8 @@ corrupt store; for ``repair``, a store it cannot repair), 2 usage or configurati
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import os
 import sys
 import urllib.request
 from pathlib import Path
@@ -25,8 +25,8 @@ import yaml
 from ecq.broker import config_file
 from ecq.config import split_host_port
 from ecq.pipeline.cli import pipeline
-from ecq.ops.client import (EXIT_NOT_FOUND, Unreachable, call_admin, check_answer, emit, render_queue,
-                            render_status, render_top)
+from ecq.ops.client import (DEFAULT_ADMIN, EXIT_NOT_FOUND, Unreachable, admin_target, call_admin, check_answer,
+                            emit, render_queue, render_status, render_top)
 from ecq.ops.status import broker_status, queue_info
 from ecq.queue.clock import now_ms
 from ecq.queue.lag_reads import TOP_MAX, TOP_ORDERS, scan_lag, top_report
@@ -36,8 +36,6 @@ from ecq.store.committed import describe as describe_missing
 from ecq.store.leveldb import LevelDbStore
 from ecq.store.leveldb_files import repair as repair_store
 from ecq.store.layout import QUEUES, leveldb_dir
-
-DEFAULT_ADMIN = "127.0.0.1:18083"
 
 log = logging.getLogger("ecq")
 
@@ -118,12 +116,22 @@ def repair(data_dir: Path) -> None:
 # --- operator commands: talk to the admin API --------------------------------------------------------
 
 def admin_options(func):
-    """--admin HOST:PORT, --token and --json, shared by the operator commands."""
-    func = click.option("--json", "as_json", is_flag=True, help="print JSON for scripts")(func)
-    func = click.option("--token", default=lambda: os.environ.get("ECQ_ADMIN_TOKEN"),
-                        help="admin bearer token (default: $ECQ_ADMIN_TOKEN)")(func)
-    return click.option("--admin", default=DEFAULT_ADMIN, show_default=True,
-                        help="HOST:PORT of the broker's admin API")(func)
+    """--admin HOST:PORT, --token, -c/--config and --json, shared by the operator commands: the command gets
+    ``admin`` and ``token`` resolved by ecq.ops.client.admin_target (flag, environment, broker config, default)."""
+    @functools.wraps(func)
+    def resolved(*args, config_path: Path | None, **kwargs):
+        kwargs["admin"], kwargs["token"] = admin_target(kwargs["admin"], kwargs["token"], config_path)
+        return func(*args, **kwargs)
+
+    resolved = click.option("--json", "as_json", is_flag=True, help="print JSON for scripts")(resolved)
+    resolved = click.option("-c", "--config", "config_path", type=click.Path(path_type=Path, dir_okay=False),
+                            help="the broker's YAML config: its admin_bind and admin_token are used when --admin "
+                                 "and --token (or their variables) are not given")(resolved)
+    resolved = click.option("--token", envvar="ECQ_ADMIN_TOKEN", show_envvar=True,
+                            help="admin bearer token [default: the config's admin_token]")(resolved)
+    return click.option("--admin", envvar="ECQ_ADMIN", show_envvar=True,
+                        help=f"HOST:PORT of the broker's admin API [default: the config's admin_bind, else "
+                             f"{DEFAULT_ADMIN}]")(resolved)
 
 
 def read_data_dir(data_dir: Path, admin: str, reader):

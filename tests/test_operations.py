@@ -155,6 +155,46 @@ def test_admin_token_is_required_when_set(make_broker):
     assert ecq("status", "--token", "s3cret", admin=broker.admin_port).returncode == 0
 
 
+def ecq_env(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """`ecq ARGS` with ``env`` added to the environment, and no ECQ_ADMIN or ECQ_ADMIN_TOKEN of the caller's."""
+    base = {k: v for k, v in os.environ.items() if k not in ("ECQ_ADMIN", "ECQ_ADMIN_TOKEN")}
+    return subprocess.run([ECQ, *args], capture_output=True, text=True, timeout=30, env={**base, **env})
+
+
+def test_the_cli_finds_the_admin_api_in_the_broker_config_then_the_environment_then_the_flag(make_broker):
+    port = free_port()
+    broker = make_broker(admin_bind=f"0.0.0.0:{port}", admin_token="s3cret")  # a wildcard bind: called on loopback
+    config = str(broker.config_path)
+    from_config = ecq_env("status", "--json", "-c", config)  # admin_bind and admin_token from the config
+    assert from_config.returncode == 0, from_config.stderr
+    assert json.loads(from_config.stdout)["queues"] == 0
+    from_env = ecq_env("gc", ECQ_ADMIN=f"127.0.0.1:{port}", ECQ_ADMIN_TOKEN="s3cret")
+    assert from_env.returncode == 0, from_env.stderr
+    nowhere = f"127.0.0.1:{free_port()}"
+    env_over_config = ecq_env("gc", "-c", config, ECQ_ADMIN=nowhere)  # the token still comes from the config
+    assert env_over_config.returncode == 3 and f"no broker answers at {nowhere}" in env_over_config.stderr
+    flag_over_env = ecq_env("gc", "--admin", f"127.0.0.1:{port}", "-c", config, ECQ_ADMIN=nowhere)
+    assert flag_over_env.returncode == 0, flag_over_env.stderr
+    wrong_token = ecq_env("gc", "-c", config, ECQ_ADMIN_TOKEN="wrong")
+    assert wrong_token.returncode == 3 and "bearer token" in wrong_token.stderr
+
+
+@pytest.mark.parametrize("config, error", [
+    (None, "cannot read broker config {path}: [Errno 2] No such file or directory"),
+    ("plugins: [unclosed", "cannot read broker config {path}:"),
+    ({"plugins": {"ecq.broker.plugin.EcqPlugin": {"admin_bnd": "127.0.0.1:1"}}},
+     "invalid ecq.broker.plugin.EcqPlugin option: unknown option admin_bnd: did you mean admin_bind?"),
+    ({"plugins": {"ecq.broker.plugin.EcqPlugin": {"admin_bind": None}}}, "turns the admin API off"),
+])
+def test_a_broker_config_that_does_not_tell_where_the_admin_api_is_is_one_line_and_exit_2(tmp_path, config, error):
+    path = tmp_path / "broker.yaml"
+    if config is not None:
+        path.write_text(config if isinstance(config, str) else yaml.safe_dump(config))
+    result = ecq_env("status", "-c", str(path), "--data-dir", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    assert error.format(path=path) in result.stderr and result.stderr.count("\n") == 1
+
+
 def test_admin_refuses_non_loopback_bind_without_token(tmp_path):
     result = subprocess.run([ECQ, "broker", "--bind", f"127.0.0.1:{free_port()}", "--data-dir", str(tmp_path),
                              "--admin-bind", f"0.0.0.0:{free_port()}"], capture_output=True, text=True, timeout=30)

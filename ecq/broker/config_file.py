@@ -60,7 +60,7 @@ def load_broker_config(path: Path | None) -> dict[str, Any]:
         text = path.read_text() if path else resources.files("ecq").joinpath("default_broker.yaml").read_text()
         config = yaml.safe_load(text)
     except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read broker config {path}: {exc}") from exc
+        raise ConfigError(f"cannot read broker config {path}: {_one_line(exc)}") from exc
     if not isinstance(config, dict):
         raise ConfigError(f"broker config {path} is not a YAML mapping")
     plugins = config.get("plugins")
@@ -75,6 +75,15 @@ def load_broker_config(path: Path | None) -> dict[str, Any]:
     plugins[PLUGIN_PATH] = plugins[PLUGIN_PATH] or {}
     check_broker_keys(config, path)
     return config
+
+
+def _one_line(exc: OSError | yaml.YAMLError) -> str:
+    """PyYAML's errors span lines (the text around the mark, a caret): the problem and where, in one."""
+    mark = getattr(exc, "problem_mark", None)
+    if isinstance(exc, yaml.MarkedYAMLError) and mark is not None:
+        context = f"{exc.context}: " if exc.context else ""
+        return f"{context}{exc.problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(exc).split())
 
 
 @functools.cache
