@@ -230,13 +230,20 @@ def rewind(clientid: str, point: str, admin: str, token: str | None, as_json: bo
 @main.command()
 @click.argument("clientid")
 @click.argument("key")
+@click.option("--force", is_flag=True, help="write the tombstone even when the queue stores no value of KEY")
 @admin_options
-def delete(clientid: str, key: str, admin: str, token: str | None, as_json: bool) -> None:
+def delete(clientid: str, key: str, force: bool, admin: str, token: str | None, as_json: bool) -> None:
     """Delete KEY from the queue of CLIENTID on the running broker: writes a tombstone (an empty payload), which the
-    consumer gets once as an empty PUBLISH. Refused when the broker runs with tombstones: false. Prints its seqno."""
+    consumer gets once as an empty PUBLISH. Prints its seqno. Exits 1, writing nothing, when the queue stores no
+    value of KEY (never written, a typo, or deleted or expired since), unless --force. Refused when the broker runs
+    with tombstones: false."""
     path = (f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}/delete"
-            f"?key={urllib.request.quote(key, safe='')}")
-    data = check_answer(*call_admin(admin, path, token, method="POST"))
+            f"?key={urllib.request.quote(key, safe='')}{'' if force else '&stored_only=1'}")
+    status, data = call_admin(admin, path, token, method="POST")
+    if status == 404:
+        click.echo(f"{data.get('error')}; --force writes the tombstone anyway", err=True)
+        sys.exit(EXIT_NOT_FOUND)
+    data = check_answer(status, data)
     emit(data, as_json, lambda d: f"deleted {d['key']} of {d['clientid']}: tombstone seqno {d['seqno']}")
 
 

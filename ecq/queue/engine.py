@@ -130,13 +130,17 @@ class QueueEngine:
         future = self.pool.submit(clientid, Append(clientid, key, payload, now_ms()))
         return self._write_deadline.watch(future)
 
-    def delete(self, clientid: str, key: str) -> asyncio.Future:
+    async def delete(self, clientid: str, key: str, stored_only: bool = False) -> Appended | None:
         """Write a tombstone for ``key`` in the queue of ``clientid`` (an empty payload through :meth:`write`);
-        the future resolves with its :class:`Appended`. Raises TombstonesOff when ``tombstones`` is false."""
+        returns its :class:`Appended` once committed. With ``stored_only``, None and nothing written when the
+        queue stores no value of ``key`` (never written, or deleted or expired since). Raises TombstonesOff when
+        ``tombstones`` is false, and what :meth:`write` and the store's reads raise."""
         if not self.settings.tombstones:
             raise TombstonesOff("tombstones are off on this broker (tombstones: false): an empty payload is an "
                                 "ordinary value, so a key cannot be deleted")
-        return self.write(clientid, key, b"")
+        if stored_only and not await self.read(self.store.key_bytes, clientid, key):
+            return None
+        return await self.write(clientid, key, b"")
 
     async def purge(self, clientid: str) -> int:
         """Delete every stored entry of the queue of ``clientid``; returns how many. Its seqno counter and ack

@@ -247,6 +247,10 @@ class JetStreamStore(JetStreamWrites):
             return self._call(_on_loop(self._watch.queues), self._settings.read_timeout)
         return self.reads.count_queues()
 
+    def key_bytes(self, clientid: str, key: str) -> int | None:
+        """See :meth:`JetStreamReads.key_bytes`."""
+        return self.reads.key_bytes(clientid, key)
+
     def last_seqno(self, clientid: str) -> int:
         """See :meth:`JetStreamReads.last_seqno`."""
         return self.reads.last_seqno(clientid)
