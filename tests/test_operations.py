@@ -67,6 +67,22 @@ def test_status_and_inspect_follow_writes_and_acks(broker, connect):
     assert "consumers online:  1" in status_text and "client1  acked 3" in status_text
 
 
+def test_bytes_stored_are_the_payload_bytes_of_the_stored_entries_on_either_backend(backend_broker, connect):
+    broker = backend_broker()
+    producer = connect(broker.port, "producer")
+    for clientid, key, value in [("b1", "a", "12345"), ("b1", "a", "123"), ("b1", "b", ""), ("b2", "k", "x" * 40)]:
+        write(producer, clientid, key, value)  # b1/a compacted to its 3 bytes; the tombstone b1/b holds none
+    expected = (3, 3 + 0 + 40)
+
+    def figures() -> tuple:
+        status = json.loads(ecq("status", "--json", admin=broker.admin_port).stdout)
+        m = scrape(broker)
+        return (status["messages"], status["bytes"]), (m["ecq_stored_messages"], m["ecq_stored_bytes"])
+    assert wait_until(lambda: figures() == (expected, expected), 10), figures()  # a cluster hears its notices
+    text = ecq("status", admin=broker.admin_port).stdout
+    assert "messages stored:   3\n" in text and "bytes stored:      43\n" in text
+
+
 def test_inspect_unknown_queue_exits_1(broker):
     result = ecq("inspect", "nobody", admin=broker.admin_port)
     assert result.returncode == 1 and "no queue" in result.stderr

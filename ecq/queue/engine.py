@@ -74,10 +74,10 @@ class QueueEngine:
     async def start(self) -> None:
         """Count what is stored, start the writer agents and the GC, heartbeat and store-recovery loops; on a
         shared store, listen to the appends other brokers make."""
-        await self.count_stored()
-        if self.store.shared:  # first: an append made while the lag index scans is told, and recounted
-            loop = asyncio.get_running_loop()
+        if self.store.shared:  # first: an append made while the lag index scans is told, and recounted; and
+            loop = asyncio.get_running_loop()  # a shared store counts from the view the watch builds
             await loop.run_in_executor(None, self.store.watch, ClusterNotices(self, loop))
+        await self.count_stored()
         await self.lag.rebuild()  # before any commit of this broker
         self.pool.start()
         self._tasks = [asyncio.create_task(upkeep.every(self.settings.gc_interval, self.run_gc), name="ecq-gc"),
