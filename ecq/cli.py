@@ -26,7 +26,7 @@ from ecq.broker import config_file
 from ecq.config import split_host_port
 from ecq.pipeline.cli import pipeline
 from ecq.ops.client import (DEFAULT_ADMIN, EXIT_NOT_FOUND, Unreachable, admin_target, call_admin, check_answer,
-                            emit, render_queue, render_status, render_top)
+                            emit, render_config, render_queue, render_status, render_top)
 from ecq.ops.status import broker_status, queue_info
 from ecq.queue.clock import now_ms
 from ecq.queue.lag_reads import TOP_MAX, TOP_ORDERS, scan_lag, top_report
@@ -297,7 +297,10 @@ def rebalance(admin: str, token: str | None, as_json: bool) -> None:
 @click.argument("which", type=click.Choice(["origin", "inuse"]), default="inuse")
 @admin_options
 def show_config(which: str, admin: str, token: str | None, as_json: bool) -> None:
-    """The ECQ plugin options of the running broker: as given (origin) or in effect (inuse, the default), as YAML
-    (JSON with --json)."""
+    """The ECQ plugin options of the running broker: as given (origin) or in effect (inuse, the default: computed
+    values shown as computed, options the config does not set marked '# default'), as YAML (JSON with --json)."""
     data = check_answer(*call_admin(admin, f"/api/v1/config?which={which}", token))
-    emit(data, as_json, lambda d: yaml.safe_dump(d, sort_keys=False).rstrip("\n"))
+    if which == "inuse" and not as_json:
+        click.echo(render_config(data, check_answer(*call_admin(admin, "/api/v1/config?which=origin", token))))
+    else:
+        emit(data, as_json, lambda d: yaml.safe_dump(d, sort_keys=False).rstrip("\n"))

@@ -48,6 +48,8 @@ LEVELDB_MAX_OPEN_FILES = 1000  # LevelDB's own default
 MAX_DURATION_S = 10 * 365 * 86400.0  # ten years: anything longer is a typo, and timers need finite values
 LEVELDB_WINDOW = 5     # default inflight window per consumer (reader_batch_size)
 JETSTREAM_WINDOW = 16  # the same with backend jetstream, where each ack save is a quorum round trip
+# options whose default stands for a value computed at start-up (EcqSettings.in_effect shows the value)
+COMPUTED_OPTIONS = frozenset({"writer_pool_size", "max_packet_bytes", "lake_dir", "node_name", "reader_batch_size"})
 
 
 def _bounded(minimum_s: float):
@@ -247,8 +249,7 @@ class EcqSettings(BaseModel):
 
     def in_effect(self) -> dict[str, Any]:
         """Every option as the broker uses it, JSON-ready (durations in seconds, secrets as ``**********``):
-        an option whose 0 or None stands for a computed value shows that value (``writer_pool_size``,
-        ``max_packet_bytes``, ``lake_dir``, ``node_name``)."""
+        an option whose 0 or None stands for a computed value shows that value (COMPUTED_OPTIONS)."""
         return {**self.model_dump(mode="json"), "writer_pool_size": self.effective_pool_size(),
                 "max_packet_bytes": self.effective_max_packet_bytes(), "lake_dir": str(self.effective_lake_dir()),
                 "node_name": self.effective_node_name()}

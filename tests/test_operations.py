@@ -141,6 +141,8 @@ def test_show_config_inuse_shows_the_values_in_effect_as_yaml(make_broker):
     assert yaml.safe_load(text) == inuse
     assert "None" not in text and "False" not in text and "events: false" in text and "acl_file: null" in text
     assert "max_packet_bytes: null" not in text and "node_name: null" not in text
+    assert "writer_pool_size: " in text and "max_packet_bytes: 66539  # default, computed\n" in text
+    assert "data_retention: 604800.0  # default\n" in text and "events: false\n" in text  # events: given
 
 
 def test_start_up_log_says_where_everything_is(make_broker):

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import click
+import yaml
 
 from ecq.broker.config_file import PLUGIN_PATH, ConfigError, load_broker_config, plugin_settings
-from ecq.config import split_host_port
+from ecq.config import COMPUTED_OPTIONS, split_host_port
 
 EXIT_NOT_FOUND, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3  # ecq exit codes (see ecq.cli)
 DEFAULT_ADMIN = "127.0.0.1:18083"
@@ -103,6 +104,20 @@ def check_answer(status: int, body: Any) -> Any:
     if status >= 400:
         raise click.ClickException(body.get("error", f"admin API answered HTTP {status}"))
     return body
+
+
+def render_config(inuse: dict[str, Any], origin: dict[str, Any]) -> str:
+    """`ecq show-config` as YAML: the options in effect (``inuse``), each one the config does not set (``origin``:
+    those it sets) marked ``# default``, or ``# default, computed`` when the broker computed it at start-up."""
+    lines = []
+    for name, value in inuse.items():
+        text = yaml.safe_dump({name: value}, sort_keys=False).rstrip("\n")
+        if name not in origin:
+            first, newline, rest = text.partition("\n")
+            computed = ", computed" if name in COMPUTED_OPTIONS else ""
+            text = f"{first}  # default{computed}{newline}{rest}"
+        lines.append(text)
+    return "\n".join(lines)
 
 
 def render_status(d: dict[str, Any]) -> str:
