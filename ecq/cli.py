@@ -1,13 +1,16 @@
-"""The ``ecq`` command line (console script).
+"""The ``ecq`` command line (console script): the commands only.
 
-``ecq broker`` runs amqtt with the ECQ plugin in the foreground (started by ecq.broker.server). ``ecq status``,
+``ecq broker`` checks its config (ecq.broker.config_file) and runs amqtt with the ECQ plugin in the foreground
+(ecq.broker.server, the one module here that loads amqtt, imported only by this command). ``ecq status``,
 ``ecq inspect``, ``ecq top``, ``ecq gc``, ``ecq rewind``, ``ecq delete``, ``ecq purge``, ``ecq drain`` and
-``ecq show-config`` talk to a running broker
-through its admin API (ecq.ops.client); when no broker answers, ``status``, ``inspect`` and ``top`` read the data directory directly. ``ecq repair`` rebuilds a
+``ecq show-config`` talk to a running broker through its admin API (ecq.ops.client), found from ``--admin``,
+else $ECQ_ADMIN, else the ``admin_bind`` of the broker config given with ``-c``, else 127.0.0.1:18083; when no
+broker answers, ``status``, ``inspect`` and ``top`` read the data directory directly. ``ecq repair`` rebuilds a
 damaged store, or accepts the loss of writes whose LevelDB log was truncated or deleted.
 
-Exit codes: 0 ok, 1 not found (or, for ``broker``, a runtime failure such as a port in use, a locked or
-corrupt store; for ``repair``, a store it cannot repair), 2 usage or configuration error, 3 broker unreachable.
+Exit codes: 0 ok, 1 not found (a queue, or for ``delete`` a key the queue does not store; for ``broker``, a
+runtime failure such as a port in use, a locked or corrupt store; for ``repair``, a store it cannot repair),
+2 usage or configuration error, 3 broker unreachable or token refused.
 """
 
 from __future__ import annotations
