@@ -1,20 +1,23 @@
-"""The ``ecq`` command line (console script).
+"""The ``ecq`` command line (console script): the commands only.
 
-``ecq broker`` runs amqtt with the ECQ plugin in the foreground (started by ecq.broker.server). ``ecq status``,
+``ecq broker`` checks its config (ecq.broker.config_file) and runs amqtt with the ECQ plugin in the foreground
+(ecq.broker.server, the one module here that loads amqtt, imported only by this command). ``ecq status``,
 ``ecq inspect``, ``ecq top``, ``ecq gc``, ``ecq rewind``, ``ecq delete``, ``ecq purge``, ``ecq drain`` and
-``ecq show-config`` talk to a running broker
-through its admin API (ecq.ops.client); when no broker answers, ``status``, ``inspect`` and ``top`` read the data directory directly. ``ecq repair`` rebuilds a
+``ecq show-config`` talk to a running broker through its admin API (ecq.ops.client), found from ``--admin``,
+else $ECQ_ADMIN, else the ``admin_bind`` of the broker config given with ``-c``, else 127.0.0.1:18083; when no
+broker answers, ``status``, ``inspect`` and ``top`` read the data directory directly. ``ecq repair`` rebuilds a
 damaged store, or accepts the loss of writes whose LevelDB log was truncated or deleted.
 
-Exit codes: 0 ok, 1 not found (or, for ``broker``, a runtime failure such as a port in use, a locked or
-corrupt store; for ``repair``, a store it cannot repair), 2 usage or configuration error, 3 broker unreachable.
+Exit codes: 0 ok, 1 not found (a queue, or for ``delete`` a key the queue does not store; for ``broker``, a
+runtime failure such as a port in use, a locked or corrupt store; for ``repair``, a store it cannot repair),
+2 usage or configuration error, 3 broker unreachable or token refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import os
 import sys
 import urllib.request
 from pathlib import Path
@@ -22,11 +25,11 @@ from pathlib import Path
 import click
 import yaml
 
-from ecq.broker import server
+from ecq.broker import config_file
 from ecq.config import split_host_port
 from ecq.pipeline.cli import pipeline
-from ecq.ops.client import (EXIT_NOT_FOUND, Unreachable, call_admin, check_answer, emit, render_queue,
-                            render_status, render_top)
+from ecq.ops.client import (DEFAULT_ADMIN, EXIT_NOT_FOUND, Unreachable, admin_target, call_admin, check_answer,
+                            emit, render_config, render_queue, render_status, render_top)
 from ecq.ops.status import broker_status, queue_info
 from ecq.queue.clock import now_ms
 from ecq.queue.lag_reads import TOP_MAX, TOP_ORDERS, scan_lag, top_report
@@ -36,8 +39,6 @@ from ecq.store.committed import describe as describe_missing
 from ecq.store.leveldb import LevelDbStore
 from ecq.store.leveldb_files import repair as repair_store
 from ecq.store.layout import QUEUES, leveldb_dir
-
-DEFAULT_ADMIN = "127.0.0.1:18083"
 
 log = logging.getLogger("ecq")
 
@@ -76,9 +77,11 @@ def broker(config_path: Path | None, bind: str | None, data_dir: Path | None, ac
            admin_bind: str | None, verbose: bool) -> None:
     """Run the MQTT broker with the ECQ plugin in the foreground until SIGINT or SIGTERM; SIGHUP reloads the ACL."""
     try:
-        config = server.prepare(config_path, bind=bind, data_dir=data_dir, acl_file=acl_file, admin_bind=admin_bind)
-    except server.ConfigError as exc:
+        config = config_file.prepare(config_path, bind=bind, data_dir=data_dir, acl_file=acl_file,
+                                     admin_bind=admin_bind)
+    except config_file.ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    from ecq.broker import server  # amqtt, loaded only to run the broker
     server.configure_logging(verbose)
     sys.exit(asyncio.run(server.serve(config)))
 
@@ -116,12 +119,22 @@ def repair(data_dir: Path) -> None:
 # --- operator commands: talk to the admin API --------------------------------------------------------
 
 def admin_options(func):
-    """--admin HOST:PORT, --token and --json, shared by the operator commands."""
-    func = click.option("--json", "as_json", is_flag=True, help="print JSON for scripts")(func)
-    func = click.option("--token", default=lambda: os.environ.get("ECQ_ADMIN_TOKEN"),
-                        help="admin bearer token (default: $ECQ_ADMIN_TOKEN)")(func)
-    return click.option("--admin", default=DEFAULT_ADMIN, show_default=True,
-                        help="HOST:PORT of the broker's admin API")(func)
+    """--admin HOST:PORT, --token, -c/--config and --json, shared by the operator commands: the command gets
+    ``admin`` and ``token`` resolved by ecq.ops.client.admin_target (flag, environment, broker config, default)."""
+    @functools.wraps(func)
+    def resolved(*args, config_path: Path | None, **kwargs):
+        kwargs["admin"], kwargs["token"] = admin_target(kwargs["admin"], kwargs["token"], config_path)
+        return func(*args, **kwargs)
+
+    resolved = click.option("--json", "as_json", is_flag=True, help="print JSON for scripts")(resolved)
+    resolved = click.option("-c", "--config", "config_path", type=click.Path(path_type=Path, dir_okay=False),
+                            help="the broker's YAML config: its admin_bind and admin_token are used when --admin "
+                                 "and --token (or their variables) are not given")(resolved)
+    resolved = click.option("--token", envvar="ECQ_ADMIN_TOKEN", show_envvar=True,
+                            help="admin bearer token [default: the config's admin_token]")(resolved)
+    return click.option("--admin", envvar="ECQ_ADMIN", show_envvar=True,
+                        help=f"HOST:PORT of the broker's admin API [default: the config's admin_bind, else "
+                             f"{DEFAULT_ADMIN}]")(resolved)
 
 
 def read_data_dir(data_dir: Path, admin: str, reader):
@@ -220,13 +233,20 @@ def rewind(clientid: str, point: str, admin: str, token: str | None, as_json: bo
 @main.command()
 @click.argument("clientid")
 @click.argument("key")
+@click.option("--force", is_flag=True, help="write the tombstone even when the queue stores no value of KEY")
 @admin_options
-def delete(clientid: str, key: str, admin: str, token: str | None, as_json: bool) -> None:
+def delete(clientid: str, key: str, force: bool, admin: str, token: str | None, as_json: bool) -> None:
     """Delete KEY from the queue of CLIENTID on the running broker: writes a tombstone (an empty payload), which the
-    consumer gets once as an empty PUBLISH. Refused when the broker runs with tombstones: false. Prints its seqno."""
+    consumer gets once as an empty PUBLISH. Prints its seqno. Exits 1, writing nothing, when the queue stores no
+    value of KEY (never written, a typo, or deleted or expired since), unless --force. Refused when the broker runs
+    with tombstones: false."""
     path = (f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}/delete"
-            f"?key={urllib.request.quote(key, safe='')}")
-    data = check_answer(*call_admin(admin, path, token, method="POST"))
+            f"?key={urllib.request.quote(key, safe='')}{'' if force else '&stored_only=1'}")
+    status, data = call_admin(admin, path, token, method="POST")
+    if status == 404:
+        click.echo(f"{data.get('error')}; --force writes the tombstone anyway", err=True)
+        sys.exit(EXIT_NOT_FOUND)
+    data = check_answer(status, data)
     emit(data, as_json, lambda d: f"deleted {d['key']} of {d['clientid']}: tombstone seqno {d['seqno']}")
 
 
@@ -280,7 +300,10 @@ def rebalance(admin: str, token: str | None, as_json: bool) -> None:
 @click.argument("which", type=click.Choice(["origin", "inuse"]), default="inuse")
 @admin_options
 def show_config(which: str, admin: str, token: str | None, as_json: bool) -> None:
-    """The ECQ plugin options of the running broker: as given (origin) or in effect (inuse, the default), as YAML
-    (JSON with --json)."""
+    """The ECQ plugin options of the running broker: as given (origin) or in effect (inuse, the default: computed
+    values shown as computed, options the config does not set marked '# default'), as YAML (JSON with --json)."""
     data = check_answer(*call_admin(admin, f"/api/v1/config?which={which}", token))
-    emit(data, as_json, lambda d: yaml.safe_dump(d, sort_keys=False).rstrip("\n"))
+    if which == "inuse" and not as_json:
+        click.echo(render_config(data, check_answer(*call_admin(admin, "/api/v1/config?which=origin", token))))
+    else:
+        emit(data, as_json, lambda d: yaml.safe_dump(d, sort_keys=False).rstrip("\n"))

@@ -7,16 +7,18 @@ names the option and the rule it broke; ``ecq broker`` prints it and exits befor
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import math
 import os
 import re
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, StrictBool,
-                      StrictInt, field_validator, model_validator)
+                      StrictInt, ValidationError, field_validator, model_validator)
 
 from ecq.store import layout as storage_layout
 
@@ -46,6 +48,8 @@ LEVELDB_MAX_OPEN_FILES = 1000  # LevelDB's own default
 MAX_DURATION_S = 10 * 365 * 86400.0  # ten years: anything longer is a typo, and timers need finite values
 LEVELDB_WINDOW = 5     # default inflight window per consumer (reader_batch_size)
 JETSTREAM_WINDOW = 16  # the same with backend jetstream, where each ack save is a quorum round trip
+# options whose default stands for a value computed at start-up (EcqSettings.in_effect shows the value)
+COMPUTED_OPTIONS = frozenset({"writer_pool_size", "max_packet_bytes", "lake_dir", "node_name", "reader_batch_size"})
 
 
 def _bounded(minimum_s: float):
@@ -243,6 +247,13 @@ class EcqSettings(BaseModel):
     def _write_packet_bytes(self) -> int:
         return min(MAX_REMAINING_LENGTH, self.max_payload_bytes + PUBLISH_HEADER_ROOM)
 
+    def in_effect(self) -> dict[str, Any]:
+        """Every option as the broker uses it, JSON-ready (durations in seconds, secrets as ``**********``):
+        an option whose 0 or None stands for a computed value shows that value (COMPUTED_OPTIONS)."""
+        return {**self.model_dump(mode="json"), "writer_pool_size": self.effective_pool_size(),
+                "max_packet_bytes": self.effective_max_packet_bytes(), "lake_dir": str(self.effective_lake_dir()),
+                "node_name": self.effective_node_name()}
+
     def describe(self, listeners: list[str]) -> str:
         """One line for the start-up log: the MQTT ``listeners`` (``host:port``), the admin API, where data and
         the event lake live, and how many writer agents run."""
@@ -266,6 +277,26 @@ class EcqSettings(BaseModel):
     def events_dir(self) -> Path:
         """The event buffer's directory: ``<data_dir>/events``."""
         return self.data_dir / storage_layout.EVENTS
+
+
+def did_you_mean(name: Any, known: Iterable[str], form: str = ": did you mean {}?") -> str:
+    """``form`` filled with the name in ``known`` closest to ``name`` (difflib's similarity ratio of at least
+    0.6), ``""`` when none is that close."""
+    close = difflib.get_close_matches(str(name), sorted(known), n=1)
+    return form.format(close[0]) if close else ""
+
+
+def explain_errors(exc: ValidationError) -> str:
+    """One line for a ValidationError of :class:`EcqSettings`: its problems joined by ``; ``, each as
+    ``option: rule``, or ``unknown option X: did you mean Y?`` for an option EcqSettings does not have."""
+    problems = []
+    for error in exc.errors():
+        where = ".".join(map(str, error["loc"])) or "options"
+        if error["type"] == "extra_forbidden":
+            problems.append(f"unknown option {where}{did_you_mean(where, EcqSettings.model_fields)}")
+        else:
+            problems.append(f"{where}: {error['msg']}")
+    return "; ".join(problems)
 
 
 def split_host_port(value: Any) -> tuple[str, int]:

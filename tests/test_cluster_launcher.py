@@ -237,6 +237,24 @@ def test_script_starts_detached_processes_reports_them_refuses_a_second_start_an
     assert (script_cluster.base_dir / "nats-1" / "jetstream").is_dir()  # the data stays
 
 
+def test_status_and_stop_find_the_running_cluster_on_the_ports_it_started_on(script_cluster):
+    started = script_cluster.run("start")
+    assert started.returncode == 0, started.stderr
+    base = script_cluster.port_base
+    for env in ({"ECQ_CLUSTER_PORT_BASE": str(base + 100)}, {}):  # another base, then none (4222...)
+        script_cluster.env = {**{k: v for k, v in script_cluster.env.items() if k != "ECQ_CLUSTER_PORT_BASE"}, **env}
+        status = script_cluster.run("status")
+        assert status.returncode == 0, status.stdout
+        assert status_rows(status.stdout) == dict.fromkeys(["n1", "n2", "n3", "node-1", "node-2"], "running")
+        assert f"nats://127.0.0.1:{base}  route {base + 3}  monitor http://127.0.0.1:{base + 6}/" in status.stdout
+        assert f"mqtt://127.0.0.1:{base + 10}  admin http://127.0.0.1:{base + 12}/" in status.stdout
+        assert "ECQ_CLUSTER_PORT_BASE now names others" in status.stdout
+        assert re.search(r"^JetStream meta leader: n[123]$", status.stdout, re.MULTILINE)
+    stopped = script_cluster.run("stop")
+    assert stopped.returncode == 0 and "stopped node-1, node-2, n1, n2, n3" in stopped.stdout
+    assert not port_open(base) and not port_open(base + 9)
+
+
 def test_script_refuses_to_start_when_a_port_is_taken(script_cluster):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", script_cluster.port_base + 9))

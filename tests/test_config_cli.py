@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -67,12 +68,15 @@ def ecq_config(**options) -> dict:
 @pytest.mark.parametrize("option, value, expected", [
     ("reader_batch_size", 40, "reader_batch_size: Input should be less than or equal to 31"),
     ("data_retention", "soon", "data_retention: Value error, 'soon' is not a duration"),
-    ("gc_intervall", "1h", "gc_intervall: Extra inputs are not permitted"),
+    ("gc_intervall", "1h", "option: unknown option gc_intervall: did you mean gc_interval?"),
+    ("data_retension", "7d", "option: unknown option data_retension: did you mean data_retention?"),
+    ("colour", "red", "option: unknown option colour\n"),  # nothing close: no guess
 ])
 def test_broker_refuses_to_start_with_a_bad_option(tmp_path, option, value, expected):
     result = run_broker(tmp_path, ecq_config(data_dir=str(tmp_path / "d"), **{option: value}))
     assert result.returncode == 2
     assert expected in result.stderr
+    assert result.stderr.count("\n") == 4  # usage, hint, blank line, the one line of the error
 
 
 def test_broker_refuses_config_without_the_plugin(tmp_path):
@@ -161,8 +165,9 @@ def test_listener_bind_must_be_host_and_port(tmp_path, bind):
     refused(run_broker(tmp_path, config), 2, "listeners.default.bind:", "is not HOST:PORT")
 
 
-@pytest.mark.parametrize("key, named", [("timeout-disconnect-delay", "'timeout-disconnect-delay'"),
-                                        ("listners", "'listners'")])
+@pytest.mark.parametrize("key, named", [("timeout-disconnect-delay", "'timeout-disconnect-delay' (did you mean "
+                                                                    "timeout_disconnect_delay?)"),
+                                        ("listners", "'listners' (did you mean listeners?)")])
 def test_unknown_top_level_keys_are_refused(tmp_path, key, named):
     config = ecq_config(data_dir=str(tmp_path / "d"))
     config[key] = 2
@@ -172,7 +177,17 @@ def test_unknown_top_level_keys_are_refused(tmp_path, key, named):
 def test_unknown_listener_key_is_refused(tmp_path):
     config = ecq_config(data_dir=str(tmp_path / "d"))
     config["listeners"]["default"]["max_conections"] = 5
-    refused(run_broker(tmp_path, config), 2, "listeners.default: unknown key(s) 'max_conections'")
+    refused(run_broker(tmp_path, config), 2,
+            "listeners.default: unknown key(s) 'max_conections' (did you mean max_connections?)")
+
+
+def test_the_operator_cli_loads_no_amqtt():
+    """ecq.cli holds the commands; starting the broker (amqtt) lives in ecq.broker.server, imported by `ecq broker`
+    alone, so that `ecq status` and the rest start without loading the broker."""
+    code = "import sys, ecq.cli; print(sorted(m for m in sys.modules if m.split('.')[0] == 'amqtt'))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 @pytest.fixture

@@ -67,6 +67,22 @@ def test_status_and_inspect_follow_writes_and_acks(broker, connect):
     assert "consumers online:  1" in status_text and "client1  acked 3" in status_text
 
 
+def test_bytes_stored_are_the_payload_bytes_of_the_stored_entries_on_either_backend(backend_broker, connect):
+    broker = backend_broker()
+    producer = connect(broker.port, "producer")
+    for clientid, key, value in [("b1", "a", "12345"), ("b1", "a", "123"), ("b1", "b", ""), ("b2", "k", "x" * 40)]:
+        write(producer, clientid, key, value)  # b1/a compacted to its 3 bytes; the tombstone b1/b holds none
+    expected = (3, 3 + 0 + 40)
+
+    def figures() -> tuple:
+        status = json.loads(ecq("status", "--json", admin=broker.admin_port).stdout)
+        m = scrape(broker)
+        return (status["messages"], status["bytes"]), (m["ecq_stored_messages"], m["ecq_stored_bytes"])
+    assert wait_until(lambda: figures() == (expected, expected), 10), figures()  # a cluster hears its notices
+    text = ecq("status", admin=broker.admin_port).stdout
+    assert "messages stored:   3\n" in text and "bytes stored:      43\n" in text
+
+
 def test_inspect_unknown_queue_exits_1(broker):
     result = ecq("inspect", "nobody", admin=broker.admin_port)
     assert result.returncode == 1 and "no queue" in result.stderr
@@ -115,13 +131,18 @@ def test_show_config_origin_and_inuse(make_broker):
 
 
 def test_show_config_inuse_shows_the_values_in_effect_as_yaml(make_broker):
-    broker = make_broker(writer_pool_size=0, events=False)
+    broker = make_broker(writer_pool_size=0, events=False, max_payload_bytes=1000)
     inuse = json.loads(ecq("show-config", "--json", admin=broker.admin_port).stdout)
     assert inuse["writer_pool_size"] == (os.cpu_count() or 1)  # 0 means one agent per CPU
     assert inuse["lake_dir"] == str(broker.data_dir / "lake")
+    assert inuse["max_packet_bytes"] == 1000 + 65_539  # None: max_payload_bytes + a PUBLISH's largest header
+    assert inuse["node_name"].endswith(f"-{broker.proc.pid}")  # None: <hostname>-<pid>
     text = ecq("show-config", admin=broker.admin_port).stdout
     assert yaml.safe_load(text) == inuse
     assert "None" not in text and "False" not in text and "events: false" in text and "acl_file: null" in text
+    assert "max_packet_bytes: null" not in text and "node_name: null" not in text
+    assert "writer_pool_size: " in text and "max_packet_bytes: 66539  # default, computed\n" in text
+    assert "data_retention: 604800.0  # default\n" in text and "events: false\n" in text  # events: given
 
 
 def test_start_up_log_says_where_everything_is(make_broker):
@@ -150,6 +171,46 @@ def test_admin_token_is_required_when_set(make_broker):
     refused = ecq("status", admin=broker.admin_port)
     assert refused.returncode == 3 and "bearer token" in refused.stderr
     assert ecq("status", "--token", "s3cret", admin=broker.admin_port).returncode == 0
+
+
+def ecq_env(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """`ecq ARGS` with ``env`` added to the environment, and no ECQ_ADMIN or ECQ_ADMIN_TOKEN of the caller's."""
+    base = {k: v for k, v in os.environ.items() if k not in ("ECQ_ADMIN", "ECQ_ADMIN_TOKEN")}
+    return subprocess.run([ECQ, *args], capture_output=True, text=True, timeout=30, env={**base, **env})
+
+
+def test_the_cli_finds_the_admin_api_in_the_broker_config_then_the_environment_then_the_flag(make_broker):
+    port = free_port()
+    broker = make_broker(admin_bind=f"0.0.0.0:{port}", admin_token="s3cret")  # a wildcard bind: called on loopback
+    config = str(broker.config_path)
+    from_config = ecq_env("status", "--json", "-c", config)  # admin_bind and admin_token from the config
+    assert from_config.returncode == 0, from_config.stderr
+    assert json.loads(from_config.stdout)["queues"] == 0
+    from_env = ecq_env("gc", ECQ_ADMIN=f"127.0.0.1:{port}", ECQ_ADMIN_TOKEN="s3cret")
+    assert from_env.returncode == 0, from_env.stderr
+    nowhere = f"127.0.0.1:{free_port()}"
+    env_over_config = ecq_env("gc", "-c", config, ECQ_ADMIN=nowhere)  # the token still comes from the config
+    assert env_over_config.returncode == 3 and f"no broker answers at {nowhere}" in env_over_config.stderr
+    flag_over_env = ecq_env("gc", "--admin", f"127.0.0.1:{port}", "-c", config, ECQ_ADMIN=nowhere)
+    assert flag_over_env.returncode == 0, flag_over_env.stderr
+    wrong_token = ecq_env("gc", "-c", config, ECQ_ADMIN_TOKEN="wrong")
+    assert wrong_token.returncode == 3 and "bearer token" in wrong_token.stderr
+
+
+@pytest.mark.parametrize("config, error", [
+    (None, "cannot read broker config {path}: [Errno 2] No such file or directory"),
+    ("plugins: [unclosed", "cannot read broker config {path}:"),
+    ({"plugins": {"ecq.broker.plugin.EcqPlugin": {"admin_bnd": "127.0.0.1:1"}}},
+     "invalid ecq.broker.plugin.EcqPlugin option: unknown option admin_bnd: did you mean admin_bind?"),
+    ({"plugins": {"ecq.broker.plugin.EcqPlugin": {"admin_bind": None}}}, "turns the admin API off"),
+])
+def test_a_broker_config_that_does_not_tell_where_the_admin_api_is_is_one_line_and_exit_2(tmp_path, config, error):
+    path = tmp_path / "broker.yaml"
+    if config is not None:
+        path.write_text(config if isinstance(config, str) else yaml.safe_dump(config))
+    result = ecq_env("status", "-c", str(path), "--data-dir", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    assert error.format(path=path) in result.stderr and result.stderr.count("\n") == 1
 
 
 def test_admin_refuses_non_loopback_bind_without_token(tmp_path):

@@ -140,3 +140,24 @@ def test_ecq_purge_deletes_every_entry_and_keeps_the_acked_position(backend_brok
     assert topics_payloads(consumer.expect(1)) == [("$ECQ/t6/k0", b"after")]
     assert consumer.quiet(0.5) == []
     assert scrape(broker)["ecq_purged_rows_total"] == 5
+
+
+def test_ecq_delete_of_a_key_the_queue_does_not_store_exits_1_unless_forced(backend_broker, connect):
+    broker = backend_broker()
+    producer = connect(broker.port, "producer")
+    write(producer, "t7", "k", "v")
+    typo = ecq("delete", "t7", "kk", admin=broker.admin_port)
+    assert typo.returncode == 1 and typo.stdout == ""
+    assert typo.stderr == ("the queue of 't7' stores no value of key 'kk' (never written, or deleted or expired "
+                           "since): nothing deleted; --force writes the tombstone anyway\n")
+    assert ecq("delete", "nobody", "k", admin=broker.admin_port).returncode == 1
+    assert queue(broker, "t7")["last_seqno"] == 1  # nothing was written
+    forced = ecq("delete", "t7", "kk", "--force", admin=broker.admin_port)
+    assert forced.returncode == 0, forced.stderr
+    assert ecq("delete", "t7", "k", admin=broker.admin_port).returncode == 0
+    again = ecq("delete", "t7", "k", admin=broker.admin_port)  # only its tombstone is stored: deleted already
+    assert again.returncode == 1 and "stores no value of key 'k'" in again.stderr
+    consumer = connect(broker.port, "t7")
+    assert consumer.subscribe("$ECQ/t7/#") == 1
+    assert topics_payloads(consumer.expect(2)) == [("$ECQ/t7/kk", b""), ("$ECQ/t7/k", b"")]
+    assert consumer.quiet(0.5) == []

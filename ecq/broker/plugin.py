@@ -35,7 +35,6 @@ from ecq.store.backends import open_store
 
 log = logging.getLogger(__name__)
 
-PLUGIN_PATH = "ecq.broker.plugin.EcqPlugin"
 SECRET_OPTIONS = frozenset({"admin_token", "nats_password", "nats_token"})  # never shown by options(); pydantic's SecretStr hides them in inuse
 REDACTED = "**********"                      # what pydantic's SecretStr shows
 
@@ -232,15 +231,14 @@ class EcqPlugin(BaseTopicPlugin):
     # --- operations (admin API, SIGHUP): ecq.ops.admin.BrokerControls -------------------------------
 
     def options(self, which: str) -> dict[str, Any]:
-        """Plugin options: ``origin`` as given in the config; ``inuse`` as in effect (durations in seconds,
-        ``writer_pool_size`` the number of writer agents, ``lake_dir`` resolved).
+        """Plugin options: ``origin`` as given in the config; ``inuse`` as in effect (EcqSettings.in_effect:
+        durations in seconds, computed values such as ``writer_pool_size`` and ``node_name`` resolved).
 
         Secrets (``admin_token``) are replaced by ``**********`` in both.
         """
         if which == "origin":
             return {k: REDACTED if k in SECRET_OPTIONS else v for k, v in self._origin.items()}
-        return {**self.settings.model_dump(mode="json"), "writer_pool_size": self.settings.effective_pool_size(),
-                "lake_dir": str(self.settings.effective_lake_dir())}
+        return self.settings.in_effect()
 
     async def drain(self) -> dict[str, Any]:
         """Drain this node before it is stopped (``ecq drain``; see ecq.broker.drain): stop accepting, close the

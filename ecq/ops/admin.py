@@ -36,14 +36,17 @@ POST   /api/v1/queues/{clientid}/   rewind the queue (``to``: ``N``, ``earliest`
                                     (nothing is created), 503 when it cannot be stored now
 POST   /api/v1/queues/{clientid}/   write a tombstone for KEY through the normal write path:
        delete?key=KEY               ``{"clientid": ..., "key": ..., "seqno": N}`` once committed; 400 without a
-                                    key, 409 with ``tombstones: false``, 503 when it cannot be stored now
+       [&stored_only=1]             key, 409 with ``tombstones: false``, 503 when it cannot be stored now; with
+                                    ``stored_only=1`` (``ecq delete`` without ``--force``), 404 and nothing
+                                    written when the queue stores no value of KEY
 POST   /api/v1/queues/{clientid}/   delete every stored entry of the queue (seqno counter and acked position
        purge                        stay): ``{"clientid": ..., "purged": n}``; 503 when it cannot be done now
 GET    /api/v1/top?n=N&by=K         the N (1..1000, default 20) queues with the most pending entries (K
                                     ``pending``, the default), the oldest pending entry (``age``) or the most
                                     pending payload bytes (``bytes``), from the engine's lag index (see
                                     ecq.queue.lag.top_report); 400 for a bad N or K
-GET    /api/v1/config?which=W       plugin options, ``origin`` (as given) or ``inuse`` (as parsed)
+GET    /api/v1/config?which=W       plugin options, ``origin`` (as given) or ``inuse`` (in effect: computed values
+                                    such as ``max_packet_bytes`` and ``node_name`` resolved)
 POST   /api/v1/acl/reload           reload the ACL file: ``{"reloaded": true, "rules": n}``; 400 and the
                                     parse error when the file is bad (the old rules stay)
 POST   /api/v1/drain                drain the node before stopping it (ecq.broker.drain): listeners closed,
@@ -283,7 +286,8 @@ async def _delete(request: web.Request) -> web.Response:
         write = parse_write(f"$ECQ/w/{clientid}/{key}", 0, 0)
         if write.clientid != clientid:
             raise BadWrite("bad_clientid", "a clientid with '/' cannot be written to")
-        appended = await request.app[_ENGINE].delete(write.clientid, write.key)
+        appended = await request.app[_ENGINE].delete(write.clientid, write.key,
+                                                     stored_only=request.query.get("stored_only") == "1")
     except BadWrite as exc:
         return web.json_response({"error": f"cannot delete {key!r} of {clientid!r}: {exc}"}, status=400)
     except TombstonesOff as exc:
@@ -291,6 +295,9 @@ async def _delete(request: web.Request) -> web.Response:
     except (TimeoutError, StoreError, PoolClosed) as exc:
         return web.json_response({"error": f"tombstone for {key!r} of {clientid!r} not stored: "
                                            f"{exc or type(exc).__name__}"}, status=503)
+    if appended is None:
+        return web.json_response({"error": f"the queue of {clientid!r} stores no value of key {key!r} (never "
+                                           f"written, or deleted or expired since): nothing deleted"}, status=404)
     return web.json_response({"clientid": clientid, "key": key, "seqno": appended.seqno})
 
 

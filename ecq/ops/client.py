@@ -1,18 +1,63 @@
-"""The operator side of the admin API: one HTTP call, the answer checked, and the text renderings of
+"""The operator side of the admin API: where it is, one HTTP call, the answer checked, and the text renderings of
 ``ecq status``, ``ecq inspect`` and ``ecq top`` (the JSON shapes come from ecq.ops.status and ecq.queue.lag). Used by ecq.cli.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import click
+import yaml
 
-EXIT_NOT_FOUND, EXIT_UNREACHABLE = 1, 3  # ecq exit codes (see ecq.cli)
+from ecq.broker.config_file import PLUGIN_PATH, ConfigError, load_broker_config, plugin_settings
+from ecq.config import COMPUTED_OPTIONS, split_host_port
+
+EXIT_NOT_FOUND, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3  # ecq exit codes (see ecq.cli)
+DEFAULT_ADMIN = "127.0.0.1:18083"
+
+
+class BadConfig(click.ClickException):
+    """The broker config given to an operator command (``-c``) cannot tell where the admin API is (exit code 2)."""
+
+    exit_code = EXIT_USAGE
+
+
+def admin_target(admin: str | None, token: str | None, config_path: Path | None) -> tuple[str, str | None]:
+    """(``HOST:PORT`` to call, bearer token or None) of the broker's admin API. The address is ``admin``
+    (``--admin``, else $ECQ_ADMIN), else the ``admin_bind`` of the broker config at ``config_path`` (``-c``),
+    else DEFAULT_ADMIN; a wildcard host (``0.0.0.0``, ``[::]``) is called on loopback. The token is ``token``
+    (``--token``, else $ECQ_ADMIN_TOKEN), else the config's ``admin_token``. Raises BadConfig, in one line, for
+    a config that is missing, invalid, or turns the admin API off."""
+    settings = None
+    if config_path is not None and (admin is None or token is None):
+        try:
+            settings = plugin_settings(load_broker_config(config_path)["plugins"][PLUGIN_PATH])
+        except ConfigError as exc:
+            raise BadConfig(str(exc)) from None
+        if admin is None and settings.admin_bind is None:
+            raise BadConfig(f"broker config {config_path} turns the admin API off (admin_bind: null); give --admin")
+    if admin is None:
+        admin = settings.admin_bind if settings else DEFAULT_ADMIN
+    if token is None and settings:
+        token = settings.admin_token_value()
+    return _loopback_if_wildcard(admin), token
+
+
+def _loopback_if_wildcard(address: str) -> str:
+    try:
+        host, port = split_host_port(address)
+        unspecified = ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return address  # not HOST:PORT with an IP: called as given, and refused or unreachable there
+    if not unspecified:
+        return address
+    return f"[::1]:{port}" if ":" in host else f"127.0.0.1:{port}"
 
 
 class Unreachable(click.ClickException):
@@ -59,6 +104,20 @@ def check_answer(status: int, body: Any) -> Any:
     if status >= 400:
         raise click.ClickException(body.get("error", f"admin API answered HTTP {status}"))
     return body
+
+
+def render_config(inuse: dict[str, Any], origin: dict[str, Any]) -> str:
+    """`ecq show-config` as YAML: the options in effect (``inuse``), each one the config does not set (``origin``:
+    those it sets) marked ``# default``, or ``# default, computed`` when the broker computed it at start-up."""
+    lines = []
+    for name, value in inuse.items():
+        text = yaml.safe_dump({name: value}, sort_keys=False).rstrip("\n")
+        if name not in origin:
+            first, newline, rest = text.partition("\n")
+            computed = ", computed" if name in COMPUTED_OPTIONS else ""
+            text = f"{first}  # default{computed}{newline}{rest}"
+        lines.append(text)
+    return "\n".join(lines)
 
 
 def render_status(d: dict[str, Any]) -> str:

@@ -74,10 +74,10 @@ class QueueEngine:
     async def start(self) -> None:
         """Count what is stored, start the writer agents and the GC, heartbeat and store-recovery loops; on a
         shared store, listen to the appends other brokers make."""
-        await self.count_stored()
-        if self.store.shared:  # first: an append made while the lag index scans is told, and recounted
-            loop = asyncio.get_running_loop()
+        if self.store.shared:  # first: an append made while the lag index scans is told, and recounted; and
+            loop = asyncio.get_running_loop()  # a shared store counts from the view the watch builds
             await loop.run_in_executor(None, self.store.watch, ClusterNotices(self, loop))
+        await self.count_stored()
         await self.lag.rebuild()  # before any commit of this broker
         self.pool.start()
         self._tasks = [asyncio.create_task(upkeep.every(self.settings.gc_interval, self.run_gc), name="ecq-gc"),
@@ -130,13 +130,17 @@ class QueueEngine:
         future = self.pool.submit(clientid, Append(clientid, key, payload, now_ms()))
         return self._write_deadline.watch(future)
 
-    def delete(self, clientid: str, key: str) -> asyncio.Future:
+    async def delete(self, clientid: str, key: str, stored_only: bool = False) -> Appended | None:
         """Write a tombstone for ``key`` in the queue of ``clientid`` (an empty payload through :meth:`write`);
-        the future resolves with its :class:`Appended`. Raises TombstonesOff when ``tombstones`` is false."""
+        returns its :class:`Appended` once committed. With ``stored_only``, None and nothing written when the
+        queue stores no value of ``key`` (never written, or deleted or expired since). Raises TombstonesOff when
+        ``tombstones`` is false, and what :meth:`write` and the store's reads raise."""
         if not self.settings.tombstones:
             raise TombstonesOff("tombstones are off on this broker (tombstones: false): an empty payload is an "
                                 "ordinary value, so a key cannot be deleted")
-        return self.write(clientid, key, b"")
+        if stored_only and not await self.read(self.store.key_bytes, clientid, key):
+            return None
+        return await self.write(clientid, key, b"")
 
     async def purge(self, clientid: str) -> int:
         """Delete every stored entry of the queue of ``clientid``; returns how many. Its seqno counter and ack

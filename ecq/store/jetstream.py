@@ -231,10 +231,13 @@ class JetStreamStore(JetStreamWrites):
         return self.reads.idle_queues(cutoff_ms)
 
     def stored_totals(self) -> tuple[int, int]:
-        """(entries, bytes) stored across every shard, from the streams' state: bytes are JetStream's stored
-        bytes (payload, subject and headers), the same figure on every broker."""
-        infos = self._call(self._shard_infos(), self._settings.read_timeout)
-        return sum(i.state.messages for i in infos), sum(i.state.bytes for i in infos)
+        """(entries, payload bytes) stored across every shard, as LevelDB counts them (not JetStream's stored
+        bytes, which add subjects, headers and per-message overhead): from the map of stored subjects once
+        :meth:`watch` built it, otherwise a scan of every stored entry (O(stored bytes))."""
+        if self._watch is not None:
+            return self._call(_on_loop(self._watch.totals), self._settings.read_timeout)
+        sizes = [size for *_entry, size in self.reads.stored_entries()]
+        return len(sizes), sum(sizes)
 
     async def _shard_infos(self) -> list[Any]:
         js = self._link.nc.jetstream()
@@ -246,6 +249,10 @@ class JetStreamStore(JetStreamWrites):
         if self._watch is not None:
             return self._call(_on_loop(self._watch.queues), self._settings.read_timeout)
         return self.reads.count_queues()
+
+    def key_bytes(self, clientid: str, key: str) -> int | None:
+        """See :meth:`JetStreamReads.key_bytes`."""
+        return self.reads.key_bytes(clientid, key)
 
     def last_seqno(self, clientid: str) -> int:
         """See :meth:`JetStreamReads.last_seqno`."""
@@ -284,8 +291,8 @@ class JetStreamStore(JetStreamWrites):
     def verify(self) -> tuple[int, float]:
         """Check that every shard stream answers; returns (entries, seconds)."""
         started = time.monotonic()
-        entries, _bytes = self.stored_totals()
-        return entries, time.monotonic() - started
+        infos = self._call(self._shard_infos(), self._settings.read_timeout)
+        return sum(i.state.messages for i in infos), time.monotonic() - started
 
     def close(self) -> None:
         """Stop watching and close the link to NATS; everything committed is on the JetStream replicas."""

@@ -79,6 +79,11 @@ class ShardWatch:
         """How many queues hold entries, from the map."""
         return len({subject.split(".")[3] for shard in self.entries for subject in shard})
 
+    def totals(self) -> tuple[int, int]:
+        """(entries, payload bytes) stored, from the map."""
+        return (sum(map(len, self.entries)),
+                sum(size for shard in self.entries for _seqno, size in shard.values()))
+
     # --- appends ------------------------------------------------------------------------------------
 
     async def _appended(self, msg: Any) -> None:

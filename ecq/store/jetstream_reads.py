@@ -158,6 +158,18 @@ class JetStreamReads:
             clientids.update(subject.split(".")[3] for subject in subjects)
         return len(clientids)
 
+    def key_bytes(self, clientid: str, key: str) -> int | None:
+        """Payload bytes of the stored value of ``key`` in the queue of ``clientid``, None when none is stored:
+        one request to the stream leader."""
+        answer = self._call(self._js.api(f"STREAM.MSG.GET.{self._stream(self._shard(clientid))}",
+                                         {"last_by_subj": self._queue_subject(clientid, key)}),
+                            self._settings.read_timeout)
+        if "message" in answer:
+            return len(base64.b64decode(answer["message"].get("data") or ""))
+        if answer.get("error", {}).get("code") == 404:
+            return None
+        raise StoreError(f"reading key {key!r} of {clientid}: {answer.get('error')}")
+
     def last_seqno(self, clientid: str) -> int:
         """Seqno of the newest stored entry of ``clientid``, 0 when it holds none."""
         answer = self._call(self._js.api(f"STREAM.MSG.GET.{self._stream(self._shard(clientid))}",

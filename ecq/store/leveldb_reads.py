@@ -10,8 +10,8 @@ from pathlib import Path
 import plyvel
 
 from ecq.store.leveldb_files import reason as _reason
-from ecq.store.leveldb_tables import (INDEX, INDEX_END, INDEX_VALUE, MAX_U64, SEQNO, STATE, U64, decode_state, encode_s,
-                                      index_entry, payload_key, read_s)
+from ecq.store.leveldb_tables import (INDEX, INDEX_END, INDEX_VALUE, MAX_U64, PAYLOAD, SEQNO, STATE, U64, decode_state,
+                                      encode_s, index_entry, payload_key, read_s)
 from ecq.store.protocol import AckState, ExpiredRow, IndexEntry, Message, StoreReadError
 
 
@@ -56,6 +56,14 @@ class LevelDbReads:
         """The stored progress of ``clientid``'s consumer (acked 0 when it never acked)."""
         raw = self._db.get(STATE + encode_s(clientid))
         return decode_state(raw) if raw else AckState()
+
+    def key_bytes(self, clientid: str, key: str) -> int | None:
+        """Payload bytes of the newest stored value of ``key`` in the queue of ``clientid``, None when none is
+        stored: one seek in the payload table."""
+        prefix = PAYLOAD + encode_s(clientid) + encode_s(key)
+        for payload in self._db.iterator(prefix=prefix, include_key=False, reverse=True):
+            return len(payload)
+        return None
 
     def last_seqno(self, clientid: str) -> int:
         """Last seqno assigned in the queue of ``clientid`` (0 when it never had a write)."""

@@ -250,6 +250,10 @@ class QueueStore(Protocol):
     def count_queues(self) -> int:
         """How many queues ever had a write."""
 
+    def key_bytes(self, clientid: str, key: str) -> int | None:
+        """Payload bytes of the stored value of ``key`` in the queue of ``clientid`` (0 for a tombstone, an empty
+        payload), None when the queue stores no entry of ``key``."""
+
     def last_seqno(self, clientid: str) -> int:
         """Last seqno assigned in the queue of ``clientid`` (0 when it never had a write)."""
 
