@@ -164,7 +164,13 @@ const measured = {
   headings: [...document.querySelectorAll("h1, h2")].map(h => h.innerText),
   svgs: [...document.querySelectorAll("svg")].map(svg => { const r = svg.getBoundingClientRect();
     return {x: r.x, y: r.y + scrollY, width: r.width, height: r.height, drawn: drawn(svg)}; }),
-  height: document.documentElement.scrollHeight};
+  height: document.documentElement.scrollHeight,
+  cards: [...document.querySelectorAll(".card")].map(c => c.getBoundingClientRect().top),
+  cells: [...document.querySelectorAll("th, td")].map(cell => {  // the lines a cell's text takes
+    const range = document.createRange(); range.selectNodeContents(cell);
+    return {text: cell.innerText, lines: new Set([...range.getClientRects()].map(r => Math.round(r.top))).size}; }),
+  tables: [...document.querySelectorAll("table")].map(t => ({  // the table's width, the room it has
+    width: t.getBoundingClientRect().width, room: t.parentElement.clientWidth}))};
 const pre = document.createElement("pre"); pre.id = "measured"; pre.textContent = JSON.stringify(measured);
 document.body.appendChild(pre);
 </script>"""
@@ -198,6 +204,10 @@ def test_the_page_shows_its_charts_in_a_browser(chromium, truth_report, tmp_path
         "ECQ queue report", "Delivery latency (sent to ack)", "End-to-end latency (append to ack)",
         "Backlog over time (per second)", "Traffic per second", "Consumers (top 2 by backlog)", "Refused writes"]
     assert len(measured["svgs"]) == 4
+    assert len(measured["cards"]) == 6 and len(set(measured["cards"])) == 1, measured["cards"]  # one row of cards
+    wrapped = [cell["text"] for cell in measured["cells"] if cell["lines"] != 1]
+    assert not wrapped, f"table cells on more than one line: {wrapped}"
+    assert all(t["width"] <= t["room"] for t in measured["tables"]), measured["tables"]  # none scrolls or spills
     for svg in measured["svgs"]:
         assert svg["width"] > 400 and svg["height"] > 150 and svg["drawn"] >= 5, svg
 
