@@ -121,8 +121,10 @@ def _latency_chart(histogram: Sequence[dict[str, Any]], fleet: dict[str, Any], n
     fig, ax = plt.subplots(figsize=(9, 3.2))
     positions = [h["bucket"] for h in histogram]
     ax.bar(positions, [h[f"{name}_acks"] for h in histogram], width=0.9, align="edge", color="#4c78a8")
-    ax.set_xticks(positions, [f"{h['lower_ms']}" for h in histogram], rotation=45, ha="right")
-    ax.set_xlabel(f"latency from {measured}, ms (bucket lower bound, log scale)")
+    # a tick at every bucket edge: each bar's lower bound, and the last bar's upper bound at its right edge
+    ax.set_xticks([*positions, positions[-1] + 1], [*(f"{h['lower_ms']}" for h in histogram),
+                                                    f"{histogram[-1]['upper_ms']}"], rotation=45, ha="right")
+    ax.set_xlabel(f"latency from {measured}, ms (bucket edges, log scale)")
     ax.set_ylabel("acks")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     for label, colour, style in (("p50", "#54a24b", "--"), ("p95", "#f58518", "-."), ("p99", "#e45756", ":")):
