@@ -17,6 +17,8 @@ from collections import defaultdict
 from datetime import UTC, datetime
 from pathlib import Path
 
+import matplotlib.colors
+import matplotlib.pyplot
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,6 +26,7 @@ import pytest
 from PIL import Image
 
 from ecq.events.schema import SCHEMA
+from ecq.pipeline.render import traffic_figure
 from ecq.pipeline.report import compute_report, read_table, run_report, time_bucket_s
 from ecq.pipeline.spark import read_events, spark_session
 
@@ -153,6 +156,27 @@ def test_time_bucket_thresholds():
     assert time_bucket_s(T, T + 1800 * MINUTE) == 3600
     assert time_bucket_s(T, T + 365 * DAY) == 3600
     assert time_bucket_s(None, None) == 1
+
+
+def test_every_traffic_line_shows_where_they_coincide():
+    """A consumer that keeps up has as many writes, deliveries and acks in each step: the three lines lie on
+    one another, and each must still show inside the plot (not only in its legend)."""
+    counts = [3, 7, 7, 2, 0, 5, 9, 4]
+    series = [{"start_ms": T + i * SECOND, "writes": n, "deliveries": n, "acks": n, "backlog": 0}
+              for i, n in enumerate(counts)]
+    fig = traffic_figure(series, 1)
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    box = ax.get_window_extent()
+    pixels = np.asarray(fig.canvas.buffer_rgba())[:, :, :3].astype(int)
+    height = pixels.shape[0]
+    plot = pixels[round(height - box.y1):round(height - box.y0), round(box.x0):round(box.x1)]
+    for line in ax.get_lines():
+        red, green, blue, alpha = matplotlib.colors.to_rgba(line.get_color(), line.get_alpha())
+        shown = np.array([255 * (alpha * c + 1 - alpha) for c in (red, green, blue)])  # over the white plot
+        near = np.count_nonzero(np.abs(plot - shown).max(axis=2) < 40)
+        assert near >= 150, f"{line.get_label()}: {near} pixels of its colour in the plot"
+    matplotlib.pyplot.close(fig)
 
 
 # --- the page in a browser ---------------------------------------------------------------------------

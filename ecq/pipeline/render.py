@@ -197,15 +197,28 @@ def _backlog_chart(series: Sequence[dict[str, Any]], seconds: int) -> str:
 
 
 def _traffic_chart(series: Sequence[dict[str, Any]], seconds: int) -> str:
+    return _svg(traffic_figure(series, seconds))
+
+
+def traffic_figure(series: Sequence[dict[str, Any]], seconds: int) -> plt.Figure:
+    """The traffic chart: writes, deliveries and acks per step of ``seconds`` (rows of `_coarsen`).
+
+    While consumers keep up the three counts are equal and the lines lie on one another, so each is drawn
+    narrower than the one below it (writes a wide pale band, deliveries inside it, acks a thin line on top):
+    where they coincide every one still shows.
+    """
     fig, ax = plt.subplots(figsize=(9, 3))
-    for name, colour in (("writes", "#4c78a8"), ("deliveries", "#f58518"), ("acks", "#54a24b")):
-        ax.plot(*_steps(series, name, seconds), label=name, color=colour, drawstyle="steps-post")
+    for z, (name, colour, width, alpha) in enumerate((("writes", "#4c78a8", 6.0, 0.4),
+                                                      ("deliveries", "#f58518", 3.0, 1.0),
+                                                      ("acks", "#2e7d32", 1.2, 1.0))):
+        ax.plot(*_steps(series, name, seconds), label=name, color=colour, linewidth=width, alpha=alpha,
+                drawstyle="steps-post", solid_joinstyle="miter", zorder=2 + z)
     ax.set_ylabel(f"per {_duration(seconds)}")
     ax.set_ylim(bottom=0)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     _time_axis(ax, seconds)
-    return _svg(fig)
+    return fig
 
 
 # (column, header, group header or None): the latency columns share a group header so that each header
