@@ -28,7 +28,8 @@ from PIL import Image
 from ecq.events.schema import SCHEMA
 from ecq.pipeline.render import traffic_figure
 from ecq.pipeline.report import compute_report, read_table, run_report, time_bucket_s
-from ecq.pipeline.spark import read_events, spark_session
+from ecq.pipeline.spark import (DRIVER_JAVA_OPTIONS, lake_bytes, read_events, shuffle_partitions,
+                                spark_session)
 
 T = 1_767_225_600_000  # 2026-01-01T00:00:00Z
 SECOND, MINUTE, HOUR, DAY = 1000, 60_000, 3_600_000, 86_400_000
@@ -122,6 +123,27 @@ def test_delivery_latency_leaves_out_the_time_offline(truth_report):
     end_to_end_line = next(line for line in text.splitlines() if line.startswith("end-to-end latency"))
     assert "including time offline" in end_to_end_line
     assert int(re.search(r"p99 (\d+) ms", end_to_end_line).group(1)) >= 10 * SECOND
+
+
+def test_the_session_starts_lean(spark):
+    """What cuts Spark's start-up (issue 26): no UI, no progress bar, no Hive, the driver JVM's options."""
+    conf = spark.sparkContext.getConf()
+    assert conf.get("spark.ui.enabled") == "false" and spark.sparkContext.uiWebUrl is None
+    assert conf.get("spark.ui.showConsoleProgress") == "false"
+    assert spark.conf.get("spark.sql.catalogImplementation") == "in-memory"
+    jvm_options = list(spark.sparkContext._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean()
+                       .getInputArguments())
+    assert set(DRIVER_JAVA_OPTIONS.split()) <= set(jvm_options), jvm_options
+
+
+def test_shuffle_partitions_follow_the_input(tmp_path):
+    assert shuffle_partitions("local[*]", 10_000) == 1  # a small lake: one task per shuffle, not 8 or 200
+    assert shuffle_partitions("local[2]", 5 * 2**20) == 5  # one per MiB of Parquet
+    assert shuffle_partitions("local[*]", 10**12) == shuffle_partitions("local[4]", None) == 8
+    assert shuffle_partitions("spark://10.0.0.5:7077", 10**12) == 200
+    lake = write_lake(tmp_path / "lake", truth_events())
+    (tmp_path / "lake" / "date=2026-01-01" / "notes.txt").write_text("not an event file")
+    assert lake_bytes(lake) == sum(p.stat().st_size for p in lake.rglob("*.parquet")) > 0
 
 
 def span_lake(base: Path, span_ms: int) -> Path:
