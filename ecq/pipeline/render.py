@@ -208,9 +208,9 @@ def traffic_figure(series: Sequence[dict[str, Any]], seconds: int) -> plt.Figure
     where they coincide every one still shows.
     """
     fig, ax = plt.subplots(figsize=(9, 3))
-    for z, (name, colour, width, alpha) in enumerate((("writes", "#4c78a8", 6.0, 0.4),
-                                                      ("deliveries", "#f58518", 3.0, 1.0),
-                                                      ("acks", "#2e7d32", 1.2, 1.0))):
+    for z, (name, colour, width, alpha) in enumerate((("writes", "#4c78a8", 7.0, 0.4),
+                                                      ("deliveries", "#f58518", 3.6, 1.0),
+                                                      ("acks", "#1b5e20", 1.2, 1.0))):
         ax.plot(*_steps(series, name, seconds), label=name, color=colour, linewidth=width, alpha=alpha,
                 drawstyle="steps-post", solid_joinstyle="miter", zorder=2 + z)
     ax.set_ylabel(f"per {_duration(seconds)}")
