@@ -17,6 +17,8 @@ from collections import defaultdict
 from datetime import UTC, datetime
 from pathlib import Path
 
+import matplotlib.colors
+import matplotlib.pyplot
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,8 +26,10 @@ import pytest
 from PIL import Image
 
 from ecq.events.schema import SCHEMA
+from ecq.pipeline.render import traffic_figure
 from ecq.pipeline.report import compute_report, read_table, run_report, time_bucket_s
-from ecq.pipeline.spark import read_events, spark_session
+from ecq.pipeline.spark import (DRIVER_JAVA_OPTIONS, lake_bytes, read_events, shuffle_partitions,
+                                spark_session)
 
 T = 1_767_225_600_000  # 2026-01-01T00:00:00Z
 SECOND, MINUTE, HOUR, DAY = 1000, 60_000, 3_600_000, 86_400_000
@@ -121,6 +125,27 @@ def test_delivery_latency_leaves_out_the_time_offline(truth_report):
     assert int(re.search(r"p99 (\d+) ms", end_to_end_line).group(1)) >= 10 * SECOND
 
 
+def test_the_session_starts_lean(spark):
+    """What cuts Spark's start-up (issue 26): no UI, no progress bar, no Hive, the driver JVM's options."""
+    conf = spark.sparkContext.getConf()
+    assert conf.get("spark.ui.enabled") == "false" and spark.sparkContext.uiWebUrl is None
+    assert conf.get("spark.ui.showConsoleProgress") == "false"
+    assert spark.conf.get("spark.sql.catalogImplementation") == "in-memory"
+    jvm_options = list(spark.sparkContext._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean()
+                       .getInputArguments())
+    assert set(DRIVER_JAVA_OPTIONS.split()) <= set(jvm_options), jvm_options
+
+
+def test_shuffle_partitions_follow_the_input(tmp_path):
+    assert shuffle_partitions("local[*]", 10_000) == 1  # a small lake: one task per shuffle, not 8 or 200
+    assert shuffle_partitions("local[2]", 5 * 2**20) == 5  # one per MiB of Parquet
+    assert shuffle_partitions("local[*]", 10**12) == shuffle_partitions("local[4]", None) == 8
+    assert shuffle_partitions("spark://10.0.0.5:7077", 10**12) == 200
+    lake = write_lake(tmp_path / "lake", truth_events())
+    (tmp_path / "lake" / "date=2026-01-01" / "notes.txt").write_text("not an event file")
+    assert lake_bytes(lake) == sum(p.stat().st_size for p in lake.rglob("*.parquet")) > 0
+
+
 def span_lake(base: Path, span_ms: int) -> Path:
     """Writes, each acked a second later, every ``span_ms / 20`` ms from T to T + span_ms."""
     events = []
@@ -155,6 +180,27 @@ def test_time_bucket_thresholds():
     assert time_bucket_s(None, None) == 1
 
 
+def test_every_traffic_line_shows_where_they_coincide():
+    """A consumer that keeps up has as many writes, deliveries and acks in each step: the three lines lie on
+    one another, and each must still show inside the plot (not only in its legend)."""
+    counts = [3, 7, 7, 2, 0, 5, 9, 4]
+    series = [{"start_ms": T + i * SECOND, "writes": n, "deliveries": n, "acks": n, "backlog": 0}
+              for i, n in enumerate(counts)]
+    fig = traffic_figure(series, 1)
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    box = ax.get_window_extent()
+    pixels = np.asarray(fig.canvas.buffer_rgba())[:, :, :3].astype(int)
+    height = pixels.shape[0]
+    plot = pixels[round(height - box.y1):round(height - box.y0), round(box.x0):round(box.x1)]
+    for line in ax.get_lines():
+        red, green, blue, alpha = matplotlib.colors.to_rgba(line.get_color(), line.get_alpha())
+        shown = np.array([255 * (alpha * c + 1 - alpha) for c in (red, green, blue)])  # over the white plot
+        near = np.count_nonzero(np.abs(plot - shown).max(axis=2) < 40)
+        assert near >= 150, f"{line.get_label()}: {near} pixels of its colour in the plot"
+    matplotlib.pyplot.close(fig)
+
+
 # --- the page in a browser ---------------------------------------------------------------------------
 
 MEASURE = """<script>
@@ -164,7 +210,13 @@ const measured = {
   headings: [...document.querySelectorAll("h1, h2")].map(h => h.innerText),
   svgs: [...document.querySelectorAll("svg")].map(svg => { const r = svg.getBoundingClientRect();
     return {x: r.x, y: r.y + scrollY, width: r.width, height: r.height, drawn: drawn(svg)}; }),
-  height: document.documentElement.scrollHeight};
+  height: document.documentElement.scrollHeight,
+  cards: [...document.querySelectorAll(".card")].map(c => c.getBoundingClientRect().top),
+  cells: [...document.querySelectorAll("th, td")].map(cell => {  // the lines a cell's text takes
+    const range = document.createRange(); range.selectNodeContents(cell);
+    return {text: cell.innerText, lines: new Set([...range.getClientRects()].map(r => Math.round(r.top))).size}; }),
+  tables: [...document.querySelectorAll("table")].map(t => ({  // the table's width, the room it has
+    width: t.getBoundingClientRect().width, room: t.parentElement.clientWidth}))};
 const pre = document.createElement("pre"); pre.id = "measured"; pre.textContent = JSON.stringify(measured);
 document.body.appendChild(pre);
 </script>"""
@@ -198,6 +250,10 @@ def test_the_page_shows_its_charts_in_a_browser(chromium, truth_report, tmp_path
         "ECQ queue report", "Delivery latency (sent to ack)", "End-to-end latency (append to ack)",
         "Backlog over time (per second)", "Traffic per second", "Consumers (top 2 by backlog)", "Refused writes"]
     assert len(measured["svgs"]) == 4
+    assert len(measured["cards"]) == 6 and len(set(measured["cards"])) == 1, measured["cards"]  # one row of cards
+    wrapped = [cell["text"] for cell in measured["cells"] if cell["lines"] != 1]
+    assert not wrapped, f"table cells on more than one line: {wrapped}"
+    assert all(t["width"] <= t["room"] for t in measured["tables"]), measured["tables"]  # none scrolls or spills
     for svg in measured["svgs"]:
         assert svg["width"] > 400 and svg["height"] > 150 and svg["drawn"] >= 5, svg
 
@@ -205,7 +261,8 @@ def test_the_page_shows_its_charts_in_a_browser(chromium, truth_report, tmp_path
     for svg, axis_label in zip(latency_svgs, ("sent to ack", "append to ack"), strict=True):
         texts = re.findall(r"<!-- (.*?) -->", svg)  # matplotlib notes each text it draws as glyph paths
         x_labels = texts[:next(i for i, t in enumerate(texts) if t.startswith("latency from"))]
-        assert x_labels == ["1", "2", "5", "10", "20", "50", "100", "200", "500", "1000", "2000", "5000", "10000"]
+        assert x_labels == ["1", "2", "5", "10", "20", "50", "100", "200", "500", "1000", "2000", "5000", "10000",
+                            "20000"]  # every bar has both its edges labelled, the last one too
         assert f"latency from {axis_label}, ms" in " ".join(texts)
 
     screenshot = tmp_path / "page.png"

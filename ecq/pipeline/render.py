@@ -12,6 +12,7 @@ import html
 import io
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +28,19 @@ TABLE_ROWS = 50
 plt.rcParams.update({"svg.fonttype": "path", "font.size": 9, "axes.spines.top": False, "axes.spines.right": False})
 
 _CSS = """
-body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1100px; color: #222; }
+body { font-family: system-ui, sans-serif; margin: 2rem auto; padding: 0 1rem; max-width: 1100px; color: #222; }
 h1 { font-size: 1.5rem; } h2 { font-size: 1.15rem; margin-top: 2rem; }
-.cards { display: flex; flex-wrap: wrap; gap: .75rem; }
-.card { border: 1px solid #ddd; border-radius: 6px; padding: .6rem .9rem; min-width: 9rem; }
+.cards { display: grid; grid-auto-flow: column; grid-auto-columns: minmax(0, 1fr); gap: .75rem; }
+@media (max-width: 900px) { .cards { grid-auto-flow: row; grid-template-columns: repeat(3, minmax(0, 1fr)); } }
+@media (max-width: 480px) { .cards { grid-template-columns: repeat(2, minmax(0, 1fr)); } }
+.card { border: 1px solid #ddd; border-radius: 6px; padding: .6rem .9rem; }
 .card b { display: block; font-size: 1.3rem; }
 .card span { color: #666; font-size: .8rem; }
+.scroll { overflow-x: auto; }
 table { border-collapse: collapse; font-size: .85rem; }
-th, td { padding: .25rem .6rem; border-bottom: 1px solid #eee; text-align: right; }
+th, td { padding: .25rem .45rem; border-bottom: 1px solid #eee; text-align: right; white-space: nowrap; }
+th { vertical-align: bottom; }
+th.group { text-align: center; border-bottom: 1px solid #ccc; }
 th:first-child, td:first-child { text-align: left; }
 .muted { color: #777; font-size: .85rem; }
 svg { max-width: 100%; height: auto; }
@@ -115,8 +121,10 @@ def _latency_chart(histogram: Sequence[dict[str, Any]], fleet: dict[str, Any], n
     fig, ax = plt.subplots(figsize=(9, 3.2))
     positions = [h["bucket"] for h in histogram]
     ax.bar(positions, [h[f"{name}_acks"] for h in histogram], width=0.9, align="edge", color="#4c78a8")
-    ax.set_xticks(positions, [f"{h['lower_ms']}" for h in histogram], rotation=45, ha="right")
-    ax.set_xlabel(f"latency from {measured}, ms (bucket lower bound, log scale)")
+    # a tick at every bucket edge: each bar's lower bound, and the last bar's upper bound at its right edge
+    ax.set_xticks([*positions, positions[-1] + 1], [*(f"{h['lower_ms']}" for h in histogram),
+                                                    f"{histogram[-1]['upper_ms']}"], rotation=45, ha="right")
+    ax.set_xlabel(f"latency from {measured}, ms (bucket edges, log scale)")
     ax.set_ylabel("acks")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     for label, colour, style in (("p50", "#54a24b", "--"), ("p95", "#f58518", "-."), ("p99", "#e45756", ":")):
@@ -189,23 +197,38 @@ def _backlog_chart(series: Sequence[dict[str, Any]], seconds: int) -> str:
 
 
 def _traffic_chart(series: Sequence[dict[str, Any]], seconds: int) -> str:
+    return _svg(traffic_figure(series, seconds))
+
+
+def traffic_figure(series: Sequence[dict[str, Any]], seconds: int) -> plt.Figure:
+    """The traffic chart: writes, deliveries and acks per step of ``seconds`` (rows of `_coarsen`).
+
+    While consumers keep up the three counts are equal and the lines lie on one another, so each is drawn
+    narrower than the one below it (writes a wide pale band, deliveries inside it, acks a thin line on top):
+    where they coincide every one still shows.
+    """
     fig, ax = plt.subplots(figsize=(9, 3))
-    for name, colour in (("writes", "#4c78a8"), ("deliveries", "#f58518"), ("acks", "#54a24b")):
-        ax.plot(*_steps(series, name, seconds), label=name, color=colour, drawstyle="steps-post")
+    for z, (name, colour, width, alpha) in enumerate((("writes", "#4c78a8", 7.0, 0.4),
+                                                      ("deliveries", "#f58518", 3.6, 1.0),
+                                                      ("acks", "#1b5e20", 1.2, 1.0))):
+        ax.plot(*_steps(series, name, seconds), label=name, color=colour, linewidth=width, alpha=alpha,
+                drawstyle="steps-post", solid_joinstyle="miter", zorder=2 + z)
     ax.set_ylabel(f"per {_duration(seconds)}")
     ax.set_ylim(bottom=0)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     _time_axis(ax, seconds)
-    return _svg(fig)
+    return fig
 
 
-_CONSUMER_COLUMNS = (("clientid", "clientid"), ("backlog", "backlog"), ("appended", "writes"),
-                     ("compaction_ratio", "compaction"), ("delivered", "deliveries"),
-                     ("redeliveries", "redeliveries"), ("acked", "acks"), ("expired", "expired"),
-                     ("refused", "refused"), ("delivery_p50_ms", "delivery p50 ms"),
-                     ("delivery_p99_ms", "delivery p99 ms"), ("end_to_end_p50_ms", "end-to-end p50 ms"),
-                     ("end_to_end_p99_ms", "end-to-end p99 ms"), ("last_event_ms", "last event"))
+# (column, header, group header or None): the latency columns share a group header so that each header
+# and each cell fits on one line and the 14 columns fit the page (no word-by-word wrapping)
+_CONSUMER_COLUMNS = (("clientid", "clientid", None), ("backlog", "backlog", None), ("appended", "writes", None),
+                     ("compaction_ratio", "compaction", None), ("delivered", "deliveries", None),
+                     ("redeliveries", "redeliveries", None), ("acked", "acks", None), ("expired", "expired", None),
+                     ("refused", "refused", None), ("delivery_p50_ms", "p50", "delivery ms"),
+                     ("delivery_p99_ms", "p99", "delivery ms"), ("end_to_end_p50_ms", "p50", "end-to-end ms"),
+                     ("end_to_end_p99_ms", "p99", "end-to-end ms"), ("last_event_ms", "last event (UTC)", None))
 
 
 def _cell(column: str, value: Any) -> str:
@@ -214,19 +237,27 @@ def _cell(column: str, value: Any) -> str:
     if column == "compaction_ratio":
         return f"{value:.2f}"
     if column == "last_event_ms":
-        return utc(value)
+        return utc(value).removesuffix(" UTC")  # the header says UTC
     return str(value)
 
 
 def _consumer_table(consumers: Sequence[dict[str, Any]]) -> str:
-    head = "".join(f"<th>{html.escape(label)}</th>" for _, label in _CONSUMER_COLUMNS)
+    top, below = [], []
+    for group, columns in groupby(_CONSUMER_COLUMNS, key=lambda c: c[2]):
+        labels = [label for _, label, _ in columns]
+        if group is None:
+            top += [f"<th rowspan=2>{html.escape(label)}</th>" for label in labels]
+        else:
+            top.append(f"<th colspan={len(labels)} class=group>{html.escape(group)}</th>")
+            below += [f"<th>{html.escape(label)}</th>" for label in labels]
     body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(column, row[column]))}</td>"
-                                    for column, _ in _CONSUMER_COLUMNS) + "</tr>" for row in consumers[:TABLE_ROWS])
-    return f"<table><tr>{head}</tr>{body}</table>"
+                                    for column, _, _ in _CONSUMER_COLUMNS) + "</tr>"
+                   for row in consumers[:TABLE_ROWS])
+    return f"<div class=scroll><table><tr>{''.join(top)}</tr><tr>{''.join(below)}</tr>{body}</table></div>"
 
 
 def _refused_table(refused: Sequence[dict[str, Any]]) -> str:
     if not refused:
         return "<p class=muted>None.</p>"
     body = "".join(f"<tr><td>{html.escape(str(r['reason']))}</td><td>{r['refused']}</td></tr>" for r in refused)
-    return f"<table><tr><th>reason</th><th>writes</th></tr>{body}</table>"
+    return f"<div class=scroll><table><tr><th>reason</th><th>writes</th></tr>{body}</table></div>"

@@ -39,7 +39,8 @@ from pyspark.sql import functions as F
 
 from ecq.pipeline import PipelineError
 from ecq.pipeline.render import TABLE_ROWS, render_html, utc, write_html
-from ecq.pipeline.spark import SPARK_ERRORS, check_lake, read_events, spark_error_message, spark_session
+from ecq.pipeline.spark import (SPARK_ERRORS, check_lake, lake_bytes, read_events, spark_error_message,
+                                spark_session)
 
 PERCENTILES = (0.5, 0.95, 0.99)
 PERCENTILE_ACCURACY = 10_000
@@ -327,7 +328,7 @@ def run_report(lake: Path, out: Path, master: str, verbose: bool = False) -> str
     """
     check_lake(lake)
     check_out_dir(out, lake)
-    with spark_session(master, "ecq-pipeline-report", verbose) as spark:
+    with spark_session(master, "ecq-pipeline-report", verbose, input_bytes=lake_bytes(lake)) as spark:
         report = None
         try:
             report = compute_report(read_events(spark, lake))

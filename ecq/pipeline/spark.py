@@ -24,6 +24,14 @@ SPARK_ERRORS = (PySparkException, Py4JJavaError)  # what failing Spark calls rai
 _SPARK_TYPES = {"int64": "BIGINT", "int32": "INT", "string": "STRING"}
 EVENTS_DDL = ", ".join(f"{field.name} {_SPARK_TYPES[str(field.type)]}" for field in SCHEMA)
 _LOOPBACK_MASTER = re.compile(r"local(\[.*\])?|spark://(127\.0\.0\.1|localhost)(:\d+)?")
+_LOCAL_THREADS = re.compile(r"local(?:\[(\d+|\*)(?:,\d+)?\])?")
+# Start-up settings (issue 26; figures in BENCHMARKS.md). The driver JVM compiles with C1 only and collects
+# with the serial collector: on a small machine C2's compiler threads and G1's workers take as much CPU as
+# the report itself while Spark's classes warm up; measured not to slow a 1,000,000-event report.
+DRIVER_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+SHUFFLE_INPUT_BYTES = 1024 * 1024  # Parquet bytes of input per shuffle partition (~100,000 events)
+MAX_LOCAL_SHUFFLE_PARTITIONS = 8  # few cores: more would only add tasks
+MAX_SHUFFLE_PARTITIONS = 200  # Spark's default, for a cluster
 
 
 def check_java() -> str:
@@ -51,15 +59,29 @@ def check_java() -> str:
     return banner.splitlines()[0]
 
 
+def shuffle_partitions(master: str, input_bytes: int | None) -> int:
+    """``spark.sql.shuffle.partitions`` for a job reading ``input_bytes`` of Parquet on ``master``: one
+    partition per SHUFFLE_INPUT_BYTES, at least 1, at most MAX_LOCAL_SHUFFLE_PARTITIONS on a local master
+    (MAX_SHUFFLE_PARTITIONS on a cluster). Unknown input (None): the maximum."""
+    cap = MAX_LOCAL_SHUFFLE_PARTITIONS if _LOCAL_THREADS.fullmatch(master) else MAX_SHUFFLE_PARTITIONS
+    if input_bytes is None:
+        return cap
+    return max(1, min(cap, -(-input_bytes // SHUFFLE_INPUT_BYTES)))
+
+
 @contextmanager
-def spark_session(master: str, app_name: str, verbose: bool = False) -> Iterator[SparkSession]:
+def spark_session(master: str, app_name: str, verbose: bool = False,
+                  input_bytes: int | None = None) -> Iterator[SparkSession]:
     """A SparkSession on ``master`` (``local[*]``, ``local[2]``, ``spark://HOST:PORT``), stopped on exit
     unless it already existed (then it is reused as it is, whatever its master: tests share one).
 
     Executors run this interpreter (``PYSPARK_PYTHON`` defaults to ``sys.executable``), so ecq and
-    paho-mqtt must be importable there. For a local or loopback master everything binds to 127.0.0.1 and
-    the Spark UI is off. The session's time zone is UTC. Spark's own log is off unless ``verbose`` (WARN).
-    Raises PipelineError when Java is missing or too old.
+    paho-mqtt must be importable there. For a local or loopback master everything binds to 127.0.0.1.
+    The session's time zone is UTC. Spark's own log is off unless ``verbose`` (WARN).
+
+    Configured to start quickly (issue 26): no Spark UI, no console progress bar, the in-memory catalog
+    (no Hive metastore), shuffle partitions sized to ``input_bytes`` (`shuffle_partitions`), and, when
+    this call starts the JVM, DRIVER_JAVA_OPTIONS. Raises PipelineError when Java is missing or too old.
     """
     check_java()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -67,13 +89,14 @@ def spark_session(master: str, app_name: str, verbose: bool = False) -> Iterator
     existing = SparkSession.getActiveSession()
     builder = (SparkSession.builder.master(master).appName(app_name)
                .config("spark.sql.session.timeZone", "UTC")
-               .config("spark.ui.showConsoleProgress", "false"))
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.catalogImplementation", "in-memory")
+               .config("spark.sql.shuffle.partitions", str(shuffle_partitions(master, input_bytes)))
+               .config("spark.driver.extraJavaOptions", DRIVER_JAVA_OPTIONS))
     if _LOOPBACK_MASTER.fullmatch(master):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        builder = (builder.config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-                   .config("spark.ui.enabled", "false"))
-    if master.startswith("local"):
-        builder = builder.config("spark.sql.shuffle.partitions", "8")  # small data, few cores: not 200
+        builder = builder.config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN" if verbose else "OFF")
     try:
@@ -81,6 +104,11 @@ def spark_session(master: str, app_name: str, verbose: bool = False) -> Iterator
     finally:
         if existing is None:
             spark.stop()
+
+
+def lake_bytes(lake: Path) -> int:
+    """The size of the lake's event files (``date=*/hour=*/*.parquet``) in bytes."""
+    return sum(path.stat().st_size for path in lake.glob("date=*/hour=*/*.parquet"))
 
 
 def check_lake(lake: Path) -> None:
