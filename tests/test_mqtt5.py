@@ -281,3 +281,25 @@ def test_mosquitto_clients_over_mqtt5(broker):
         subscriber.kill()
     assert out.splitlines() == ["$ECQ/mq5/k0 v0 ecq-seqno:1 ecq-ts:" + out.splitlines()[0].rsplit(":", 1)[1],
                                 "$ECQ/mq5/k1 v1 ecq-seqno:2 ecq-ts:" + out.splitlines()[1].rsplit(":", 1)[1]]
+
+
+def test_a_v5_connect_cut_short_is_closed_after_connect_timeout(make_broker):
+    broker = make_broker(connect_timeout="1s")
+    half = WireClient(broker.port)
+    half.send(mqtt5.ConnectPacket("half5", clean_start=True).write()[:14])  # past the protocol level, not whole
+    started = time.monotonic()
+    assert half.until_closed() == []
+    assert 0.8 < time.monotonic() - started < 5
+    assert "no CONNECT from 127.0.0.1" in broker.log()
+
+
+@pytest.mark.parametrize("connect, code", [
+    (mqtt5.ConnectPacket("will5", clean_start=True, will=mqtt5.Will("$ECQ/victim/k", payload=b"x")), 0x87),
+    (mqtt5.ConnectPacket("auth5", clean_start=True, authentication_method="SCRAM-SHA-1"), 0x8C),
+], ids=["will-on-ecq", "enhanced-auth"])
+def test_a_refused_v5_connect_gets_a_v5_connack(broker, connect, code):
+    client = WireClient(broker.port)
+    client.send(connect.write())
+    connack = v5_packet(client.next())
+    assert isinstance(connack, mqtt5.ConnAckPacket) and connack.reason_code == code
+    assert client.until_closed() == []

@@ -99,8 +99,9 @@ class _ConnackWriter(WriterAdapter):
 def translate_level_5_connects() -> None:
     """Let a protocol level 5 CONNECT through amqtt 0.12.1's ``BrokerProtocolHandler.init_from_connect``, which
     refuses every level but 4 (CONNACK 0x01), as the equivalent 3.1.1 CONNECT, on brokers that run the ECQ
-    plugin (MQTT 5.0 section 3.1). The peek at the protocol level runs within ``connect_timeout``; a level 4
-    CONNECT, and anything else, reaches amqtt unchanged."""
+    plugin (MQTT 5.0 section 3.1). The peek at the protocol level, and the reading of a whole v5 CONNECT, run
+    within ``connect_timeout`` (then amqtt's read of the CONNECT it is given gets ``time_limit_connect``'s); a
+    level 4 CONNECT, and anything else, reaches amqtt unchanged."""
     original = BrokerProtocolHandler.init_from_connect
 
     async def init_from_connect(cls: type, reader: Any, writer: Any, plugins_manager: Any,
@@ -108,17 +109,18 @@ def translate_level_5_connects() -> None:
         connection = checked_connection(reader)
         if connection is None:
             return await original(reader, writer, plugins_manager, loop)
+        context = Mqtt5Context()
         try:
-            peeked, level = await asyncio.wait_for(_peek_level(reader), connection.connect_timeout_s)
+            async with asyncio.timeout(connection.connect_timeout_s):
+                peeked, level = await _peek_level(reader)
+                connect = await _read_v5_connect(reader, writer, peeked, context) if level == LEVEL_5 else None
         except TimeoutError:
             raise AMQTTError(f"no CONNECT from {connection.peer} within {connection.connect_timeout_s:g} s: "
                              "connection closed") from None
-        if level != LEVEL_5:
+        if connect is None:
             replay = _Replay(peeked, reader)
             with checks_shared_with(reader, replay):
                 return await original(replay, writer, plugins_manager, loop)
-        context = Mqtt5Context()
-        connect = await _read_v5_connect(reader, writer, peeked, context)
         translated = _Replay(_connect_as_3_1_1(connect, context, plugins_manager), reader)
         with checks_shared_with(reader, translated):
             handler, session = await original(translated, _ConnackWriter(writer), plugins_manager, loop)
