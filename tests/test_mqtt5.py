@@ -227,7 +227,9 @@ def test_an_empty_client_id_gets_an_assigned_one(broker, v5):
 
 
 @pytest.mark.parametrize("bad, code", [
-    (b"\x30\x06\x00\x02\xff\xfe\x00v", 0x81),  # a topic of ill-formed UTF-8 (the codec panics on it)
+    (b"\x30\x06\x00\x02\xff\xfe\x00v", 0x81),  # a topic of ill-formed UTF-8
+    (b"\x30\x0c\x00\x01t\x07\x26\x00\x01\xff\x00\x01av", 0x81),  # a User Property of it (mqtt5 panics on it)
+    (b"\x82\x08\x00\x01\x00\x00\x02\xff\xfe\x01", 0x81),  # a SUBSCRIBE filter of it (mqtt5 panics on it)
     (mqtt5.PublishPacket("plain/t", b"v", topic_alias=1).write(), 0x94),  # CONNACK said Topic Alias Maximum 0
     (b"\xf0\x00", 0x82),  # AUTH, with no Authentication Method in CONNECT: a Protocol Error
     (b"\x82\x04\x00\x00\x00\x00", 0x81),  # SUBSCRIBE with packet id 0 and no filter

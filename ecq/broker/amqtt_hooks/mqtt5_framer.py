@@ -32,7 +32,7 @@ from amqtt.mqtt.packet import (CONNECT, DISCONNECT, PINGREQ, PUBACK, PUBCOMP, PU
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker.amqtt_hooks.bad_clients import (ProtocolViolation, checked_connection, fixed_header_violation,
-                                                publish_violation, violation)
+                                                publish_overrun, publish_violation, utf8_or_violation, violation)
 from ecq.broker.amqtt_hooks.ecq_paths import client_id, send_soon
 from ecq.broker.amqtt_hooks.framer import Framer
 from ecq.broker.amqtt_hooks.mqtt5_packets import (MALFORMED_PACKET, PACKET_TOO_LARGE,
@@ -131,7 +131,9 @@ class Mqtt5Framer(Framer):
 
     def _take_ecq_publish(self, data: bytes, first: int, body: int, end: int) -> bool:
         """Take a v5 PUBLISH under ``$ECQ/`` (as Framer does); any other is kept for :meth:`_hand_to_amqtt` (False).
-        Raises ProtocolViolation: malformed, a Topic Alias (after DISCONNECT 0x94), bad_clients' PUBLISH rules."""
+        Raises ProtocolViolation: malformed, a Topic Alias (after DISCONNECT 0x94), bad_clients' PUBLISH rules
+        (topic length, UTF-8, NUL, wildcards, packet id 0)."""
+        self._check_topic(data, first, body, end)
         packet = self._decode(first, data[body:end])
         if packet.topic_alias is not None:
             self._refuse(TOPIC_ALIAS_INVALID)
@@ -148,6 +150,18 @@ class Mqtt5Framer(Framer):
             return False
         self._plugin.take_ecq_write(self._handler, topic, qos, packet.packet_id, packet.payload)
         return True
+
+    def _check_topic(self, data: bytes, first: int, body: int, end: int) -> None:
+        """bad_clients' rules on a PUBLISH's topic before the codec reads it (the topic comes first in both versions,
+        MQTT 5.0 section 3.3.2.1): a topic running past the packet, ill-formed UTF-8 (on which mqtt5 0.8.0 panics).
+        Raises ProtocolViolation."""
+        qos = first >> 1 & 0x03
+        if (reason := publish_overrun(end - body, None, qos)) is not None:
+            raise violation(self._packets, reason)
+        topic_end = body + 2 + (data[body] << 8 | data[body + 1])
+        if (reason := publish_overrun(end - body, topic_end - body - 2, qos)) is not None:
+            raise violation(self._packets, reason)
+        utf8_or_violation(self._packets, data[body + 2:topic_end], "PUBLISH topic")
 
     async def _hand_to_amqtt(self, first: int, body: bytes) -> None:
         """Hand a v5 packet to amqtt as its 3.1.1 equivalent (see the module's docstring)."""
