@@ -298,10 +298,11 @@ def test_a_v5_connect_cut_short_is_closed_after_connect_timeout(make_broker):
 @pytest.mark.parametrize("connect, code", [
     (mqtt5.ConnectPacket("will5", clean_start=True, will=mqtt5.Will("$ECQ/victim/k", payload=b"x")), 0x87),
     (mqtt5.ConnectPacket("auth5", clean_start=True, authentication_method="SCRAM-SHA-1"), 0x8C),
-], ids=["will-on-ecq", "enhanced-auth"])
+    (b"\x10\x03\x00\x04MQTT\x05", 0x81),  # a remaining length shorter than what it announces
+], ids=["will-on-ecq", "enhanced-auth", "short-remaining-length"])
 def test_a_refused_v5_connect_gets_a_v5_connack(broker, connect, code):
     client = WireClient(broker.port)
-    client.send(connect.write())
+    client.send(connect if isinstance(connect, bytes) else connect.write())
     connack = v5_packet(client.next())
     assert isinstance(connack, mqtt5.ConnAckPacket) and connack.reason_code == code
     assert client.until_closed() == []

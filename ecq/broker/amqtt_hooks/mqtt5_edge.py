@@ -180,6 +180,9 @@ async def _read_v5_connect(reader: ReaderAdapter, writer: WriterAdapter, peeked:
     connection = checked_connection(reader)
     if (reason := fixed_header_violation(1, 0, remaining, connection.max_packet_bytes)) is not None:
         await _refuse_connect(writer, PACKET_TOO_LARGE, reason, reader)
+    if remaining < len(peeked) - index:
+        await _refuse_connect(writer, MALFORMED_PACKET, f"MQTT 5 CONNECT with remaining length {remaining}, shorter "
+                              "than its protocol name and level", reader)
     try:
         rest = await reader.read(remaining - (len(peeked) - index))
     except asyncio.IncompleteReadError:
