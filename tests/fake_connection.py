@@ -39,8 +39,9 @@ class FakeConnection:
                 future.set_exception(ConnectionError("connection closed"))
 
 
-async def publish(connection: FakeConnection, topic: str, payload: bytes) -> None:
-    """The ``publish`` coroutine function the engine and Consumer take."""
+async def publish(connection: FakeConnection, topic: str, payload: bytes, seqno: int | None = None,
+                  ts_ms: int | None = None) -> None:
+    """The ``publish`` coroutine function the engine and Consumer take (seqno and ts_ms are not recorded)."""
     await connection.publish(topic, payload)
 
 

@@ -68,6 +68,7 @@ class EcqWrites:
             future = self._start(handler, topic, payload)
         except BadWrite as exc:
             self._refuse(handler, topic, exc)
+            write.refusal = (exc.reason, str(exc))
             self._acknowledge(write)
             return
         except PoolClosed:
@@ -115,7 +116,7 @@ class EcqWrites:
             first.add_done_callback(settle)
 
     def _committed(self, write: _Write, future: asyncio.Future) -> None:
-        if self._outcome(write.handler, write.topic, write.received, future):
+        if self._outcome(write, future):
             self._acknowledge(write)
         else:
             self._disconnect(write)
@@ -124,8 +125,8 @@ class EcqWrites:
         if write.receipt is not None:
             write.receipt.set_result(True)
         if write.slot is not None:
-            self._order.done(write.handler, write.slot,
-                             functools.partial(hooks.acknowledge_soon, write.handler, write.qos, write.packet_id))
+            self._order.done(write.handler, write.slot, functools.partial(
+                hooks.acknowledge_soon, write.handler, write.qos, write.packet_id, write.refusal))
 
     def _fail(self, write: _Write) -> None:
         """The write was not taken: no acknowledgement, and a QoS 2 packet id is free again for its resend."""
@@ -151,9 +152,11 @@ class EcqWrites:
         self._check_acl(handler, topic, "write to")
         return self._engine.write(write.clientid, write.key, payload)
 
-    def _outcome(self, handler: BrokerProtocolHandler, topic: str, received: float, future: asyncio.Future) -> bool:
+    def _outcome(self, write: _Write, future: asyncio.Future) -> bool:
         """For the done future of :meth:`_start`: True when the PUBLISH is to be acknowledged (stored, or refused
-        by the queue quota in its commit), False when it failed (logged; its publisher is to be disconnected)."""
+        by the queue quota in its commit: ``write.refusal`` set), False when it failed (logged; its publisher is to
+        be disconnected)."""
+        handler, topic, received = write.handler, write.topic, write.received
         exc = asyncio.CancelledError() if future.cancelled() else future.exception()
         if exc is None:
             if not is_ctl_topic(topic):
@@ -161,6 +164,7 @@ class EcqWrites:
             return True
         if isinstance(exc, BadWrite):  # the queue quota refused it in its commit (QuotaExceeded)
             self._refuse(handler, topic, exc)
+            write.refusal = (exc.reason, str(exc))
             return True
         if (held_back := self._failure_log.due()) is not None:
             log.error("ECQ write to %r failed (%s); closing publisher %s so it resends (%d more failed "
@@ -237,12 +241,14 @@ class _Slot:
 
 class _Write:
     """One PUBLISH under ``$ECQ/`` on its way: where it came from, its place in the arrival order (None at QoS 0),
-    and for QoS 2 the future its retransmits wait on (see ``amqtt_hooks.qos2_receipts``)."""
+    for QoS 2 the future its retransmits wait on (see ``amqtt_hooks.qos2_receipts``), and once refused its
+    ``BadWrite`` (reason, message), told to an MQTT 5 publisher in its acknowledgement."""
 
-    __slots__ = ("handler", "packet_id", "qos", "receipt", "received", "slot", "topic")
+    __slots__ = ("handler", "packet_id", "qos", "receipt", "received", "refusal", "slot", "topic")
 
     def __init__(self, handler: BrokerProtocolHandler, topic: str, qos: int, packet_id: int | None,
                  slot: _Slot | None) -> None:
         self.handler, self.topic, self.qos, self.packet_id, self.slot = handler, topic, qos, packet_id, slot
         self.received = time.monotonic()
         self.receipt: asyncio.Future | None = None
+        self.refusal: tuple[str, str] | None = None

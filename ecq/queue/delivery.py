@@ -51,8 +51,9 @@ log = logging.getLogger(__name__)
 _UNKNOWN = 2**64  # above every seqno: "the stored tail is not known"
 SAVE_RETRY_S = 1.0  # after a failed ack-state save (disk full, I/O error), try again this much later
 
-# publish(connection, topic, payload) -> awaits the PUBACK; raises ConnectionError when the connection is gone.
-Publish = Callable[[Any, str, bytes], Awaitable[None]]
+# publish(connection, topic, payload, seqno, ts_ms) -> awaits the PUBACK; raises ConnectionError when the connection
+# is gone. seqno and ts_ms (publish time, Unix ms) are the message's, for a protocol that carries them (MQTT 5).
+Publish = Callable[[Any, str, bytes, int, int], Awaitable[None]]
 # read(func, *args) -> a future of the blocking store read func(*args), run off the event loop.
 Read = Callable[..., asyncio.Future]
 
@@ -87,6 +88,7 @@ class Consumer:
         self.attempts: dict[int, int] = {}  # sends so far of each unacked seqno, across connections
         self._read_deadline = read_deadline
         self._window, self._retention_s = window, retention_s
+        self._inflight_max = window         # the attached connection's bound: window, or less if it asked for less
         self._tombstones = tombstones
         self._acked_tombstones: list[ExpiredRow] = []  # acked, to delete once a save holding their ack commits
         self._read_cursor = state.acked     # highest seqno read from the store for this connection
@@ -104,8 +106,11 @@ class Consumer:
         """True while a connection is attached."""
         return self.connection is not None
 
-    def attach(self, connection: Any) -> None:
-        """Start delivering to ``connection``; a different connection already attached is detached first."""
+    def attach(self, connection: Any, receive_maximum: int | None = None) -> None:
+        """Start delivering to ``connection``; a different connection already attached is detached first. At most
+        min(window, ``receive_maximum``) deliveries are in flight on it (MQTT 5.0 section 3.1.2.11.3; None: the
+        window)."""
+        self._inflight_max = min(self._window, receive_maximum) if receive_maximum else self._window
         self._newest = self._told = _UNKNOWN  # appends made while detached were not told: read to a short read
         if connection is self.connection:
             self._sending = True
@@ -275,7 +280,7 @@ class Consumer:
         """Hand read-ahead messages to the connection while the window has room; skip any that expired
         since they were read (an expired entry is never delivered)."""
         oldest_live_ms = retention_cutoff_ms(self._retention_s)
-        while self._ready and len(self.inflight) < self._window:
+        while self._ready and len(self.inflight) < self._inflight_max:
             message = self._ready.popleft()
             if message.ts_ms >= oldest_live_ms:
                 self._hand_out(message)
@@ -293,7 +298,7 @@ class Consumer:
         self._observer.delivered(self.clientid, message, self.attempts[message.seqno])
         sent = time.monotonic()
         try:
-            await self._publish(connection, topic, message.payload)
+            await self._publish(connection, topic, message.payload, message.seqno, message.ts_ms)
         except ConnectionError as exc:
             log.info("ECQ delivery to %s stopped: %s", self.clientid, exc)
             self.inflight.pop(message.seqno, None)

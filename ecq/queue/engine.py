@@ -212,8 +212,10 @@ class QueueEngine:
 
     # --- consumers ----------------------------------------------------------------------------------
 
-    async def attach(self, clientid: str, connection: Any, still_current: Callable[[], bool] = lambda: True) -> None:
-        """Deliver the queue of ``clientid`` to ``connection`` (loading its ack state first).
+    async def attach(self, clientid: str, connection: Any, still_current: Callable[[], bool] = lambda: True,
+                     receive_maximum: int | None = None) -> None:
+        """Deliver the queue of ``clientid`` to ``connection`` (loading its ack state first), at most
+        min(``reader_batch_size``, ``receive_maximum``) deliveries in flight (None: ``reader_batch_size``).
 
         ``still_current()`` is asked after that load: an unsubscribe, disconnect or takeover may have
         happened meanwhile, and then nothing is attached. A connection already attached is detached first.
@@ -229,7 +231,7 @@ class QueueEngine:
                 return
             self._consumer(clientid, state)
         if not self.closing and still_current():
-            self.consumers[clientid].attach(connection)
+            self.consumers[clientid].attach(connection, receive_maximum)
 
     def _consumer(self, clientid: str, state: AckState) -> Consumer:
         """The consumer of ``clientid``; a new one from ``state`` unless one was made meanwhile (an attach and a

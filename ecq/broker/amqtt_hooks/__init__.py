@@ -26,17 +26,22 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   packet objects and tasks;
 - :mod:`.drain`: the listeners closed, the connections listed and their reading stopped, to drain a node;
 - :mod:`.websocket`: WebSocket listeners send what ECQ writes without a drain, end a packet cut by a close, and
-  take the largest packet.
+  take the largest packet;
+- :mod:`.mqtt5_edge`: MQTT 5.0 connections served by amqtt (which speaks 3.1.1) through translation at the
+  connection edge: a level 5 CONNECT handed to amqtt as 3.1.1, what amqtt sends encoded as v5;
+  :mod:`.mqtt5_framer`: the reader of those connections (v5 packets decoded, taken by ECQ or handed to amqtt as
+  3.1.1); :mod:`.mqtt5_packets`: the v5 context of a connection and the v5 packets ECQ sends (refused writes'
+  reason codes, deliveries with ``ecq-seqno``/``ecq-ts``).
 
-Several corrections wrap the same amqtt method (``init_from_connect``, ``handle_puback``,
+Several corrections wrap the same amqtt method (``init_from_connect``, ``_reader_loop``, ``handle_puback``,
 ``_handle_message_delivery``, ``_broadcast_message``, ``_handle_client_session``, ``_client_connected``,
 ``_publish_session_retained_messages``): the order of :func:`install` is the order of wrapping.
 """
 
 from __future__ import annotations
 
-from ecq.broker.amqtt_hooks import (acks, bad_clients, cluster, conformance, ecq_guards, ecq_paths, framer, start_up,
-                                    target, websocket)
+from ecq.broker.amqtt_hooks import (acks, bad_clients, cluster, conformance, ecq_guards, ecq_paths, framer,
+                                    mqtt5_edge, mqtt5_framer, start_up, target, websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import (broadcast_from_cluster, discard_session, hand_over_session,
                                            persistent_subscriptions, set_retained_from_cluster)
@@ -45,12 +50,14 @@ from ecq.broker.amqtt_hooks.conformance import set_session_expiry
 from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge_soon, client_id, close_connection, connection_is_open,
                                               listener_addresses, live_connection, publish_qos1, qos2_receipts, send_soon,
                                               set_listen_backlog, shorten_subscriptions_repr)
+from ecq.broker.amqtt_hooks.mqtt5_packets import receive_maximum
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 
 __all__ = ["EcqHooksTarget", "ProtocolViolation", "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection",
            "close_listeners", "connection_is_open", "discard_session", "hand_over_session", "install", "listener_addresses",
            "live_connection", "open_connections", "persistent_subscriptions", "publish_qos1", "qos2_receipts",
-           "received_unread", "send_soon", "set_listen_backlog", "set_retained_from_cluster", "set_session_expiry",
+           "receive_maximum", "received_unread",
+           "send_soon", "set_listen_backlog", "set_retained_from_cluster", "set_session_expiry",
            "shorten_subscriptions_repr", "stop_reading"]
 
 
@@ -91,8 +98,11 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     cluster.replicate_retained_messages()  # outside keep_ecq_out_of_retained_store: $ECQ/ never reaches it
     cluster.adopt_sessions_from_the_cluster()  # outermost init_from_connect: a refused CONNECT claims nothing
     cluster.store_offline_queues_in_the_cluster()  # outermost: sees the queue before it is taken
+    mqtt5_edge.translate_level_5_connects()  # outside adopt_sessions: every CONNECT wrapper sees a 3.1.1 CONNECT
+    mqtt5_edge.send_mqtt5_packets()  # what amqtt sends (CONNACK, SUBACK, UNSUBACK, PUBLISH) encoded as v5
     start_up.raise_pre_start_failure()
     start_up.quiet_start_failure_traceback()
     framer.read_with_the_framer()
+    mqtt5_framer.read_mqtt5_with_the_framer()  # outside the framer's: a v5 connection is read by Mqtt5Framer
     websocket.correct_websocket_adapters()  # after close_abandoned_connections: its checks see these adapters
     websocket.take_websocket_messages_of_the_largest_packet()

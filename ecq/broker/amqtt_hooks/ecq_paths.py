@@ -35,6 +35,7 @@ from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
 from amqtt.mqtt.pubrel import PubrelPacket
 from amqtt.session import IncomingApplicationMessage, OutgoingApplicationMessage
 
+from ecq.broker.amqtt_hooks.mqtt5_packets import context_of, delivery, publish_acknowledgement
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic
 
@@ -172,15 +173,29 @@ async def close_connection(handler: BrokerProtocolHandler) -> None:
     await handler.stop()
 
 
-def acknowledge_soon(handler: BrokerProtocolHandler, qos: int, packet_id: int | None) -> None:
+def acknowledge_soon(handler: BrokerProtocolHandler, qos: int, packet_id: int | None,
+                     refusal: tuple[str, str] | None = None) -> None:
     """Queue (``send_soon``) the acknowledgement of an incoming PUBLISH: PUBACK for QoS 1, PUBREC for QoS 2 (its
-    PUBREL is answered by :func:`release_ecq_qos2_writes`); nothing for QoS 0."""
-    if qos in _ACK_TYPES:
+    PUBREL is answered by :func:`release_ecq_qos2_writes`); nothing for QoS 0. ``refusal`` is (reason, message)
+    of a refused write (``BadWrite``): on an MQTT 5 connection its reason code and Reason String go in the
+    acknowledgement (MQTT 5.0 section 3.4.2), and a refused QoS 2 write's flow ends with its PUBREC (section
+    4.3.3: no PUBREL follows a PUBREC of 0x80 or above); on 3.1.1 it is acknowledged as a stored write."""
+    if qos not in _ACK_TYPES:
+        return
+    context = context_of(handler) if refusal is not None else None
+    if context is None:
         send_soon(handler, _ACK.pack(_ACK_TYPES[qos], 2, packet_id))
+        return
+    if qos == 2:
+        qos2_receipts(handler).pop(packet_id, None)
+    send_soon(handler, publish_acknowledgement(context, qos, packet_id, *refusal))
 
 
-async def publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: bytes) -> None:
-    """Send a QoS 1 PUBLISH on ``handler`` and wait for its PUBACK for as long as the connection lives.
+async def publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: bytes, seqno: int | None = None,
+                       ts_ms: int | None = None) -> None:
+    """Send a QoS 1 PUBLISH on ``handler`` and wait for its PUBACK for as long as the connection lives. On an
+    MQTT 5 connection it carries the User Properties ``ecq-seqno`` and ``ecq-ts`` (the message's seqno and
+    publish time in Unix ms, when given).
 
     amqtt's own ``mqtt_publish`` gives up after a fixed 5 s and forgets the packet id, so under load a
     late PUBACK was lost and the resend added more load. MQTT 3.1.1 section 4.4 resends unacknowledged
@@ -196,7 +211,10 @@ async def publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: byte
     session.inflight_out[packet_id] = message  # keeps the packet id taken until the PUBACK
     handler._puback_waiters[packet_id] = puback  # amqtt's handle_puback resolves it; stop() cancels it
     try:
-        send_soon(handler, message.build_publish_packet().to_bytes())
+        if context_of(handler) is None:
+            send_soon(handler, message.build_publish_packet().to_bytes())
+        else:
+            send_soon(handler, delivery(packet_id, topic, payload, seqno, ts_ms))
         await puback
     except asyncio.CancelledError:
         if asyncio.current_task().cancelling():

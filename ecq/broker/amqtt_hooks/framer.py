@@ -97,7 +97,7 @@ class Framer:
     def __init__(self, handler: BrokerProtocolHandler, plugin: EcqHooksTarget) -> None:
         self._handler, self._plugin = handler, plugin
         self._adapter = handler.reader
-        self._stream: asyncio.StreamReader = handler.reader._reader
+        self._stream: asyncio.StreamReader = self._byte_stream(handler.reader)
         self._max_packet_bytes = checked_connection(self._adapter).max_packet_bytes
         self._packets = _PacketReader()  # also names the connection in violations until the reader's exit
         self._running: collections.deque[tuple[asyncio.Task, bool]] = collections.deque()  # amqtt handler tasks,
@@ -107,6 +107,14 @@ class Framer:
         self._keepalive_s = keep_alive if keep_alive and keep_alive > 0 else None
         self._last_packet = self._loop.time()
         self._timer: asyncio.TimerHandle | None = None
+
+    # why a fixed header closes the connection: MQTT 3.1.1's rules (an attribute: a subclass reads another version)
+    _header_violation = staticmethod(fixed_header_violation)
+
+    @staticmethod
+    def _byte_stream(adapter: StreamReaderAdapter) -> asyncio.StreamReader:
+        """The asyncio stream the framer reads (``read(n)``: what is there, up to n bytes; ``readexactly(n)``)."""
+        return adapter._reader
 
     async def run(self) -> None:
         """Read until the connection ends, then run amqtt's reader exit path (once)."""
@@ -168,7 +176,7 @@ class Framer:
         try:
             while (header := self._fixed_header(data, start)) is not None:
                 first, length, body = header
-                if (reason := fixed_header_violation(first >> 4, first & 0x0F, length, self._max_packet_bytes)):
+                if (reason := self._header_violation(first >> 4, first & 0x0F, length, self._max_packet_bytes)):
                     raise violation(self._packets, reason)
                 end = body + length
                 if end > len(data):  # the rest of the body, read now that its header passed the checks
@@ -250,6 +258,12 @@ class Framer:
             packet = await packet_class(header).from_stream(self._packets.load(body), fixed_header=header)
         except (MQTTError, NoDataError) as exc:
             raise violation(self._packets, f"{PACKET_NAMES[kind]} packet that does not decode ({exc!r})") from None
+        await self._handle(first, packet)
+
+    async def _handle(self, first: int, packet: object) -> None:
+        """PACKET_RECEIVED for an amqtt ``packet`` (first byte ``first``), then its amqtt handler method in a task
+        (CONNECT awaited)."""
+        handler, kind = self._handler, first >> 4
         await handler.plugins_manager.fire_event(MQTTEvents.PACKET_RECEIVED, packet=packet, session=handler.session)
         if kind == CONNECT:
             await handler.handle_connect(packet)

@@ -1,0 +1,137 @@
+"""MQTT 5.0 packets of one connection: what ECQ keeps of a protocol level 5 CONNECT, and the v5 packets ECQ and
+the connection edge (:mod:`.mqtt5_edge`, :mod:`.mqtt5_framer`) send, encoded with the ``mqtt5`` codec.
+
+amqtt 0.12.1 speaks MQTT 3.1.1 only; a level 5 connection is served by amqtt as if it were 3.1.1, with its
+packets translated at the edge. :class:`Mqtt5Context` is kept on the connection's handler (:func:`context_of`,
+None for a 3.1.1 connection, whose packets stay byte for byte what they were).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mqtt5
+
+from ecq.queue.refusal_codes import write_refusal_code
+
+MALFORMED_PACKET = 0x81
+PROTOCOL_ERROR = 0x82
+BAD_AUTHENTICATION_METHOD = 0x8C
+TOPIC_ALIAS_INVALID = 0x94
+PACKET_TOO_LARGE = 0x95
+_PUBLISH_ACKS = {1: mqtt5.PubAckPacket, 2: mqtt5.PubRecPacket}  # the acknowledgement of a PUBLISH by its QoS
+_PUBLISH_ACK_CODES = {1: mqtt5.PubAckReasonCode, 2: mqtt5.PubRecReasonCode}
+_CONTEXT = "_ecq_mqtt5"  # the attribute of amqtt's handler that holds the context
+
+
+class MalformedPacket(ValueError):
+    """Bytes the ``mqtt5`` codec cannot decode as one MQTT 5.0 packet (MQTT 5.0 section 4.13: Malformed Packet)."""
+
+
+@dataclass
+class Mqtt5Context:
+    """What a level 5 CONNECT asked for (MQTT 5.0 section 3.1.2.11), kept for the life of the connection.
+
+    ``receive_maximum``: the QoS 1/2 PUBLISHes the client takes in flight (1..65535); ``maximum_packet_size``: the
+    largest packet it takes, in bytes, None for no limit; ``problem_information``: Reason Strings and User
+    Properties allowed on packets other than PUBLISH, CONNACK and DISCONNECT; ``session_expiry_s``: as asked.
+    ``assigned_client_id``: the id ECQ gave a CONNECT with an empty one (returned in CONNACK), else None.
+    ``clean_session``: what amqtt was given; ``broker_session_expiry_s``: how long amqtt keeps a persistent
+    session; ``server_maximum_packet_size``: the broker's ``max_packet_bytes``, announced in CONNACK.
+    ``subscribes``: per SUBSCRIBE packet id, one ``(handed to amqtt, code)`` per filter until amqtt's SUBACK:
+    a filter ECQ refused itself with ``code``, or one amqtt answers whose refusal (0x80) becomes ``code``;
+    ``unsubscribes``: the filter count of each UNSUBSCRIBE until its UNSUBACK.
+    """
+
+    receive_maximum: int = 65535
+    maximum_packet_size: int | None = None
+    problem_information: bool = True
+    session_expiry_s: int = 0
+    assigned_client_id: str | None = None
+    clean_session: bool = True
+    broker_session_expiry_s: int | None = None
+    server_maximum_packet_size: int | None = None
+    subscribes: dict[int, list[tuple[bool, int]]] = field(default_factory=dict)
+    unsubscribes: dict[int, int] = field(default_factory=dict)
+
+    def fits(self, packet: bytes) -> bool:
+        """True when ``packet`` is within the client's Maximum Packet Size (MQTT 5.0 section 3.1.2.11.4)."""
+        return self.maximum_packet_size is None or len(packet) <= self.maximum_packet_size
+
+
+def context_of(handler: Any) -> Mqtt5Context | None:
+    """The MQTT 5 context of the connection served by ``handler`` (amqtt's BrokerProtocolHandler), None for 3.1.1."""
+    return getattr(handler, _CONTEXT, None)
+
+
+def set_context(handler: Any, context: Mqtt5Context) -> None:
+    """Mark the connection served by ``handler`` as MQTT 5 (done once, right after its CONNECT was read)."""
+    setattr(handler, _CONTEXT, context)
+
+
+def decode(packet: bytes | memoryview) -> Any:
+    """One whole MQTT 5.0 packet (fixed header included) decoded by ``mqtt5.read``; returns the mqtt5 packet
+    object. Raises MalformedPacket for bytes that do not decode or leave bytes over, including the
+    ``pyo3_runtime.PanicException`` (a BaseException) mqtt5 0.8.0 raises for ill-formed UTF-8 (section 1.5.4)."""
+    view = memoryview(packet)
+    try:
+        decoded, used = mqtt5.read(view)
+    except Exception as exc:
+        raise MalformedPacket(f"{exc}") from None
+    except BaseException as exc:  # pyo3's PanicException, by name: its class is not importable
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise MalformedPacket("a string that is not well-formed UTF-8 [MQTT-1.5.4-1]") from None
+    if used != len(view):
+        raise MalformedPacket(f"{len(view) - used} bytes left over after the packet")
+    return decoded
+
+
+def publish_acknowledgement(context: Mqtt5Context, qos: int, packet_id: int, reason: str, message: str) -> bytes:
+    """The PUBACK (``qos`` 1) or PUBREC (``qos`` 2) of a refused ``$ECQ/`` write: the reason code of ``reason``
+    (a ``BadWrite.reason``, see ``ecq.queue.refusal_codes``), with ``message`` as Reason String when the client
+    asked for problem information and the packet still fits its Maximum Packet Size (MQTT 5.0 sections 3.4.2,
+    3.4.2.2.2, 3.1.2.11.7)."""
+    code = _PUBLISH_ACK_CODES[qos](write_refusal_code(reason))
+    if context.problem_information:
+        packet = _PUBLISH_ACKS[qos](packet_id, reason_code=code, reason_str=message).write()
+        if context.fits(packet):
+            return packet
+    return _PUBLISH_ACKS[qos](packet_id, reason_code=code).write()
+
+
+def delivery(packet_id: int, topic: str, payload: bytes, seqno: int | None, ts_ms: int | None,
+             dup: bool = False) -> bytes:
+    """A QoS 1 PUBLISH of an ECQ delivery with the User Properties ``ecq-seqno`` (decimal seqno) and ``ecq-ts``
+    (the write's publish time, Unix ms), when known (MQTT 5.0 section 3.3.2.3.7)."""
+    properties = [] if seqno is None else [("ecq-seqno", str(seqno)), ("ecq-ts", str(ts_ms))]
+    return mqtt5.PublishPacket(topic, payload, qos=mqtt5.QoS.AT_LEAST_ONCE, packet_id=packet_id, duplicate=dup,
+                               user_properties=properties).write()
+
+
+def disconnect(code: int, message: str | None = None) -> bytes:
+    """A server DISCONNECT with reason ``code`` (MQTT 5.0 section 3.14.2.1) and an optional Reason String."""
+    return mqtt5.DisconnectPacket(reason_code=mqtt5.DisconnectReasonCode(code), reason_str=message).write()
+
+
+def mqtt_string(data: bytes) -> bytes:
+    """``data`` as an MQTT string or binary data field: a 2-byte big-endian length, then the bytes (section 1.5)."""
+    return len(data).to_bytes(2, "big") + data
+
+
+def remaining_length(length: int) -> bytes:
+    """``length`` in MQTT's variable byte integer encoding (MQTT 5.0 section 1.5.5), 1 to 4 bytes."""
+    encoded = bytearray()
+    while True:
+        byte, length = length & 0x7F, length >> 7
+        encoded.append(byte | 0x80 if length else byte)
+        if not length:
+            return bytes(encoded)
+
+
+def receive_maximum(handler: Any) -> int | None:
+    """The Receive Maximum of the MQTT 5 connection served by ``handler`` (QoS 1/2 PUBLISHes it takes in flight,
+    MQTT 5.0 section 3.1.2.11.3), None for a 3.1.1 connection (no limit of its own)."""
+    context = context_of(handler)
+    return None if context is None else context.receive_maximum
