@@ -212,16 +212,22 @@ class Framer:
                 raise violation(self._packets, "a remaining length longer than 4 bytes [MQTT-2.2.3]")
         return None
 
-    def _take_ecq_publish(self, data: bytes, first: int, body: int, end: int) -> bool:
-        """Hand a PUBLISH under ``$ECQ/``, at any QoS, to the plugin as it is read; False for any other topic
-        (amqtt decodes those). Raises ProtocolViolation: a topic or packet id running past the packet, invalid
-        UTF-8, packet id 0."""
-        qos = first >> 1 & 0x03
+    def _topic_end(self, data: bytes, qos: int, body: int, end: int) -> int:
+        """Where the topic of the PUBLISH whose body is ``data[body:end]`` ends (its first byte is at ``body + 2``).
+        Raises ProtocolViolation when the topic length, or the packet id of QoS ``qos``, runs past the packet."""
         if (reason := publish_overrun(end - body, None, qos)) is not None:
             raise violation(self._packets, reason)
         topic_end = body + 2 + (data[body] << 8 | data[body + 1])
         if (reason := publish_overrun(end - body, topic_end - body - 2, qos)) is not None:
             raise violation(self._packets, reason)
+        return topic_end
+
+    def _take_ecq_publish(self, data: bytes, first: int, body: int, end: int) -> bool:
+        """Hand a PUBLISH under ``$ECQ/``, at any QoS, to the plugin as it is read; False for any other topic
+        (amqtt decodes those). Raises ProtocolViolation: a topic or packet id running past the packet, invalid
+        UTF-8, packet id 0."""
+        qos = first >> 1 & 0x03
+        topic_end = self._topic_end(data, qos, body, end)
         if not data.startswith(_ECQ_PREFIX, body + 2, topic_end):
             return False
         topic = utf8_or_violation(self._packets, data[body + 2:topic_end], "PUBLISH topic")

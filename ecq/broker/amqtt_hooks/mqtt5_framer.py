@@ -32,7 +32,7 @@ from amqtt.mqtt.packet import (CONNECT, DISCONNECT, PINGREQ, PUBACK, PUBCOMP, PU
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker.amqtt_hooks.bad_clients import (ProtocolViolation, checked_connection, fixed_header_violation,
-                                                publish_overrun, publish_violation, utf8_or_violation, violation)
+                                                publish_violation, utf8_or_violation, violation)
 from ecq.broker.amqtt_hooks.ecq_paths import client_id, send_soon
 from ecq.broker.amqtt_hooks.framer import Framer
 from ecq.broker.amqtt_hooks.mqtt5_packets import (MALFORMED_PACKET, PACKET_TOO_LARGE,
@@ -155,12 +155,7 @@ class Mqtt5Framer(Framer):
         """bad_clients' rules on a PUBLISH's topic before the codec reads it (the topic comes first in both versions,
         MQTT 5.0 section 3.3.2.1): a topic running past the packet, ill-formed UTF-8 (on which mqtt5 0.8.0 panics).
         Raises ProtocolViolation."""
-        qos = first >> 1 & 0x03
-        if (reason := publish_overrun(end - body, None, qos)) is not None:
-            raise violation(self._packets, reason)
-        topic_end = body + 2 + (data[body] << 8 | data[body + 1])
-        if (reason := publish_overrun(end - body, topic_end - body - 2, qos)) is not None:
-            raise violation(self._packets, reason)
+        topic_end = self._topic_end(data, first >> 1 & 0x03, body, end)
         utf8_or_violation(self._packets, data[body + 2:topic_end], "PUBLISH topic")
 
     async def _hand_to_amqtt(self, first: int, body: bytes) -> None:
