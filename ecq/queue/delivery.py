@@ -1,28 +1,26 @@
 """Delivery of one queue to its one online consumer.
 
-A :class:`Consumer` is attached to the live MQTT connection of ``<clientid>`` while that connection
-holds the ``$ECQ/<clientid>/#`` subscription. It keeps at most ``window`` (``reader_batch_size``)
-unacked QoS 1 PUBLISHes in flight. Each PUBACK marks its seqno acked; ``acked`` advances to the
-highest seqno below which every message handed to the connection is acked, and is saved through the
-writer pool. Seqnos acked out of order are saved too, so a reconnect never redelivers them.
-Detaching (disconnect, takeover) drops the inflight window; the next attach resumes after ``acked``: what was
-sent but not acked is delivered again (MQTT 3.1.1 section 4.4). An unsubscribe (:meth:`Consumer.stop_sending`)
-starts no new delivery but completes those in flight (MQTT 3.1.1 section 3.10.4): their PUBACKs still count
-and are saved, and the consumer detaches once none is left.
+A :class:`Consumer` is attached to the live MQTT connection of ``<clientid>`` while that connection holds the
+``$ECQ/<clientid>/#`` subscription. It keeps at most ``window`` (``reader_batch_size``) unacked QoS 1 PUBLISHes in
+flight. Each PUBACK marks its seqno acked; ``acked`` advances to the highest seqno below which every message handed
+to the connection is acked, and is saved through the writer pool. Seqnos acked out of order are saved too, so a
+reconnect never redelivers them. Detaching (disconnect, takeover) drops the inflight window; the next attach
+resumes after ``acked``: what was sent but not acked is delivered again (MQTT 3.1.1 section 4.4). An unsubscribe
+(:meth:`Consumer.stop_sending`) starts no new delivery but completes those in flight (MQTT 3.1.1 section 3.10.4):
+their PUBACKs still count and are saved, and the consumer detaches once none is left.
 
-Nothing new is sent to a consumer while one of its PUBACKs is not yet stored: an ack is committed to
-LevelDB before the next delivery to that consumer leaves, so after a crash only acks received after the
-last message the consumer was sent can be lost, and only those messages are delivered again. A failed
-save (disk full) is retried every ``SAVE_RETRY_S`` and holds delivery meanwhile.
+Nothing new is sent to a consumer while one of its PUBACKs is not yet stored: an ack is committed to LevelDB before
+the next delivery to that consumer leaves, so after a crash only acks received after the last message the consumer
+was sent can be lost, and only those messages are delivered again. A failed save (disk full) is retried every
+``SAVE_RETRY_S`` and holds delivery meanwhile.
 
 The consumer reads up to two windows ahead of what is in flight and asks for the next window before the last
 one is used up (one read in flight, beside the deliveries): a read's round trip (a thread hop; on JetStream a
-request) overlaps the sends, and one read serves about one window of PUBACKs. PUBACKs that arrive together
-are saved together (:meth:`Consumer._save_soon`). A read-ahead message that compaction superseded meanwhile
-is dropped, one that expired is skipped. A consumer
-that has read everything stored (the realtime case) takes a new append straight from its commit
-(:meth:`Consumer.appended` with the message), without a store read: Kafka's consumers read the tail of a log
-from the page cache for the same reason.
+request) overlaps the sends, and one read serves about one window of PUBACKs. PUBACKs that arrive together are
+saved together (:meth:`Consumer._save_soon`). A read-ahead message that compaction superseded meanwhile is
+dropped, one that expired is skipped. A consumer that has read everything stored (the realtime case) takes a
+new append straight from its commit (:meth:`Consumer.appended` with the message), without a store read:
+Kafka's consumers read the tail of a log from the page cache for the same reason.
 
 With ``tombstones`` on, an acked entry with an empty payload (a tombstone) is deleted once the save holding
 its ack is committed: an Expire op with reason ``tombstone_acked`` through the queue's writer agent.
@@ -51,8 +49,8 @@ log = logging.getLogger(__name__)
 _UNKNOWN = 2**64  # above every seqno: "the stored tail is not known"
 SAVE_RETRY_S = 1.0  # after a failed ack-state save (disk full, I/O error), try again this much later
 
-# publish(connection, topic, payload, seqno, ts_ms) -> awaits the PUBACK; raises ConnectionError when the connection
-# is gone. seqno and ts_ms (publish time, Unix ms) are the message's, for a protocol that carries them (MQTT 5).
+# publish(connection, topic, payload, seqno, ts_ms (publish time, Unix ms: for MQTT 5's properties)) -> awaits the
+# PUBACK; raises ConnectionError when the connection is gone.
 Publish = Callable[[Any, str, bytes, int, int], Awaitable[None]]
 # read(func, *args) -> a future of the blocking store read func(*args), run off the event loop.
 Read = Callable[..., asyncio.Future]
@@ -107,9 +105,8 @@ class Consumer:
         return self.connection is not None
 
     def attach(self, connection: Any, receive_maximum: int | None = None) -> None:
-        """Start delivering to ``connection``; a different connection already attached is detached first. At most
-        min(window, ``receive_maximum``) deliveries are in flight on it (MQTT 5.0 section 3.1.2.11.3; None: the
-        window)."""
+        """Start delivering to ``connection`` (detaching another one first), at most min(window, ``receive_maximum``)
+        in flight on it (MQTT 5.0 section 3.1.2.11.3; None: the window)."""
         self._inflight_max = min(self._window, receive_maximum) if receive_maximum else self._window
         self._newest = self._told = _UNKNOWN  # appends made while detached were not told: read to a short read
         if connection is self.connection:
@@ -332,10 +329,8 @@ class Consumer:
 
     def _save(self) -> None:
         """Save the ack state through the writer pool; while a save is in flight, only mark that another is due.
-
-        Acks arrive one PUBACK at a time; saving each would put one LevelDB op per delivery on the writer
-        agent. A snapshot supersedes every older one, so one save in flight at a time loses nothing.
-        """
+        Saving each PUBACK would put one store op per delivery on the writer agent; a snapshot supersedes every
+        older one, so one save in flight at a time loses nothing."""
         if self.saves_pending:
             self._save_due = True
             return
