@@ -101,12 +101,11 @@ def publish_acknowledgement(context: Mqtt5Context, qos: int, packet_id: int, rea
     return _PUBLISH_ACKS[qos](packet_id, reason_code=code).write()
 
 
-def delivery(packet_id: int, topic: str, payload: bytes, seqno: int | None, ts_ms: int | None,
-             dup: bool = False) -> bytes:
+def delivery(packet_id: int, topic: str, payload: bytes, seqno: int | None, ts_ms: int | None) -> bytes:
     """A QoS 1 PUBLISH of an ECQ delivery with the User Properties ``ecq-seqno`` (decimal seqno) and ``ecq-ts``
     (the write's publish time, Unix ms), when known (MQTT 5.0 section 3.3.2.3.7)."""
     properties = [] if seqno is None else [("ecq-seqno", str(seqno)), ("ecq-ts", str(ts_ms))]
-    return mqtt5.PublishPacket(topic, payload, qos=mqtt5.QoS.AT_LEAST_ONCE, packet_id=packet_id, duplicate=dup,
+    return mqtt5.PublishPacket(topic, payload, qos=mqtt5.QoS.AT_LEAST_ONCE, packet_id=packet_id,
                                user_properties=properties).write()
 
 
