@@ -41,7 +41,7 @@ Several corrections wrap the same amqtt method (``init_from_connect``, ``_reader
 from __future__ import annotations
 
 from ecq.broker.amqtt_hooks import (acks, bad_clients, cluster, conformance, ecq_guards, ecq_paths, framer,
-                                    mqtt5_edge, mqtt5_framer, start_up, target, websocket)
+                                    mqtt5_edge, mqtt5_framer, mqtt5_routing, start_up, target, websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import (broadcast_from_cluster, discard_session, hand_over_session,
                                            persistent_subscriptions, set_retained_from_cluster)
@@ -100,6 +100,7 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     cluster.store_offline_queues_in_the_cluster()  # outermost: sees the queue before it is taken
     mqtt5_edge.translate_level_5_connects()  # outside adopt_sessions: every CONNECT wrapper sees a 3.1.1 CONNECT
     mqtt5_edge.send_mqtt5_packets()  # what amqtt sends (CONNACK, SUBACK, UNSUBACK, PUBLISH) encoded as v5
+    mqtt5_routing.deliver_as_mqtt5_clients_ask()  # expiry, No Local, Retain As Published, ids, size, window
     start_up.raise_pre_start_failure()
     start_up.quiet_start_failure_traceback()
     framer.read_with_the_framer()

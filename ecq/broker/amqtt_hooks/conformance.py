@@ -27,6 +27,7 @@ from amqtt.mqtt.puback import PubackPacket
 from amqtt.session import OUTGOING
 
 from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE, client_id, close_connection, no_op
+from ecq.broker.amqtt_hooks.mqtt5_routing import sends_retained
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
 from ecq.queue.topics import is_ecq_topic
 
@@ -125,6 +126,8 @@ async def _handle_subscribe(broker: Broker, session: Any, handler: BrokerProtoco
             continue
         await broker.plugins_manager.fire_event(BrokerEvents.CLIENT_SUBSCRIBED, client_id=session.client_id,
                                                 topic=topic_filter, qos=requested_qos)
+        if not sends_retained(handler, topic_filter):
+            continue
         sends = [handler.mqtt_publish(message.topic, message.data, qos if message.qos is None else min(qos, message.qos),
                                       retain=True)
                  for topic, message in list(broker.retained_messages.items()) if broker._matches(topic, topic_filter)]

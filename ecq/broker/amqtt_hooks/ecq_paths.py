@@ -35,7 +35,7 @@ from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
 from amqtt.mqtt.pubrel import PubrelPacket
 from amqtt.session import IncomingApplicationMessage, OutgoingApplicationMessage
 
-from ecq.broker.amqtt_hooks.mqtt5_packets import context_of, delivery, publish_acknowledgement
+from ecq.broker.amqtt_hooks.mqtt5_packets import context_of, delivery, publish_acknowledgement, release_inbound
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic
 
@@ -102,6 +102,7 @@ def release_ecq_qos2_writes() -> None:
         if find_target(handler.plugins_manager) is None or packet_id in handler._pubrel_waiters:
             return original(handler, pubrel)
         qos2_receipts(handler).pop(packet_id, None)
+        release_inbound(handler, packet_id)
         send_soon(handler, _ACK.pack(0x70, 2, packet_id))
         return no_op()
 
@@ -182,8 +183,10 @@ def acknowledge_soon(handler: BrokerProtocolHandler, qos: int, packet_id: int | 
     4.3.3: no PUBREL follows a PUBREC of 0x80 or above); on 3.1.1 it is acknowledged as a stored write."""
     if qos not in _ACK_TYPES:
         return
-    context = context_of(handler) if refusal is not None else None
-    if context is None:
+    context = context_of(handler)
+    if context is not None and (qos == 1 or refusal is not None):
+        context.inbound.discard(packet_id)
+    if context is None or refusal is None:
         send_soon(handler, _ACK.pack(_ACK_TYPES[qos], 2, packet_id))
         return
     if qos == 2:

@@ -27,13 +27,16 @@ from amqtt.adapters import ReaderAdapter, WriterAdapter
 from amqtt.errors import AMQTTError, MQTTError
 from amqtt.mqtt.connack import ConnackPacket
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+from amqtt.mqtt.puback import PubackPacket
+from amqtt.mqtt.pubcomp import PubcompPacket
 from amqtt.mqtt.suback import SubackPacket
 from amqtt.mqtt.unsuback import UnsubackPacket
 
 from ecq.broker.amqtt_hooks.bad_clients import checked_connection, checks_shared_with, fixed_header_violation, violation
+from ecq.broker.amqtt_hooks.mqtt5_messages import publish_bytes
 from ecq.broker.amqtt_hooks.mqtt5_packets import (BAD_AUTHENTICATION_METHOD, MALFORMED_PACKET, PACKET_TOO_LARGE,
-                                                  MalformedPacket, Mqtt5Context, context_of, decode, mqtt_string,
-                                                  remaining_length, set_context)
+                                                  RECEIVE_MAXIMUM, TOPIC_ALIAS_MAXIMUM, MalformedPacket, Mqtt5Context, context_of,
+                                                  decode, mqtt_string, remaining_length, set_context)
 from ecq.broker.amqtt_hooks.target import find_target
 
 log = logging.getLogger(__name__)
@@ -199,6 +202,7 @@ async def _read_v5_connect(reader: ReaderAdapter, writer: WriterAdapter, peeked:
     context.receive_maximum, context.maximum_packet_size = connect.receive_max, connect.max_packet_size
     context.problem_information = connect.request_problem_info
     context.session_expiry_s = connect.session_expiry_interval
+    context.topic_alias_maximum = connect.topic_alias_max
     context.server_maximum_packet_size = connection.max_packet_bytes
     return connect
 
@@ -256,13 +260,16 @@ class _Translated:
 
 def send_mqtt5_packets() -> None:
     """Encode as MQTT 5.0 what amqtt 0.12.1's ``ProtocolHandler._send_packet`` sends on a v5 connection (it
-    writes 3.1.1 packets): CONNACK, SUBACK, UNSUBACK and PUBLISH differ; the rest are the same bytes."""
+    writes 3.1.1 packets): CONNACK, SUBACK, UNSUBACK and PUBLISH differ; the rest are the same bytes. A PUBACK or
+    PUBCOMP ends a client's PUBLISH in flight (``Mqtt5Context.inbound``)."""
     original = BrokerProtocolHandler._send_packet
 
     async def send_packet(handler: BrokerProtocolHandler, packet: Any) -> None:
         context = context_of(handler)
         if context is None:
             return await original(handler, packet)
+        if isinstance(packet, (PubackPacket, PubcompPacket)):
+            context.inbound.discard(packet.packet_id)
         data = _as_mqtt5(handler, context, packet)
         return await original(handler, packet if data is None else _Translated(packet, data))
 
@@ -277,20 +284,19 @@ def _as_mqtt5(handler: BrokerProtocolHandler, context: Mqtt5Context, packet: Any
         return _suback(handler, context, packet.variable_header.packet_id, packet.payload.return_codes)
     if isinstance(packet, UnsubackPacket):
         packet_id = packet.variable_header.packet_id
-        codes = [mqtt5.UnsubAckReasonCode.SUCCESS] * context.unsubscribes.pop(packet_id, 1)
-        return mqtt5.UnsubAckPacket(packet_id, codes).write()
+        codes = context.unsubscribes.pop(packet_id, [0])
+        return mqtt5.UnsubAckPacket(packet_id, [mqtt5.UnsubAckReasonCode(code) for code in codes]).write()
     if packet.fixed_header.packet_type == 3:  # PUBLISH
-        return mqtt5.PublishPacket(packet.topic_name, bytes(packet.data), qos=mqtt5.QoS(packet.qos or 0),
-                                   retain=bool(packet.retain_flag), duplicate=bool(packet.dup_flag),
-                                   packet_id=packet.packet_id if packet.qos else None).write()
+        return publish_bytes(context, packet)
     return None
 
 
 def _connack(context: Mqtt5Context, session_present: int, return_code: int) -> bytes:
     """The v5 CONNACK of a 3.1.1 one (MQTT 5.0 section 3.2): a refusal with its v5 code, or success with ECQ's
-    properties: what it cannot carry yet announced as unavailable (Topic Alias Maximum 0, Subscription
-    Identifiers and Shared Subscriptions 0), Maximum Packet Size the broker's ``max_packet_bytes``, the Assigned
-    Client Identifier, and the Session Expiry Interval ECQ applies when it differs from the one asked for."""
+    properties: Topic Alias Maximum :data:`TOPIC_ALIAS_MAXIMUM`, Subscription Identifiers available, what it
+    cannot carry yet announced as unavailable (Shared Subscriptions 0), Maximum Packet Size the broker's
+    ``max_packet_bytes``, the Assigned Client Identifier, and the Session Expiry Interval ECQ applies when it
+    differs from the one asked for."""
     if return_code:
         code = _CONNACK_CODES.get(return_code, UNSPECIFIED_ERROR)
         return mqtt5.ConnAckPacket(reason_code=mqtt5.ConnAckReasonCode(code)).write()
@@ -298,8 +304,9 @@ def _connack(context: Mqtt5Context, session_present: int, return_code: int) -> b
     return mqtt5.ConnAckPacket(
         session_present=bool(session_present), assigned_client_id=context.assigned_client_id,
         session_expiry_interval=None if expiry == context.session_expiry_s else expiry,
-        receive_max=65535, topic_alias_max=0, retain_available=True, wildcard_subscription_available=True,
-        max_packet_size=context.server_maximum_packet_size, subscription_id_available=False,
+        receive_max=RECEIVE_MAXIMUM, topic_alias_max=TOPIC_ALIAS_MAXIMUM, retain_available=True,
+        wildcard_subscription_available=True, max_packet_size=context.server_maximum_packet_size,
+        subscription_id_available=True,
         shared_subscription_available=False).write()
 
 

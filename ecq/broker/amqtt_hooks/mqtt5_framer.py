@@ -3,18 +3,19 @@ each packet decoded by the ``mqtt5`` codec, then taken by ECQ's fast path or han
 equivalent 3.1.1 packet, which amqtt's decoders (and ``bad_clients``' checks) read.
 
 - a PUBLISH under ``$ECQ/`` goes to the plugin's ``take_ecq_write``, as on 3.1.1; any other PUBLISH reaches amqtt
-  as 3.1.1 (its properties are not carried); a Topic Alias is refused with DISCONNECT 0x94 (CONNACK announced
-  Topic Alias Maximum 0, MQTT 5.0 section 3.3.2.3.4);
+  as an amqtt PublishPacket whose payload carries the v5 properties (``mqtt5_messages.Mqtt5Payload``); a Topic
+  Alias is resolved per connection (MQTT 5.0 section 3.3.2.3.4); more than ``RECEIVE_MAXIMUM`` QoS 1/2 PUBLISHes
+  unacknowledged get DISCONNECT 0x93 (section 3.3.4);
 - PUBACK, PUBREC, PUBREL, PUBCOMP: their packet id (a reason code and properties are read and dropped);
-- SUBSCRIBE: a ``$share/`` filter is refused with 0x9E, a Subscription Identifier with 0xA1, and No Local, Retain As
-  Published or a Retain Handling other than 0 with 0x83 (amqtt has none of them, section 3.8.3.1); the other
-  filters reach amqtt, and ``mqtt5_edge`` puts the codes back in place in the SUBACK;
+- SUBSCRIBE: a ``$share/`` filter is refused with 0x9E; the other filters reach amqtt with their options and
+  Subscription Identifier kept (``mqtt5_routing.subscribed``), and ``mqtt5_edge`` puts the codes back in place in
+  the SUBACK; UNSUBSCRIBE: its UNSUBACK codes (``mqtt5_routing.unsubscribed``);
 - DISCONNECT: reason 0x04 (Disconnect with Will Message) keeps the Will, as a connection lost does; any other
   drops it (section 3.14.2.1);
 - AUTH: DISCONNECT 0x82 Protocol Error, then close (no CONNECT had an Authentication Method, which ECQ refuses
   with CONNACK 0x8C; section 4.12: an AUTH without one is a Protocol Error; 0x8C is no DISCONNECT reason code);
 - a packet that does not decode, or breaks a rule of ``bad_clients``: DISCONNECT 0x81 (0x95 for one above
-  ``max_packet_bytes``), then close (section 4.13).
+  ``max_packet_bytes``), then close (section 4.13), after a linger that lets the client read it (:meth:`_linger`).
 
 :func:`read_mqtt5_with_the_framer` picks this reader for every v5 connection, over TCP or WebSocket, whatever
 ``fast_path`` says: amqtt's own reader reads 3.1.1 only.
@@ -26,24 +27,28 @@ import asyncio
 from typing import Any
 
 import mqtt5
-from amqtt.adapters import StreamReaderAdapter
+from amqtt.adapters import StreamReaderAdapter, StreamWriterAdapter
 from amqtt.mqtt.packet import (CONNECT, DISCONNECT, PINGREQ, PUBACK, PUBCOMP, PUBLISH, PUBREC, PUBREL, RESERVED_15,
                                SUBSCRIBE, UNSUBSCRIBE)
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+from amqtt.mqtt.publish import PublishPacket
 
 from ecq.broker.amqtt_hooks.bad_clients import (ProtocolViolation, checked_connection, fixed_header_violation,
                                                 publish_violation, utf8_or_violation, violation)
 from ecq.broker.amqtt_hooks.ecq_paths import client_id, send_soon
-from ecq.broker.amqtt_hooks.framer import Framer
-from ecq.broker.amqtt_hooks.mqtt5_packets import (MALFORMED_PACKET, PACKET_TOO_LARGE,
-                                                  PROTOCOL_ERROR, TOPIC_ALIAS_INVALID, MalformedPacket, context_of,
-                                                  decode, disconnect, mqtt_string, remaining_length)
+from ecq.broker.amqtt_hooks.framer import READ_SIZE, Framer
+from ecq.broker.amqtt_hooks.mqtt5_messages import payload_of
+from ecq.broker.amqtt_hooks.mqtt5_packets import (MALFORMED_PACKET, PACKET_TOO_LARGE, PROTOCOL_ERROR,
+                                                  RECEIVE_MAXIMUM, RECEIVE_MAXIMUM_EXCEEDED, TOPIC_ALIAS_INVALID, TOPIC_ALIAS_MAXIMUM, MalformedPacket,
+                                                  context_of, decode, disconnect, mqtt_string, remaining_length)
+from ecq.broker.amqtt_hooks.mqtt5_routing import subscribed, unsubscribed
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic, queue_filter
 
 _ACKS = (PUBACK, PUBREC, PUBREL, PUBCOMP)
 _WITH_WILL = 0x04
-SHARED_NOT_SUPPORTED, IDS_NOT_SUPPORTED, OPTIONS_NOT_SUPPORTED = 0x9E, 0xA1, 0x83
+SHARED_NOT_SUPPORTED = 0x9E
+LINGER_S = 2.0  # how long a connection refused with DISCONNECT waits for the client to close (see _linger)
 NOT_AUTHORIZED, UNSPECIFIED_ERROR = 0x87, 0x80
 
 
@@ -116,6 +121,30 @@ class Mqtt5Framer(Framer):
             self._refuse(PACKET_TOO_LARGE if "above max_packet_bytes" in str(exc) else MALFORMED_PACKET)
             raise
 
+    async def _read(self) -> None:
+        """Framer's ``_read``; after a server DISCONNECT, :meth:`_linger` before the connection closes."""
+        try:
+            await super()._read()
+        except ProtocolViolation:
+            if self._disconnect_sent:
+                await self._linger()
+            raise
+
+    async def _linger(self) -> None:
+        """Shut the sending side (TCP FIN after the DISCONNECT) and discard what the client still sends, until it
+        closes or for :data:`LINGER_S`: closing a socket with unread bytes sends a reset, which makes the client lose
+        the DISCONNECT unread and fail its next write (MQTT 5.0 section 4.13: the client is to learn the reason)."""
+        writer = self._handler.writer
+        if not isinstance(writer, StreamWriterAdapter) or writer._writer.transport.is_closing():
+            return
+        writer._writer.write_eof()
+        try:
+            async with asyncio.timeout(LINGER_S):
+                while await self._stream.read(READ_SIZE):
+                    pass
+        except (TimeoutError, ConnectionError):
+            pass
+
     def _refuse(self, code: int) -> None:
         """Write DISCONNECT ``code`` now (once): the reader's exit closes the connection after it."""
         if not self._disconnect_sent and self._handler.writer is not None:
@@ -131,25 +160,47 @@ class Mqtt5Framer(Framer):
 
     def _take_ecq_publish(self, data: bytes, first: int, body: int, end: int) -> bool:
         """Take a v5 PUBLISH under ``$ECQ/`` (as Framer does); any other is kept for :meth:`_hand_to_amqtt` (False).
-        Raises ProtocolViolation: malformed, a Topic Alias (after DISCONNECT 0x94), bad_clients' PUBLISH rules
+        Raises ProtocolViolation: malformed, a bad Topic Alias (:meth:`_topic_of`), bad_clients' PUBLISH rules
         (topic length, UTF-8, NUL, wildcards, packet id 0)."""
         self._check_topic(data, first, body, end)
         packet = self._decode(first, data[body:end])
-        if packet.topic_alias is not None:
-            self._refuse(TOPIC_ALIAS_INVALID)
-            raise violation(self._packets, "PUBLISH with a Topic Alias: CONNACK announced Topic Alias Maximum 0 "
-                                           "[MQTT-3.3.2-9]")
-        topic, qos = packet.topic, int(packet.qos)
+        topic, qos = self._topic_of(packet), int(packet.qos)
         if "\x00" in topic:
             raise violation(self._packets, "PUBLISH topic with U+0000 [MQTT-1.5.4-2]")
         if (reason := publish_violation(topic, packet.packet_id)) is not None:
             self._refuse(PROTOCOL_ERROR)
             raise violation(self._packets, reason)
+        if qos and not self._context.receive(packet.packet_id):
+            self._refuse(RECEIVE_MAXIMUM_EXCEEDED)
+            raise violation(self._packets, f"more than the Receive Maximum of {RECEIVE_MAXIMUM} QoS 1 and 2 "
+                                           "PUBLISHes unacknowledged (MQTT 5.0 section 3.3.4)")
         if not is_ecq_topic(topic):
-            self._publish = packet
+            self._publish = (packet, topic)
             return False
         self._plugin.take_ecq_write(self._handler, topic, qos, packet.packet_id, packet.payload)
         return True
+
+    def _topic_of(self, packet: Any) -> str:
+        """The topic of a v5 PUBLISH: its Topic Name, which a Topic Alias then stands for on this connection, or the
+        topic its Topic Alias stands for when the name is empty (MQTT 5.0 section 3.3.2.3.4). Raises
+        ProtocolViolation after DISCONNECT 0x94 for an alias above :data:`TOPIC_ALIAS_MAXIMUM` (announced in
+        CONNACK), 0x82 for an empty topic with an alias no PUBLISH set."""
+        alias = packet.topic_alias
+        if alias is None:
+            return packet.topic
+        if alias > TOPIC_ALIAS_MAXIMUM:
+            self._refuse(TOPIC_ALIAS_INVALID)
+            raise violation(self._packets, f"PUBLISH with Topic Alias {alias}, above the Topic Alias Maximum "
+                                           f"{TOPIC_ALIAS_MAXIMUM} of CONNACK [MQTT-3.3.2-9]")
+        if packet.topic:
+            self._context.aliases_in[alias] = packet.topic
+            return packet.topic
+        topic = self._context.aliases_in.get(alias)
+        if topic is None:
+            self._refuse(PROTOCOL_ERROR)
+            raise violation(self._packets, f"PUBLISH with an empty topic and Topic Alias {alias}, which no PUBLISH "
+                                           "set on this connection (section 3.3.2.3.4)")
+        return topic
 
     def _check_topic(self, data: bytes, first: int, body: int, end: int) -> None:
         """bad_clients' rules on a PUBLISH's topic before the codec reads it (the topic comes first in both versions,
@@ -162,8 +213,10 @@ class Mqtt5Framer(Framer):
         """Hand a v5 packet to amqtt as its 3.1.1 equivalent (see the module's docstring)."""
         kind = first >> 4
         if kind == PUBLISH:
-            packet, self._publish = self._publish, None
-            return await super()._hand_to_amqtt(first, _publish_body(packet))
+            (packet, topic), self._publish = self._publish, None
+            payload = payload_of(packet, client_id(self._handler))
+            return await self._handle(first, PublishPacket.build(topic, payload, packet.packet_id,
+                                                                 packet.duplicate, int(packet.qos), packet.retain))
         if kind == PINGREQ:
             return await super()._hand_to_amqtt(first, body)
         if kind == RESERVED_15:
@@ -180,7 +233,7 @@ class Mqtt5Framer(Framer):
         elif kind == SUBSCRIBE:
             await self._subscribe(packet)
         elif kind == UNSUBSCRIBE:
-            self._context.unsubscribes[packet.packet_id] = len(packet.patterns)
+            self._context.unsubscribes[packet.packet_id] = unsubscribed(self._handler.session, packet.patterns)
             await super()._hand_to_amqtt(first, packet.packet_id.to_bytes(2, "big") + b"".join(
                 mqtt_string(pattern.encode()) for pattern in packet.patterns))
         elif kind == DISCONNECT and packet.reason_code == _WITH_WILL:
@@ -192,15 +245,17 @@ class Mqtt5Framer(Framer):
             raise violation(self._packets, f"a packet of type {kind} a server does not take")
 
     async def _subscribe(self, packet: Any) -> None:
-        """A v5 SUBSCRIBE: the filters amqtt can carry go to it as a 3.1.1 SUBSCRIBE; the others are refused in the
-        SUBACK (MQTT 5.0 section 3.9.3), sent at once when no filter is left for amqtt."""
+        """A v5 SUBSCRIBE: the filters amqtt can carry go to it as a 3.1.1 SUBSCRIBE, their options and
+        Subscription Identifier kept for the deliveries (``mqtt5_routing``); the others are refused in the SUBACK
+        (MQTT 5.0 section 3.9.3), sent at once when no filter is left for amqtt."""
         decided, kept = [], []
         for topic_filter in packet.topic_filters:
-            code = _refusal(topic_filter, packet.subscription_id)
+            code = _refusal(topic_filter)
             if code is not None:
                 decided.append((False, code))
                 continue
             kept.append(topic_filter)
+            subscribed(self._handler, topic_filter, packet.subscription_id)
             own = topic_filter.pattern == queue_filter(client_id(self._handler) or "")
             foreign_queue = is_ecq_topic(topic_filter.pattern) and not own
             decided.append((True, NOT_AUTHORIZED if foreign_queue else UNSPECIFIED_ERROR))
@@ -213,19 +268,8 @@ class Mqtt5Framer(Framer):
             mqtt_string(f.pattern.encode()) + bytes((int(f.max_qos),)) for f in kept))
 
 
-def _refusal(topic_filter: Any, subscription_id: int | None) -> int | None:
+def _refusal(topic_filter: Any) -> int | None:
     """The SUBACK code of a v5 filter amqtt cannot carry, or None (MQTT 5.0 sections 3.8.3.1, 4.8.2)."""
     if topic_filter.pattern.startswith("$share/"):
         return SHARED_NOT_SUPPORTED
-    if subscription_id is not None:
-        return IDS_NOT_SUPPORTED
-    if (topic_filter.no_local or topic_filter.retain_as_published
-            or topic_filter.retain_handling != mqtt5.RetainHandling.SEND_ALWAYS):
-        return OPTIONS_NOT_SUPPORTED
     return None
-
-
-def _publish_body(packet: Any) -> bytes:
-    """The 3.1.1 body of a v5 PUBLISH (topic, packet id at QoS 1 and 2, payload; MQTT 3.1.1 section 3.3)."""
-    packet_id = packet.packet_id.to_bytes(2, "big") if int(packet.qos) else b""
-    return mqtt_string(packet.topic.encode()) + packet_id + packet.payload

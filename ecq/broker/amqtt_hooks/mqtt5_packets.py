@@ -8,6 +8,7 @@ None for a 3.1.1 connection, whose packets stay byte for byte what they were).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,9 @@ PROTOCOL_ERROR = 0x82
 BAD_AUTHENTICATION_METHOD = 0x8C
 TOPIC_ALIAS_INVALID = 0x94
 PACKET_TOO_LARGE = 0x95
+RECEIVE_MAXIMUM_EXCEEDED = 0x93
+RECEIVE_MAXIMUM = 1024  # the QoS 1/2 PUBLISHes a client may have unacknowledged (CONNACK, section 3.2.2.3.3)
+TOPIC_ALIAS_MAXIMUM = 64  # the Topic Aliases a client may set on one connection (CONNACK, section 3.2.2.3.8)
 _PUBLISH_ACKS = {1: mqtt5.PubAckPacket, 2: mqtt5.PubRecPacket}  # the acknowledgement of a PUBLISH by its QoS
 _PUBLISH_ACK_CODES = {1: mqtt5.PubAckReasonCode, 2: mqtt5.PubRecReasonCode}
 _CONTEXT = "_ecq_mqtt5"  # the attribute of amqtt's handler that holds the context
@@ -41,7 +45,13 @@ class Mqtt5Context:
     session; ``server_maximum_packet_size``: the broker's ``max_packet_bytes``, announced in CONNACK.
     ``subscribes``: per SUBSCRIBE packet id, one ``(handed to amqtt, code)`` per filter until amqtt's SUBACK:
     a filter ECQ refused itself with ``code``, or one amqtt answers whose refusal (0x80) becomes ``code``;
-    ``unsubscribes``: the filter count of each UNSUBSCRIBE until its UNSUBACK.
+    ``unsubscribes``: the UNSUBACK reason codes of each UNSUBSCRIBE until its UNSUBACK.
+    ``topic_alias_maximum``: the aliases the client takes (section 3.1.2.11.5); ``aliases_out``: topic -> the
+    alias ECQ gave it on this connection; ``aliases_in``: alias -> topic the client set (at most
+    :data:`TOPIC_ALIAS_MAXIMUM`, section 3.3.2.3.4). ``send_window``: bounds the QoS 1/2 PUBLISHes of ordinary
+    topics in flight to ``receive_maximum``. ``retained_wanted``: per filter of the SUBSCRIBE being handled,
+    whether its Retain Handling sends the retained messages. ``inbound``: the packet ids of the client's QoS 1/2
+    PUBLISHes not yet acknowledged (PUBACK, PUBCOMP, or a PUBREC refusal), at most :data:`RECEIVE_MAXIMUM`.
     """
 
     receive_maximum: int = 65535
@@ -53,11 +63,42 @@ class Mqtt5Context:
     broker_session_expiry_s: int | None = None
     server_maximum_packet_size: int | None = None
     subscribes: dict[int, list[tuple[bool, int]]] = field(default_factory=dict)
-    unsubscribes: dict[int, int] = field(default_factory=dict)
+    unsubscribes: dict[int, list[int]] = field(default_factory=dict)
+    topic_alias_maximum: int = 0
+    aliases_out: dict[str, int] = field(default_factory=dict)
+    aliases_in: dict[int, str] = field(default_factory=dict)
+    send_window: asyncio.Semaphore | None = None
+    retained_wanted: dict[str, bool] = field(default_factory=dict)
+    inbound: set[int] = field(default_factory=set)
 
     def fits(self, packet: bytes) -> bool:
         """True when ``packet`` is within the client's Maximum Packet Size (MQTT 5.0 section 3.1.2.11.4)."""
         return self.maximum_packet_size is None or len(packet) <= self.maximum_packet_size
+
+    def alias_out(self, topic: str) -> tuple[int | None, bool]:
+        """(the Topic Alias to send ``topic`` with, True when the client already knows it): a new alias while the
+        client's Topic Alias Maximum has room, else None (the topic is sent in full)."""
+        alias = self.aliases_out.get(topic)
+        if alias is not None:
+            return alias, True
+        if len(self.aliases_out) >= self.topic_alias_maximum:
+            return None, False
+        alias = self.aliases_out[topic] = len(self.aliases_out) + 1
+        return alias, False
+
+    def receive(self, packet_id: int) -> bool:
+        """Count a QoS 1/2 PUBLISH of the client in flight until :meth:`release`: False when that would exceed
+        :data:`RECEIVE_MAXIMUM` (MQTT 5.0 section 3.3.4: DISCONNECT 0x93). A resent packet id counts once."""
+        if packet_id not in self.inbound and len(self.inbound) >= RECEIVE_MAXIMUM:
+            return False
+        self.inbound.add(packet_id)
+        return True
+
+    def window(self) -> asyncio.Semaphore:
+        """The semaphore of :attr:`send_window`, made on first use (in the connection's event loop)."""
+        if self.send_window is None:
+            self.send_window = asyncio.Semaphore(self.receive_maximum)
+        return self.send_window
 
 
 def context_of(handler: Any) -> Mqtt5Context | None:
@@ -127,6 +168,14 @@ def remaining_length(length: int) -> bytes:
         encoded.append(byte | 0x80 if length else byte)
         if not length:
             return bytes(encoded)
+
+
+def release_inbound(handler: Any, packet_id: int) -> None:
+    """The client's PUBLISH ``packet_id`` is acknowledged (PUBACK, PUBCOMP, a PUBREC refusal): it no longer
+    counts against the server's Receive Maximum (MQTT 5.0 section 4.9). Nothing on a 3.1.1 connection."""
+    context = context_of(handler)
+    if context is not None:
+        context.inbound.discard(packet_id)
 
 
 def receive_maximum(handler: Any) -> int | None:

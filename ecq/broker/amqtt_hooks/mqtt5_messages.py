@@ -1,0 +1,150 @@
+"""MQTT 5.0 messages on ordinary topics, carried through amqtt 0.12.1 (which keeps a message as topic, payload
+bytes, QoS and retain flag only): the properties of a v5 PUBLISH ride in its payload object, a ``bytes`` subclass
+amqtt passes unchanged from the PUBLISH to every delivery (the broadcast, a persistent session's offline queue, the
+retained store), and the subscription options of a v5 SUBSCRIBE are kept on the session.
+
+- :class:`Mqtt5Payload`: the payload with its PUBLISH's properties (forwarded unaltered, MQTT 5.0 section 3.3.2.3),
+  its Message Expiry as a deadline, its publisher's client id (for No Local) and RETAIN flag (for Retain As
+  Published);
+- :class:`Subscription`: the options of one v5 filter (section 3.8.3.1) and its Subscription Identifier (3.8.2.1.2),
+  kept per session (:func:`subscriptions_of`);
+- :func:`publish_bytes`: the v5 PUBLISH of an amqtt one, with the properties, the remaining expiry, the
+  Subscription Identifiers of the delivery and a Topic Alias when the client takes them (section 3.3.2.3.4).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import mqtt5
+
+from ecq.broker.amqtt_hooks.mqtt5_packets import Mqtt5Context
+
+_SESSION_SUBSCRIPTIONS = "_ecq_mqtt5_subscriptions"  # the attribute of amqtt's Session that holds them
+_FORWARDED = ("user_properties", "payload_format_indicator", "content_type", "response_topic", "correlation_data")
+
+
+class Mqtt5Payload(bytes):
+    """A PUBLISH payload (``bytes``) with what MQTT 5.0 says travels with it.
+
+    ``properties``: keyword arguments of ``mqtt5.PublishPacket`` forwarded unaltered (User Properties, Payload
+    Format Indicator, Content Type, Response Topic, Correlation Data; section 3.3.2.3); ``expires_at``: the
+    ``time.monotonic()`` second after which it is not delivered, None for never (Message Expiry Interval,
+    section 3.3.2.3.3); ``publisher``: the client id that published it; ``retain``: its PUBLISH's RETAIN flag;
+    ``subscription_ids``: the Subscription Identifiers of one delivery (section 3.3.4), empty on the stored message.
+    """
+
+    properties: dict[str, Any]
+    expires_at: float | None
+    publisher: str | None
+    retain: bool
+    subscription_ids: tuple[int, ...]
+
+    def __bytes__(self) -> Mqtt5Payload:
+        """Itself: amqtt's ``ApplicationMessage.build_publish_packet`` copies the payload with ``bytes()``, which
+        would drop the properties on the way to the connection."""
+        return self
+
+    def expired(self, now: float | None = None) -> bool:
+        """True once the Message Expiry Interval has passed (section 3.3.2.3.3: it is then not delivered)."""
+        return self.expires_at is not None and (time.monotonic() if now is None else now) >= self.expires_at
+
+    def for_delivery(self, subscription_ids: tuple[int, ...]) -> Mqtt5Payload:
+        """This payload with the Subscription Identifiers of one delivery (a copy; the stored message keeps none)."""
+        return make_payload(self, self.properties, self.expires_at, self.publisher, self.retain, subscription_ids)
+
+
+def make_payload(data: bytes, properties: dict[str, Any], expires_at: float | None, publisher: str | None,
+                 retain: bool, subscription_ids: tuple[int, ...] = ()) -> Mqtt5Payload:
+    """An :class:`Mqtt5Payload` of ``data`` with these attributes (a Will's payload is made with it too)."""
+    payload = Mqtt5Payload(data)
+    payload.properties, payload.expires_at, payload.publisher = properties, expires_at, publisher
+    payload.retain, payload.subscription_ids = retain, subscription_ids
+    return payload
+
+
+def payload_of(packet: Any, publisher: str | None) -> Mqtt5Payload:
+    """The payload of a decoded v5 PUBLISH (``mqtt5.PublishPacket``) published by ``publisher``, with its properties."""
+    properties = {name: value for name in _FORWARDED if (value := getattr(packet, name))}
+    expiry = packet.message_expiry_interval
+    expires_at = None if expiry is None else time.monotonic() + expiry
+    return make_payload(packet.payload, properties, expires_at, publisher, bool(packet.retain))
+
+
+def as_mqtt5_payload(data: bytes, subscription_ids: tuple[int, ...]) -> bytes:
+    """``data`` (an Mqtt5Payload, or the bytes of a 3.1.1 PUBLISH) carrying ``subscription_ids`` for one delivery."""
+    if not subscription_ids:
+        return data
+    if isinstance(data, Mqtt5Payload):
+        return data.for_delivery(subscription_ids)
+    return make_payload(data, {}, None, None, False, subscription_ids)
+
+
+@dataclass(frozen=True)
+class Subscription:
+    """The options of one v5 subscription (MQTT 5.0 section 3.8.3.1) and its Subscription Identifier (1..268435455
+    or None, section 3.8.2.1.2)."""
+
+    no_local: bool = False
+    retain_as_published: bool = False
+    retain_handling: int = 0
+    subscription_id: int | None = None
+
+
+def subscriptions_of(session: Any) -> dict[str, Subscription]:
+    """The v5 subscriptions of amqtt's ``session`` by filter (created empty); a 3.1.1 session has none."""
+    subscriptions = getattr(session, _SESSION_SUBSCRIPTIONS, None)
+    if subscriptions is None:
+        subscriptions = {}
+        setattr(session, _SESSION_SUBSCRIPTIONS, subscriptions)
+    return subscriptions
+
+
+def matches(topic: str, topic_filter: str) -> bool:
+    """True when ``topic`` matches ``topic_filter`` (MQTT 5.0 section 4.7: ``+`` one level, ``#`` the rest; a
+    ``$``-topic matches no filter that starts with a wildcard, section 4.7.2)."""
+    if topic.startswith("$") and topic_filter[:1] in ("+", "#"):
+        return False
+    levels, filter_levels = topic.split("/"), topic_filter.split("/")
+    for index, level in enumerate(filter_levels):
+        if level == "#":
+            return True
+        if index >= len(levels) or (level != "+" and level != levels[index]):
+            return False
+    return len(levels) == len(filter_levels)
+
+
+def publish_bytes(context: Mqtt5Context, packet: Any) -> bytes:
+    """The v5 bytes of amqtt's outgoing PublishPacket: its payload's forwarded properties, the remaining Message
+    Expiry Interval in whole seconds (section 3.3.2.3.3), the delivery's Subscription Identifiers, and a Topic
+    Alias while the client's Topic Alias Maximum has room (the topic is sent once, then an empty topic)."""
+    data, topic = packet.data, packet.topic_name
+    properties: dict[str, Any] = {}
+    if isinstance(data, Mqtt5Payload):
+        properties = dict(data.properties)
+        if data.expires_at is not None:
+            properties["message_expiry_interval"] = max(0, math.ceil(data.expires_at - time.monotonic()))
+        if data.subscription_ids:
+            properties["subscription_ids"] = list(data.subscription_ids)
+    alias, known = context.alias_out(topic)
+    if alias is not None:
+        properties["topic_alias"] = alias
+        topic = "" if known else topic
+    return mqtt5.PublishPacket(topic, bytes(data), qos=mqtt5.QoS(packet.qos or 0), retain=bool(packet.retain_flag),
+                               duplicate=bool(packet.dup_flag), packet_id=packet.packet_id if packet.qos else None,
+                               **properties).write()
+
+
+def encoded_size(topic: str, data: bytes, qos: int) -> int:
+    """The size in bytes of a v5 PUBLISH of ``data`` to ``topic`` without a Topic Alias (for the client's Maximum
+    Packet Size, section 3.1.2.11.4)."""
+    properties = dict(data.properties) if isinstance(data, Mqtt5Payload) else {}
+    if isinstance(data, Mqtt5Payload) and data.subscription_ids:
+        properties["subscription_ids"] = list(data.subscription_ids)
+    if isinstance(data, Mqtt5Payload) and data.expires_at is not None:
+        properties["message_expiry_interval"] = 0
+    return len(mqtt5.PublishPacket(topic, bytes(data), qos=mqtt5.QoS(qos), packet_id=1 if qos else None,
+                                   **properties).write())
