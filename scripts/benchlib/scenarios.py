@@ -213,11 +213,11 @@ def _errors(results: list[dict]) -> list[str]:
 def publish(bench: Bench, broker, phase: str, topic_format: str, cids: tuple[str, ...], key_names: tuple[str, ...],
             size: int, mqtt5: bool = False) -> dict[str, Any]:
     """QoS 1 PUBLISHes of ``size`` bytes to ``topic_format`` for every clientid x key, from all load
-    processes (MQTT 5.0 clients with ``mqtt5``, else 3.1.1; the broker's endpoint must be one
-    :class:`~benchlib.loadgen.Endpoint`); acked per second from the barrier to the last PUBACK. Then waits until the broker is idle,
-    so that the next phase never competes with this one's backlog; ``busy_after_s`` (within 0.2 s) is how
-    long it stayed busy after the last PUBACK (stock amqtt acknowledges before it routes) and
-    ``per_s_until_idle`` the rate counted to then."""
+    processes (MQTT 5.0 clients with ``mqtt5``, else 3.1.1; the broker's endpoint must then be one
+    :class:`~benchlib.loadgen.Endpoint`); acked per second from the barrier to the last PUBACK. Then waits
+    until the broker is idle, so that the next phase never competes with this one's backlog; ``busy_after_s``
+    (within 0.2 s) is how long it stayed busy after the last PUBACK (stock amqtt acknowledges before it
+    routes) and ``per_s_until_idle`` the rate counted to then."""
     count = len(cids) * len(key_names)
     deadline = phase_deadline_s(count)
     endpoint = replace(broker.endpoint, mqtt5=True) if mqtt5 else broker.endpoint
