@@ -404,7 +404,7 @@ def write_row(args: Any, size: int, runs: dict[str, list[dict]], count: int) -> 
 def v5_write_row(args: Any, size: int, runs: dict[str, list[dict]]) -> Row:
     """ECQ's acked writes/s over MQTT 5.0 (ECQ column) against its 3.1.1 figure of the same rounds (baseline
     column): medians, the ratio's target MIN_V5_WRITE_RATIO. The note gives each round's own ratio and the
-    median broker CPU per write of each protocol (µs), which foreign load on the machine moves less than rates."""
+    median broker CPU per write of each protocol (µs): a second view of the same runs."""
     v5_rate = statistics.median(r["per_s"] for r in runs["ecq_v5"])
     v311_rate = statistics.median(r["per_s"] for r in runs["ecq"])
     row = Row("writes", "v5 acked writes/s vs 3.1.1, same run", "/s", size, v5_rate, v311_rate,
