@@ -40,11 +40,13 @@ IDENT_END = b"|"
 @dataclass(frozen=True)
 class Endpoint:
     """An MQTT listener; ``username`` is sent by every client (stock amqtt keeps offline messages only for
-    sessions that authenticated with a username)."""
+    sessions that authenticated with a username); with ``mqtt5`` the clients speak MQTT 5.0 (Clean Start 1, no
+    Session Expiry: producers only), else MQTT 3.1.1."""
 
     host: str
     port: int
     username: str | None = "bench"
+    mqtt5: bool = False
 
 
 Endpoints = Endpoint | tuple[Endpoint, ...]  # several brokers of one cluster: a task's clients are dealt over them
@@ -191,9 +193,15 @@ class Tally:
 
 
 def make_client(endpoint: Endpoint, identifier: str, *, clean_session: bool = True, window: int = 32) -> aiomqtt.Client:
-    """An aiomqtt client (MQTT 3.1.1) allowing ``window`` QoS 1 PUBLISHes in flight."""
+    """An aiomqtt client (MQTT 3.1.1, or MQTT 5.0 with Clean Start 1 when ``endpoint.mqtt5``) allowing ``window``
+    QoS 1 PUBLISHes in flight. Raises ValueError for a persistent session over MQTT 5.0 (it would need a Session
+    Expiry Interval, MQTT 5.0 section 3.1.2.11.2, which no scenario uses)."""
+    if endpoint.mqtt5 and not clean_session:
+        raise ValueError("the load processes make MQTT 5.0 clients with Clean Start 1 only")
+    session = ({"protocol": aiomqtt.ProtocolVersion.V5, "clean_start": True} if endpoint.mqtt5
+               else {"clean_session": clean_session})
     client = aiomqtt.Client(endpoint.host, endpoint.port, identifier=identifier, username=endpoint.username,
-                            clean_session=clean_session, timeout=CLIENT_TIMEOUT_S, max_inflight_messages=window)
+                            timeout=CLIENT_TIMEOUT_S, max_inflight_messages=window, **session)
     client.pending_calls_threshold = 1 << 30  # many pending PUBLISHes are the point: no warning for each
     return client
 
