@@ -31,7 +31,7 @@ class V5Client:
     String), each message with its User Properties, SUBACK reason codes, the CONNACK's properties."""
 
     def __init__(self, port: int, client_id: str = "", manual_ack: bool = False, transport: str = "tcp",
-                 **connect_properties) -> None:
+                 clean_start: bool = True, **connect_properties) -> None:
         self.messages: queue.Queue = queue.Queue()
         self.subacks: queue.Queue = queue.Queue()
         self.acks: dict[int, tuple[int, str | None]] = {}
@@ -46,21 +46,34 @@ class V5Client:
         properties = Properties(PacketTypes.CONNECT)
         for name, value in connect_properties.items():
             setattr(properties, name, value)
-        self._c.connect("127.0.0.1", port, keepalive=30, clean_start=True,
+        self._c.connect("127.0.0.1", port, keepalive=30, clean_start=clean_start,
                         properties=properties if connect_properties else None)
         self._c.loop_start()
         assert connected.wait(WAIT_S), f"no CONNACK for {client_id!r}"
         assert not self.connack[0].is_failure, self.connack[0]
 
-    def publish(self, topic: str, payload: bytes | str, qos: int = 1) -> tuple[int, str | None]:
-        """PUBLISH at QoS 1 and wait for the PUBACK: (reason code, Reason String or None)."""
-        info = self._c.publish(topic, payload, qos)
+    def publish(self, topic: str, payload: bytes | str, qos: int = 1, retain: bool = False,
+                **publish_properties) -> tuple[int, str | None]:
+        """PUBLISH (QoS 1 by default) with paho ``Properties`` names as keywords and wait for the PUBACK (a QoS 0
+        PUBLISH: until it is written): (reason code, Reason String or None)."""
+        properties = Properties(PacketTypes.PUBLISH)
+        for name, value in publish_properties.items():
+            setattr(properties, name, value)
+        info = self._c.publish(topic, payload, qos, retain, properties if publish_properties else None)
+        if not qos:
+            info.wait_for_publish(WAIT_S)
+            return 0, None
         assert wait_until(lambda: info.mid in self.acks, WAIT_S), f"no PUBACK for {topic!r}"
         return self.acks[info.mid]
 
-    def subscribe(self, *filters: str, **options) -> list[int]:
-        """SUBSCRIBE to ``filters`` at QoS 1 (paho ``SubscribeOptions`` keywords apply to each); the SUBACK codes."""
-        self._c.subscribe([(f, mqtt.SubscribeOptions(qos=1, **options)) for f in filters])
+    def subscribe(self, *filters: str, subscription_id: int | None = None, **options) -> list[int]:
+        """SUBSCRIBE to ``filters`` at QoS 1 (paho ``SubscribeOptions`` keywords apply to each), with a Subscription
+        Identifier if given; the SUBACK codes."""
+        properties = None
+        if subscription_id is not None:
+            properties = Properties(PacketTypes.SUBSCRIBE)
+            properties.SubscriptionIdentifier = subscription_id
+        self._c.subscribe([(f, mqtt.SubscribeOptions(qos=1, **options)) for f in filters], properties=properties)
         return self.subacks.get(timeout=WAIT_S)
 
     def expect(self, count: int) -> list:
