@@ -9,8 +9,9 @@ equivalent 3.1.1 packet, which amqtt's decoders (and ``bad_clients``' checks) re
 - SUBSCRIBE: a ``$share/`` filter is refused with 0x9E, a Subscription Identifier with 0xA1, and No Local, Retain As
   Published or a Retain Handling other than 0 with 0x83 (amqtt has none of them, section 3.8.3.1); the other
   filters reach amqtt, and ``mqtt5_edge`` puts the codes back in place in the SUBACK;
-- DISCONNECT: reason 0x04 (Disconnect with Will Message) keeps the Will, as a connection lost does; any other
-  drops it (section 3.14.2.1);
+- DISCONNECT: its Session Expiry Interval applies (``mqtt5_sessions.take_disconnect_expiry``; a non-zero one after
+  a CONNECT's 0 is a Protocol Error, 0x82); reason 0x04 (Disconnect with Will Message) keeps the Will, as a
+  connection lost does; any other drops it (section 3.14.2.1);
 - AUTH: DISCONNECT 0x82 Protocol Error, then close (no CONNECT had an Authentication Method, which ECQ refuses
   with CONNACK 0x8C; section 4.12: an AUTH without one is a Protocol Error; 0x8C is no DISCONNECT reason code);
 - a packet that does not decode, or breaks a rule of ``bad_clients``: DISCONNECT 0x81 (0x95 for one above
@@ -38,6 +39,7 @@ from ecq.broker.amqtt_hooks.framer import Framer
 from ecq.broker.amqtt_hooks.mqtt5_packets import (MALFORMED_PACKET, PACKET_TOO_LARGE,
                                                   PROTOCOL_ERROR, TOPIC_ALIAS_INVALID, MalformedPacket, context_of,
                                                   decode, disconnect, mqtt_string, remaining_length)
+from ecq.broker.amqtt_hooks.mqtt5_sessions import take_disconnect_expiry
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic, queue_filter
 
@@ -183,6 +185,10 @@ class Mqtt5Framer(Framer):
             self._context.unsubscribes[packet.packet_id] = len(packet.patterns)
             await super()._hand_to_amqtt(first, packet.packet_id.to_bytes(2, "big") + b"".join(
                 mqtt_string(pattern.encode()) for pattern in packet.patterns))
+        elif kind == DISCONNECT and not take_disconnect_expiry(self._context, packet):
+            self._refuse(PROTOCOL_ERROR)
+            raise violation(self._packets, "DISCONNECT with a Session Expiry Interval after a CONNECT without one "
+                                           "[MQTT-3.14.2-2]")
         elif kind == DISCONNECT and packet.reason_code == _WITH_WILL:
             await self._handle(first, None)  # amqtt publishes the Will of a connection that ends without DISCONNECT
         elif kind == DISCONNECT:
