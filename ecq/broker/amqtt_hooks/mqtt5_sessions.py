@@ -34,7 +34,8 @@ from ecq.broker.amqtt_hooks.target import find_target
 log = logging.getLogger(__name__)
 
 SERVER_SHUTTING_DOWN, KEEP_ALIVE_TIMEOUT, SESSION_TAKEN_OVER = 0x8B, 0x8D, 0x8E
-_OFFLINE = "ecq_mqtt5_offline"  # the key of amqtt's Session.attributes that holds its _Offline
+_PENDING = "ecq_mqtt5_pending_end"  # the key of amqtt's Session.attributes that holds its _Offline
+_ENDED, _TAKEN_OVER, _OFFLINE = "ended", "taken over", "offline"  # a session at the end of one of its connections
 _tasks: set[asyncio.Task] = set()  # wills and expiries in progress (a reference keeps each task alive)
 
 
@@ -134,6 +135,15 @@ async def _publish_will(broker: Broker, session: Any, will: Any) -> None:
         await broker.retain_message(session, will.topic, data, qos)
 
 
+def _end_of_connection(broker: Broker, session: Any) -> str:
+    """What became of ``session`` once a connection of it ended (after amqtt's ``_handle_disconnect``): _ENDED (no
+    longer amqtt's session of its client id), _TAKEN_OVER (a newer connection resumed it: amqtt's takeover keeps it
+    connected, see ``acks.keep_the_new_connection_on_persistent_takeover``) or _OFFLINE."""
+    if broker._sessions.get(session.client_id, (None, None))[0] is not session:
+        return _ENDED
+    return _OFFLINE if session.transitions.state == "disconnected" else _TAKEN_OVER
+
+
 def _later(delay_s: float, work: Any, *args: Any) -> asyncio.TimerHandle:
     """Run the coroutine function ``work(*args)`` in a task after ``delay_s`` seconds."""
     def start() -> None:
@@ -159,7 +169,7 @@ def expire_sessions_one_by_one() -> None:
 
     async def initialize_client_session(broker: Broker, *args: Any) -> tuple[BrokerProtocolHandler, Any]:
         handler, session = await original_initialize(broker, *args)
-        if (offline := session.attributes.pop(_OFFLINE, None)) is not None:
+        if (offline := session.attributes.pop(_PENDING, None)) is not None:
             offline.cancel()  # resumed: its Will is not published (section 3.1.3.2.2), its expiry is off
         if (options := _options(handler)) is not None:
             session.clean_session = options.expiry_s == 0
@@ -169,18 +179,17 @@ def expire_sessions_one_by_one() -> None:
                                 disconnect_waiter: asyncio.Future) -> None:
         await original_disconnect(broker, session, handler, disconnect_waiter)
         options = _options(handler)
-        stored, current = broker._sessions.get(session.client_id, (None, None))
-        if options is None or stored is not session or current is not handler:
+        if options is None or _end_of_connection(broker, session) != _OFFLINE:
             return  # 3.1.1, or the session ended or went to a newer connection: nothing left to expire
         if options.expiry_s == 0:
             await broker._cleanup_session(session.client_id)
             return
-        offline = session.attributes.setdefault(_OFFLINE, _Offline(None))
+        offline = session.attributes.setdefault(_PENDING, _Offline(None))
         offline.timers.append(_later(options.expiry_s, _expire, broker, session, offline))
 
     async def cleanup_session(broker: Broker, client_id: str) -> None:
         session, _ = broker._sessions.get(client_id, (None, None))
-        if session is not None and (offline := session.attributes.pop(_OFFLINE, None)) is not None:
+        if session is not None and (offline := session.attributes.pop(_PENDING, None)) is not None:
             offline.cancel()  # ended otherwise (amqtt's monitor, handed over to another broker): nothing pending
         await original_cleanup(broker, client_id)
 
@@ -191,9 +200,9 @@ def expire_sessions_one_by_one() -> None:
 
 async def _expire(broker: Broker, session: Any, offline: _Offline) -> None:
     """The end of an offline session: its pending Will published, the session forgotten."""
-    if session.attributes.get(_OFFLINE) is not offline:
+    if session.attributes.get(_PENDING) is not offline:
         return  # resumed or ended meanwhile
-    del session.attributes[_OFFLINE]
+    del session.attributes[_PENDING]
     offline.cancel()
     if offline.will is not None:
         await _publish_will(broker, session, offline.will)
@@ -227,11 +236,11 @@ def publish_wills_after_their_delay() -> None:
         options = _options(handler)
         if options is None or options.will is None or isinstance(disconnect_waiter.result(), DisconnectPacket):
             return  # 3.1.1, no Will, or a DISCONNECT other than 0x04 (which mqtt5_framer hands over as none)
-        stored, current = broker._sessions.get(session.client_id, (None, None))
-        offline = session.attributes.get(_OFFLINE) if stored is session and current is handler else None
+        end = _end_of_connection(broker, session)
         delay = min(options.will.will_delay_interval, options.expiry_s)
-        if stored is session and current is not handler and delay:
+        if end == _TAKEN_OVER and delay:
             return  # taken over by a connection that resumed the session within the delay
+        offline = session.attributes.get(_PENDING) if end == _OFFLINE else None
         if offline is None or delay == 0:
             await _publish_will(broker, session, options.will)
             return
@@ -240,7 +249,7 @@ def publish_wills_after_their_delay() -> None:
 
     async def delete_session(broker: Broker, client_id: str) -> None:
         session, _ = broker._sessions.get(client_id, (None, None))
-        offline = session.attributes.pop(_OFFLINE, None) if session is not None else None
+        offline = session.attributes.pop(_PENDING, None) if session is not None else None
         if offline is not None:
             offline.cancel()
             if offline.will is not None:
@@ -254,7 +263,7 @@ def publish_wills_after_their_delay() -> None:
 
 async def _will_due(broker: Broker, session: Any, offline: _Offline) -> None:
     """The Will Delay Interval of an offline session has passed: publish its Will, unless resumed or ended."""
-    if session.attributes.get(_OFFLINE) is offline and offline.will is not None:
+    if session.attributes.get(_PENDING) is offline and offline.will is not None:
         will, offline.will = offline.will, None
         await _publish_will(broker, session, will)
 
