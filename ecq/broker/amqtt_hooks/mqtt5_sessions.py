@@ -120,9 +120,11 @@ def tell(handler: BrokerProtocolHandler, code: int) -> None:
 
 
 def will_payload(will: Any) -> bytes:
-    """The data amqtt broadcasts for a v5 ``will`` (mqtt5.Will). amqtt carries bytes only: the Will's properties
-    (User Properties, Content Type, Payload Format Indicator, Response Topic, Correlation Data, Message Expiry
-    Interval) travel with it once the payload is built here as the routing's v5 message data."""
+    """The data amqtt broadcasts for a v5 ``will`` (mqtt5.Will), built when the Will is published. amqtt carries
+    bytes only, so the Will's properties (User Properties, Content Type, Payload Format Indicator, Response Topic,
+    Correlation Data, Message Expiry Interval, MQTT 5.0 section 3.1.3.2) are not sent yet. The hook for the v5
+    message data of ordinary topics (``mqtt5_messages.Mqtt5Payload``, in progress): build it here from ``will``'s
+    properties, its Message Expiry counted from now (section 3.1.3.2.4)."""
     return will.payload or b""
 
 
