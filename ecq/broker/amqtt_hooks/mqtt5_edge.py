@@ -296,7 +296,8 @@ def _connack(context: Mqtt5Context, session_present: int, return_code: int) -> b
         return mqtt5.ConnAckPacket(reason_code=mqtt5.ConnAckReasonCode(code)).write()
     return mqtt5.ConnAckPacket(
         session_present=bool(session_present), assigned_client_id=context.assigned_client_id,
-        **connack_properties(context), receive_max=65535, topic_alias_max=0, retain_available=True, wildcard_subscription_available=True,
+        **connack_properties(context),
+        receive_max=65535, topic_alias_max=0, retain_available=True, wildcard_subscription_available=True,
         max_packet_size=context.server_maximum_packet_size, subscription_id_available=False,
         shared_subscription_available=False).write()
 

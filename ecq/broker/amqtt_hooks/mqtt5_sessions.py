@@ -22,7 +22,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import mqtt5
 from amqtt.broker import Broker
 from amqtt.mqtt.disconnect import DisconnectPacket
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
