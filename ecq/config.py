@@ -138,6 +138,9 @@ class EcqSettings(BaseModel):
                                       description="unacked QoS 1/2 messages kept per persistent session for resend")
     session_expiry: Timer = Field(default=7200.0,
                                              description="a disconnected persistent session is forgotten after this")
+    max_keepalive: Int | None = Field(default=None, ge=1, le=65535,
+                                      description="longest Keep Alive (seconds) an MQTT 5 client is held to, told in "
+                                      "CONNACK's Server Keep Alive; None = the client's own")
 
     backend: Literal["leveldb", "jetstream"] = Field(
         default="leveldb", description="queue storage: embedded LevelDB in data_dir, or a NATS JetStream cluster")

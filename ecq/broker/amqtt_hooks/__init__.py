@@ -31,17 +31,20 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   connection edge: a level 5 CONNECT handed to amqtt as 3.1.1, what amqtt sends encoded as v5;
   :mod:`.mqtt5_framer`: the reader of those connections (v5 packets decoded, taken by ECQ or handed to amqtt as
   3.1.1); :mod:`.mqtt5_packets`: the v5 context of a connection and the v5 packets ECQ sends (refused writes'
-  reason codes, deliveries with ``ecq-seqno``/``ecq-ts``).
+  reason codes, deliveries with ``ecq-seqno``/``ecq-ts``); :mod:`.mqtt5_sessions`: the life of a v5 session
+  (Session Expiry Interval per session, Will Delay Interval, Server Keep Alive, server DISCONNECT reason codes).
 
 Several corrections wrap the same amqtt method (``init_from_connect``, ``_reader_loop``, ``handle_puback``,
 ``_handle_message_delivery``, ``_broadcast_message``, ``_handle_client_session``, ``_client_connected``,
-``_publish_session_retained_messages``): the order of :func:`install` is the order of wrapping.
+``_publish_session_retained_messages``, ``_initialize_client_session``, ``_delete_session``,
+``_handle_disconnect``, ``handle_read_timeout``): the order of :func:`install` is the order of wrapping.
 """
 
 from __future__ import annotations
 
 from ecq.broker.amqtt_hooks import (acks, bad_clients, cluster, conformance, ecq_guards, ecq_paths, framer,
-                                    mqtt5_edge, mqtt5_framer, mqtt5_routing, start_up, target, websocket)
+                                    mqtt5_edge, mqtt5_framer, mqtt5_routing, mqtt5_sessions, start_up, target,
+                                    websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import (broadcast_from_cluster, discard_session, hand_over_session,
                                            persistent_subscriptions, set_retained_from_cluster)
@@ -107,3 +110,6 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     mqtt5_framer.read_mqtt5_with_the_framer()  # outside the framer's: a v5 connection is read by Mqtt5Framer
     websocket.correct_websocket_adapters()  # after close_abandoned_connections: its checks see these adapters
     websocket.take_websocket_messages_of_the_largest_packet()
+    mqtt5_sessions.expire_sessions_one_by_one()  # outside end_clean_sessions' and the takeover's _handle_disconnect
+    mqtt5_sessions.publish_wills_after_their_delay()  # outside expire_sessions_one_by_one: sees the offline session
+    mqtt5_sessions.tell_v5_clients_why_they_are_closed()  # outside enforce_keepalive's handle_read_timeout

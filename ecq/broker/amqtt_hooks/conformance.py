@@ -85,7 +85,8 @@ def release_handlers_of_offline_sessions() -> None:
 
 def set_session_expiry(context: BrokerContext, seconds: float) -> None:
     """Forget a disconnected persistent session after ``seconds`` (amqtt's ``session_expiry_interval``,
-    checked by its session monitor every second; EMQX calls it session expiry, default 2 h there)."""
+    checked by its session monitor every second; EMQX calls it session expiry, default 2 h there). An MQTT 5
+    session ends after its own Session Expiry Interval, capped at ``seconds`` (``mqtt5_sessions``)."""
     config = context._broker_instance.config
     if config.session_expiry_interval is not None and config.session_expiry_interval != math.ceil(seconds):
         log.warning(

@@ -35,8 +35,9 @@ from amqtt.mqtt.unsuback import UnsubackPacket
 from ecq.broker.amqtt_hooks.bad_clients import checked_connection, checks_shared_with, fixed_header_violation, violation
 from ecq.broker.amqtt_hooks.mqtt5_messages import publish_bytes
 from ecq.broker.amqtt_hooks.mqtt5_packets import (BAD_AUTHENTICATION_METHOD, MALFORMED_PACKET, PACKET_TOO_LARGE,
-                                                  RECEIVE_MAXIMUM, TOPIC_ALIAS_MAXIMUM, MalformedPacket, Mqtt5Context, context_of,
-                                                  decode, mqtt_string, remaining_length, set_context)
+                                                  RECEIVE_MAXIMUM, TOPIC_ALIAS_MAXIMUM, MalformedPacket, Mqtt5Context,
+                                                  context_of, decode, mqtt_string, remaining_length, set_context)
+from ecq.broker.amqtt_hooks.mqtt5_sessions import connack_properties, session_options
 from ecq.broker.amqtt_hooks.target import find_target
 
 log = logging.getLogger(__name__)
@@ -219,17 +220,15 @@ async def _refuse_connect(writer: WriterAdapter, code: int, reason: str, reader:
 
 def _connect_as_3_1_1(connect: Any, context: Mqtt5Context, plugins_manager: Any) -> bytes:
     """The MQTT 3.1.1 CONNECT amqtt is given for a v5 ``connect`` (mqtt5.ConnectPacket). An empty clientid gets one
-    (``context.assigned_client_id``, MQTT 5.0 section 3.1.3.1). Clean Start 1, or a Session Expiry Interval of 0
-    (the session ends with the connection), becomes Clean Session 1: amqtt keeps a session across connections
-    only as 3.1.1 does, for ``session_expiry`` (the CONNACK tells the client, section 3.2.2.3.2)."""
+    (``context.assigned_client_id``, MQTT 5.0 section 3.1.3.1). Clean Start becomes Clean Session (amqtt resumes
+    a session or not, section 3.1.2.4); the session options ECQ applies (``mqtt5_sessions.session_options``:
+    Session Expiry Interval, Keep Alive, the Will with its properties) go to ``context.session``, and the Keep
+    Alive applied to the 3.1.1 CONNECT."""
     client_id = connect.client_id
     if not client_id:
         client_id = context.assigned_client_id = f"ecq-{secrets.token_hex(8)}"  # no "/": it may own a queue
-    clean = connect.clean_start or connect.session_expiry_interval == 0
-    context.clean_session = clean
-    plugin = find_target(plugins_manager)
-    context.broker_session_expiry_s = int(plugin.settings.session_expiry) if plugin is not None else None
-    flags, payload = 0x02 if clean else 0, mqtt_string(client_id.encode())
+    context.session = session_options(connect, find_target(plugins_manager).settings)
+    flags, payload = 0x02 if connect.clean_start else 0, mqtt_string(client_id.encode())
     if (will := connect.will) is not None:
         flags |= 0x04 | int(will.qos) << 3 | (0x20 if will.retain else 0)
         payload += mqtt_string(will.topic.encode()) + mqtt_string(will.payload or b"")
@@ -239,7 +238,7 @@ def _connect_as_3_1_1(connect: Any, context: Mqtt5Context, plugins_manager: Any)
     if connect.password is not None:
         flags |= 0x40
         payload += mqtt_string(connect.password)
-    body = mqtt_string(b"MQTT") + bytes((4, flags)) + connect.keep_alive.to_bytes(2, "big") + payload
+    body = mqtt_string(b"MQTT") + bytes((4, flags)) + context.session.keep_alive_s.to_bytes(2, "big") + payload
     return bytes((_CONNECT_FIRST_BYTE,)) + remaining_length(len(body)) + body
 
 
@@ -293,17 +292,17 @@ def _as_mqtt5(handler: BrokerProtocolHandler, context: Mqtt5Context, packet: Any
 
 def _connack(context: Mqtt5Context, session_present: int, return_code: int) -> bytes:
     """The v5 CONNACK of a 3.1.1 one (MQTT 5.0 section 3.2): a refusal with its v5 code, or success with ECQ's
-    properties: Topic Alias Maximum :data:`TOPIC_ALIAS_MAXIMUM`, Subscription Identifiers available, what it
-    cannot carry yet announced as unavailable (Shared Subscriptions 0), Maximum Packet Size the broker's
-    ``max_packet_bytes``, the Assigned Client Identifier, and the Session Expiry Interval ECQ applies when it
-    differs from the one asked for."""
+    properties: Topic Alias Maximum :data:`TOPIC_ALIAS_MAXIMUM`, Subscription Identifiers available, Receive
+    Maximum :data:`RECEIVE_MAXIMUM`, what it cannot carry yet announced as unavailable (Shared Subscriptions 0),
+    Maximum Packet Size the broker's ``max_packet_bytes``, the Assigned Client Identifier, and the Session Expiry
+    Interval and Server Keep Alive ECQ applies when they differ from the ones asked for
+    (``mqtt5_sessions.connack_properties``)."""
     if return_code:
         code = _CONNACK_CODES.get(return_code, UNSPECIFIED_ERROR)
         return mqtt5.ConnAckPacket(reason_code=mqtt5.ConnAckReasonCode(code)).write()
-    expiry = 0 if context.clean_session else context.broker_session_expiry_s
     return mqtt5.ConnAckPacket(
         session_present=bool(session_present), assigned_client_id=context.assigned_client_id,
-        session_expiry_interval=None if expiry == context.session_expiry_s else expiry,
+        **connack_properties(context),
         receive_max=RECEIVE_MAXIMUM, topic_alias_max=TOPIC_ALIAS_MAXIMUM, retain_available=True,
         wildcard_subscription_available=True, max_packet_size=context.server_maximum_packet_size,
         subscription_id_available=True,

@@ -10,8 +10,9 @@ equivalent 3.1.1 packet, which amqtt's decoders (and ``bad_clients``' checks) re
 - SUBSCRIBE: a ``$share/`` filter is refused with 0x9E; the other filters reach amqtt with their options and
   Subscription Identifier kept (``mqtt5_routing.subscribed``), and ``mqtt5_edge`` puts the codes back in place in
   the SUBACK; UNSUBSCRIBE: its UNSUBACK codes (``mqtt5_routing.unsubscribed``);
-- DISCONNECT: reason 0x04 (Disconnect with Will Message) keeps the Will, as a connection lost does; any other
-  drops it (section 3.14.2.1);
+- DISCONNECT: its Session Expiry Interval applies (``mqtt5_sessions.take_disconnect_expiry``; a non-zero one after
+  a CONNECT's 0 is a Protocol Error, 0x82); reason 0x04 (Disconnect with Will Message) keeps the Will, as a
+  connection lost does; any other drops it (section 3.14.2.1);
 - AUTH: DISCONNECT 0x82 Protocol Error, then close (no CONNECT had an Authentication Method, which ECQ refuses
   with CONNACK 0x8C; section 4.12: an AUTH without one is a Protocol Error; 0x8C is no DISCONNECT reason code);
 - a packet that does not decode, or breaks a rule of ``bad_clients``: DISCONNECT 0x81 (0x95 for one above
@@ -24,6 +25,8 @@ equivalent 3.1.1 packet, which amqtt's decoders (and ``bad_clients``' checks) re
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 from typing import Any
 
 import mqtt5
@@ -39,9 +42,11 @@ from ecq.broker.amqtt_hooks.ecq_paths import client_id, send_soon
 from ecq.broker.amqtt_hooks.framer import READ_SIZE, Framer
 from ecq.broker.amqtt_hooks.mqtt5_messages import payload_of
 from ecq.broker.amqtt_hooks.mqtt5_packets import (MALFORMED_PACKET, PACKET_TOO_LARGE, PROTOCOL_ERROR,
-                                                  RECEIVE_MAXIMUM, RECEIVE_MAXIMUM_EXCEEDED, TOPIC_ALIAS_INVALID, TOPIC_ALIAS_MAXIMUM, MalformedPacket,
-                                                  context_of, decode, disconnect, mqtt_string, remaining_length)
+                                                  RECEIVE_MAXIMUM, RECEIVE_MAXIMUM_EXCEEDED, TOPIC_ALIAS_INVALID,
+                                                  TOPIC_ALIAS_MAXIMUM, MalformedPacket, context_of, decode,
+                                                  disconnect, mqtt_string, remaining_length)
 from ecq.broker.amqtt_hooks.mqtt5_routing import subscribed, unsubscribed
+from ecq.broker.amqtt_hooks.mqtt5_sessions import take_disconnect_expiry
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic, queue_filter
 
@@ -49,6 +54,8 @@ _ACKS = (PUBACK, PUBREC, PUBREL, PUBCOMP)
 _WITH_WILL = 0x04
 SHARED_NOT_SUPPORTED = 0x9E
 LINGER_S = 2.0  # how long a connection refused with DISCONNECT waits for the client to close (see _linger)
+LINGER_IDLE_S = 0.2  # ... or for the client to stop sending
+_lingering: set[asyncio.Task] = set()  # the tasks of _linger, kept from the garbage collector
 NOT_AUTHORIZED, UNSPECIFIED_ERROR = 0x87, 0x80
 
 
@@ -122,28 +129,13 @@ class Mqtt5Framer(Framer):
             raise
 
     async def _read(self) -> None:
-        """Framer's ``_read``; after a server DISCONNECT, :meth:`_linger` before the connection closes."""
+        """Framer's ``_read``; after a server DISCONNECT, :func:`_linger` keeps the socket while the connection ends."""
         try:
             await super()._read()
         except ProtocolViolation:
             if self._disconnect_sent:
-                await self._linger()
+                _linger(self._handler.writer)
             raise
-
-    async def _linger(self) -> None:
-        """Shut the sending side (TCP FIN after the DISCONNECT) and discard what the client still sends, until it
-        closes or for :data:`LINGER_S`: closing a socket with unread bytes sends a reset, which makes the client lose
-        the DISCONNECT unread and fail its next write (MQTT 5.0 section 4.13: the client is to learn the reason)."""
-        writer = self._handler.writer
-        if not isinstance(writer, StreamWriterAdapter) or writer._writer.transport.is_closing():
-            return
-        writer._writer.write_eof()
-        try:
-            async with asyncio.timeout(LINGER_S):
-                while await self._stream.read(READ_SIZE):
-                    pass
-        except (TimeoutError, ConnectionError):
-            pass
 
     def _refuse(self, code: int) -> None:
         """Write DISCONNECT ``code`` now (once): the reader's exit closes the connection after it."""
@@ -236,6 +228,10 @@ class Mqtt5Framer(Framer):
             self._context.unsubscribes[packet.packet_id] = unsubscribed(self._handler.session, packet.patterns)
             await super()._hand_to_amqtt(first, packet.packet_id.to_bytes(2, "big") + b"".join(
                 mqtt_string(pattern.encode()) for pattern in packet.patterns))
+        elif kind == DISCONNECT and not take_disconnect_expiry(self._context, packet):
+            self._refuse(PROTOCOL_ERROR)
+            raise violation(self._packets, "DISCONNECT with a Session Expiry Interval after a CONNECT without one "
+                                           "[MQTT-3.14.2-2]")
         elif kind == DISCONNECT and packet.reason_code == _WITH_WILL:
             await self._handle(first, None)  # amqtt publishes the Will of a connection that ends without DISCONNECT
         elif kind == DISCONNECT:
@@ -266,6 +262,38 @@ class Mqtt5Framer(Framer):
         self._context.subscribes[packet.packet_id] = decided
         await super()._hand_to_amqtt(0x82, packet.packet_id.to_bytes(2, "big") + b"".join(
             mqtt_string(f.pattern.encode()) + bytes((int(f.max_qos),)) for f in kept))
+
+
+def _linger(writer: Any) -> None:
+    """After a server DISCONNECT on TCP: shut the sending side once the DISCONNECT is written (FIN) and keep the
+    socket open on a duplicate descriptor, discarding what the client still sends until it closes, sends nothing for
+    :data:`LINGER_IDLE_S`, or :data:`LINGER_S` at most. Closing a socket with unread bytes sends a reset, which makes
+    the client lose the DISCONNECT unread and fail its next write (MQTT 5.0 section 4.13: the client is to learn
+    the reason). The connection itself (session, handler) ends at once, as without the linger."""
+    if not isinstance(writer, StreamWriterAdapter):
+        return
+    transport = writer._writer.transport
+    raw = transport.get_extra_info("socket")
+    if transport.is_closing() or raw is None or not transport.can_write_eof():
+        return
+    transport.write_eof()
+    held = socket.socket(fileno=os.dup(raw.fileno()))
+    held.setblocking(False)
+    task = asyncio.ensure_future(_discard_until_closed(held))
+    _lingering.add(task)
+    task.add_done_callback(_lingering.discard)
+
+
+async def _discard_until_closed(held: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(LINGER_S):
+            while await asyncio.wait_for(loop.sock_recv(held, READ_SIZE), LINGER_IDLE_S):
+                pass
+    except (TimeoutError, OSError):
+        pass
+    finally:
+        held.close()
 
 
 def _refusal(topic_filter: Any) -> int | None:

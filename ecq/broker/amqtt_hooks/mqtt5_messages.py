@@ -66,9 +66,15 @@ def make_payload(data: bytes, properties: dict[str, Any], expires_at: float | No
     return payload
 
 
+def forwarded_properties(packet: Any) -> dict[str, Any]:
+    """The properties of a v5 PUBLISH or Will (``mqtt5.PublishPacket``, ``mqtt5.Will``) that are forwarded unaltered
+    (MQTT 5.0 sections 3.3.2.3, 3.1.3.2), as ``mqtt5.PublishPacket`` keyword arguments."""
+    return {name: value for name in _FORWARDED if (value := getattr(packet, name))}
+
+
 def payload_of(packet: Any, publisher: str | None) -> Mqtt5Payload:
     """The payload of a decoded v5 PUBLISH (``mqtt5.PublishPacket``) published by ``publisher``, with its properties."""
-    properties = {name: value for name in _FORWARDED if (value := getattr(packet, name))}
+    properties = forwarded_properties(packet)
     expiry = packet.message_expiry_interval
     expires_at = None if expiry is None else time.monotonic() + expiry
     return make_payload(packet.payload, properties, expires_at, publisher, bool(packet.retain))

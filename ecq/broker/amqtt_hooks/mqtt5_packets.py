@@ -41,8 +41,8 @@ class Mqtt5Context:
     largest packet it takes, in bytes, None for no limit; ``problem_information``: Reason Strings and User
     Properties allowed on packets other than PUBLISH, CONNACK and DISCONNECT; ``session_expiry_s``: as asked.
     ``assigned_client_id``: the id ECQ gave a CONNECT with an empty one (returned in CONNACK), else None.
-    ``clean_session``: what amqtt was given; ``broker_session_expiry_s``: how long amqtt keeps a persistent
-    session; ``server_maximum_packet_size``: the broker's ``max_packet_bytes``, announced in CONNACK.
+    ``session``: the session options ECQ applies (``mqtt5_sessions.SessionOptions``: Session Expiry Interval,
+    Keep Alive, Will); ``server_maximum_packet_size``: the broker's ``max_packet_bytes``, announced in CONNACK.
     ``subscribes``: per SUBSCRIBE packet id, one ``(handed to amqtt, code)`` per filter until amqtt's SUBACK:
     a filter ECQ refused itself with ``code``, or one amqtt answers whose refusal (0x80) becomes ``code``;
     ``unsubscribes``: the UNSUBACK reason codes of each UNSUBSCRIBE until its UNSUBACK.
@@ -59,8 +59,7 @@ class Mqtt5Context:
     problem_information: bool = True
     session_expiry_s: int = 0
     assigned_client_id: str | None = None
-    clean_session: bool = True
-    broker_session_expiry_s: int | None = None
+    session: Any = None
     server_maximum_packet_size: int | None = None
     subscribes: dict[int, list[tuple[bool, int]]] = field(default_factory=dict)
     unsubscribes: dict[int, list[int]] = field(default_factory=dict)
