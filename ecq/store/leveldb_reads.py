@@ -27,8 +27,8 @@ class LevelDbReads:
         """Up to ``limit`` messages of ``clientid`` with seqno > ``after``, in seqno order.
 
         Entries published before ``min_ts_ms`` or whose own expiry time is at or before ``lapsed_at_ms`` (not 0)
-        are skipped (expired, not yet collected). Blocks read from
-        disk are checksummed; raises StoreReadError when LevelDB finds one damaged or unreadable.
+        are skipped (expired, not yet collected). Blocks read from disk are checksummed; raises StoreReadError
+        when LevelDB finds one damaged or unreadable.
         """
         try:
             return self._read_after(clientid, after, limit, min_ts_ms, lapsed_at_ms)

@@ -4,8 +4,8 @@ through which the queue engine, delivery, GC and the operations reach stored que
 A store holds, per queue (a clientid): entries numbered by a seqno that starts at 1 and only grows, each
 with a compaction key, a payload, its publish time and, for an MQTT 5 write with a Message Expiry Interval,
 its expiry time (an entry is gone once either ``data_retention`` or its own expiry has passed); the
-consumer's ack state; and the last seqno ever assigned. Writes come as ops (:data:`Op`) committed in batches, each batch atomically. All timestamps are
-milliseconds since the Unix epoch; sizes are payload bytes. The methods block (disk I/O) and are run off
+consumer's ack state; and the last seqno ever assigned. Writes come as ops (:data:`Op`) committed in
+batches, each batch atomically. All timestamps are milliseconds since the Unix epoch; sizes are payload bytes. The methods block (disk I/O) and are run off
 the event loop, in reader or writer threads. :class:`ecq.store.leveldb.LevelDbStore` is the embedded
 implementation, :class:`ecq.store.jetstream.JetStreamStore` the one a cluster of brokers shares.
 """
