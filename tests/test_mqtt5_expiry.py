@@ -9,10 +9,14 @@ import json
 import time
 import urllib.request
 
+import plyvel
 import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from ecq.store.leveldb import LevelDbStore
+from ecq.store.leveldb_tables import EXPIRY, expiry_key
+from ecq.store.protocol import Append, Expire, ExpiredRow
 from tests.harness import wait_until
 from tests.test_mqtt5 import WAIT_S, V5Client, stored
 
@@ -149,3 +153,21 @@ def test_a_restart_keeps_the_expiry(make_broker, v5x):
     assert (topic, payload) == ("$ECQ/xs/long", b"kept") and 30 <= left <= 58, left  # waited over 2 s
     assert run_gc(broker) == 1
     assert stored(broker, "xs") == 1
+
+
+def test_an_entry_s_expiry_row_goes_with_the_entry_in_leveldb(tmp_path):
+    """The LevelDB expiry table (ecq.store.leveldb_tables) holds a row only for each stored entry with an expiry:
+    compaction (in another batch and in the same one) and a deletion take the entry's row with it, or GC's scan of
+    the table would grow with every rewrite."""
+    store = LevelDbStore(tmp_path / "queues")
+    store.commit([Append("q", "rewritten", b"old", 1_000, 5_000)])
+    store.commit([Append("q", "rewritten", b"new", 1_001), Append("q", "twice", b"a", 1_002, 6_000),
+                  Append("q", "twice", b"b", 1_003, 7_000), Append("q", "deleted", b"x", 1_004, 8_000)])
+    store.commit([Expire("q", (ExpiredRow(5, "deleted", 1_004, 1),), "purge")])
+    assert store.lapsed_step(10_000, 100) == ({"q": [ExpiredRow(4, "twice", 1_003, 1)]}, None)
+    store.close()
+    db = plyvel.DB(str(tmp_path / "queues"))
+    try:
+        assert list(db.iterator(prefix=EXPIRY, include_value=False)) == [expiry_key(7_000, "q", 4)]
+    finally:
+        db.close()
