@@ -40,8 +40,9 @@ class FakeConnection:
 
 
 async def publish(connection: FakeConnection, topic: str, payload: bytes, seqno: int | None = None,
-                  ts_ms: int | None = None) -> None:
-    """The ``publish`` coroutine function the engine and Consumer take (seqno and ts_ms are not recorded)."""
+                  ts_ms: int | None = None, expires_ms: int = 0) -> None:
+    """The ``publish`` coroutine function the engine and Consumer take (seqno, ts_ms and expires_ms are not
+    recorded)."""
     await connection.publish(topic, payload)
 
 

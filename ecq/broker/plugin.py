@@ -308,9 +308,9 @@ class EcqPlugin(BaseTopicPlugin):
     # --- writes and access control (called by ecq.broker.amqtt_hooks) -------------------------------
 
     def take_ecq_write(self, handler: BrokerProtocolHandler, topic: str, qos: int, packet_id: int | None,
-                       payload: bytes) -> None:
+                       payload: bytes, expiry_s: int = 0) -> None:
         """Take a PUBLISH under ``$ECQ/`` as the packet reader reads it (see EcqWrites.take)."""
-        self.writes.take(handler, topic, qos, packet_id, payload)
+        self.writes.take(handler, topic, qos, packet_id, payload, expiry_s)
 
     def hold_acknowledgement(self, handler: BrokerProtocolHandler) -> Callable[[Callable[[], None] | None], None]:
         """A place in the connection's PUBACK order for a plain QoS 1 PUBLISH (see EcqWrites.hold_acknowledgement)."""

@@ -43,7 +43,7 @@ class EcqWrites:
         self._in_flight: set[asyncio.Future] = set()  # writes and rewinds taken and not yet stored or failed
 
     def take(self, handler: BrokerProtocolHandler, topic: str, qos: int, packet_id: int | None,
-             payload: bytes) -> None:
+             payload: bytes, expiry_s: int = 0) -> None:
         """Take a PUBLISH under ``$ECQ/`` as the packet reader reads it (ECQ's framer, or amqtt's reader through
         ``amqtt_hooks.take_ecq_publishes``): check it and start its write or rewind now, before the next packet is
         read, so that every PUBLISH read before a DISCONNECT or the end of the stream is processed, in order
@@ -55,7 +55,9 @@ class EcqWrites:
         connected (MQTT 3.1.1 has no negative acknowledgement). A write that cannot be stored within
         ``write_timeout`` is not acknowledged; the publisher's connection is closed so that it sends it again.
         A QoS 2 PUBLISH whose packet id awaits its PUBREL is a retransmit, not a new message (section 4.3.3): it
-        gets the first one's PUBREC and is not stored again (``amqtt_hooks.qos2_receipts``).
+        gets the first one's PUBREC and is not stored again (``amqtt_hooks.qos2_receipts``). ``expiry_s``: an
+        MQTT 5 write's Message Expiry Interval in seconds (0: none), stored with the entry (MQTT 5.0 section
+        3.3.2.3.3).
         """
         receipts = hooks.qos2_receipts(handler) if qos == 2 else None
         if receipts is not None and packet_id in receipts:
@@ -65,7 +67,7 @@ class EcqWrites:
         if receipts is not None:
             write.receipt = receipts[packet_id] = asyncio.get_running_loop().create_future()
         try:
-            future = self._start(handler, topic, payload)
+            future = self._start(handler, topic, payload, expiry_s)
         except BadWrite as exc:
             self._refuse(handler, topic, exc)
             write.refusal = (exc.reason, str(exc))
@@ -143,14 +145,14 @@ class EcqWrites:
         closing.add_done_callback(self._closing.discard)
         closing.add_done_callback(lambda _closed: self._fail(write))
 
-    def _start(self, handler: BrokerProtocolHandler, topic: str, payload: bytes) -> asyncio.Future:
+    def _start(self, handler: BrokerProtocolHandler, topic: str, payload: bytes, expiry_s: int) -> asyncio.Future:
         """Check a PUBLISH under ``$ECQ/`` and start its write or rewind; the future resolves once it is stored.
         Raises BadWrite (refused: the topic, payload size, ACL, rewind payload, ``store_full``) or PoolClosed."""
         if is_ctl_topic(topic):
             return self._rewind(handler, topic, payload)
         write = parse_write(topic, len(payload), self._max_payload_bytes)
         self._check_acl(handler, topic, "write to")
-        return self._engine.write(write.clientid, write.key, payload)
+        return self._engine.write(write.clientid, write.key, payload, expiry_s)
 
     def _outcome(self, write: _Write, future: asyncio.Future) -> bool:
         """For the done future of :meth:`_start`: True when the PUBLISH is to be acknowledged (stored, or refused

@@ -22,8 +22,8 @@ attempt        int32  ``delivered`` only: 1 for the first send, 2+ for redeliver
 reason         string ``refused``: ``not_a_write``, ``empty_key``, ``bad_key``, ``payload_too_large``,
                       ``acl_denied``, ``not_owner``, ``bad_rewind``, ``quota_exceeded``, ``store_full``, ...; ``rewound``: the point as asked
                       (``42``, ``earliest``, ``latest``, ``since:<unix ms>``); ``expired``: why the entry was deleted
-                      (``retention``, ``tombstone_retention``, ``tombstone_acked``, ``purge``); ``evicted``:
-                      ``quota`` (the queue quota deleted its oldest entry to make room)
+                      (``retention``, ``message_expiry``, ``tombstone_retention``, ``tombstone_acked``,
+                      ``purge``); ``evicted``: ``quota`` (the queue quota deleted its oldest entry to make room)
 topic          string ``refused`` only: the PUBLISH topic
 ============== ====== ==================================================================================
 

@@ -49,9 +49,9 @@ log = logging.getLogger(__name__)
 _UNKNOWN = 2**64  # above every seqno: "the stored tail is not known"
 SAVE_RETRY_S = 1.0  # after a failed ack-state save (disk full, I/O error), try again this much later
 
-# publish(connection, topic, payload, seqno, ts_ms (publish time, Unix ms: for MQTT 5's properties)) -> awaits the
-# PUBACK; raises ConnectionError when the connection is gone.
-Publish = Callable[[Any, str, bytes, int, int], Awaitable[None]]
+# publish(connection, topic, payload, seqno, ts_ms, expires_ms (publish and expiry time, Unix ms, expiry 0: none; for
+# MQTT 5's properties)) -> awaits the PUBACK; raises ConnectionError when the connection is gone.
+Publish = Callable[[Any, str, bytes, int, int, int], Awaitable[None]]
 # read(func, *args) -> a future of the blocking store read func(*args), run off the event loop.
 Read = Callable[..., asyncio.Future]
 
@@ -268,18 +268,18 @@ class Consumer:
             self._newest = max(self._read_cursor, self._told)
 
     async def _read(self, limit: int) -> list[Message]:
-        min_ts = retention_cutoff_ms(self._retention_s)
+        min_ts = retention_cutoff_ms(self._retention_s, now := now_ms())
         return await self._read_deadline.watch(
             self._read_store(self._store.read_after, self.clientid, self._read_cursor, limit, min_ts,
-                             None if self._newest == _UNKNOWN else self._newest))
+                             None if self._newest == _UNKNOWN else self._newest, now))
 
     def _hand_out_ready(self) -> None:
         """Hand read-ahead messages to the connection while the window has room; skip any that expired
-        since they were read (an expired entry is never delivered)."""
-        oldest_live_ms = retention_cutoff_ms(self._retention_s)
+        since they were read, by ``data_retention`` or their own expiry (an expired entry is never delivered)."""
+        oldest_live_ms = retention_cutoff_ms(self._retention_s, now := now_ms())
         while self._ready and len(self.inflight) < self._inflight_max:
             message = self._ready.popleft()
-            if message.ts_ms >= oldest_live_ms:
+            if message.ts_ms >= oldest_live_ms and not message.lapsed(now):
                 self._hand_out(message)
 
     def _hand_out(self, message: Message) -> None:
@@ -295,7 +295,7 @@ class Consumer:
         self._observer.delivered(self.clientid, message, self.attempts[message.seqno])
         sent = time.monotonic()
         try:
-            await self._publish(connection, topic, message.payload, message.seqno, message.ts_ms)
+            await self._publish(connection, topic, message.payload, message.seqno, message.ts_ms, message.expires_ms)
         except ConnectionError as exc:
             log.info("ECQ delivery to %s stopped: %s", self.clientid, exc)
             self.inflight.pop(message.seqno, None)

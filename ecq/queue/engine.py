@@ -112,8 +112,9 @@ class QueueEngine:
 
     # --- writes -------------------------------------------------------------------------------------
 
-    def write(self, clientid: str, key: str, payload: bytes) -> asyncio.Future:
-        """Append ``payload`` under ``key`` to the queue of ``clientid``, stamped now.
+    def write(self, clientid: str, key: str, payload: bytes, expiry_s: int = 0) -> asyncio.Future:
+        """Append ``payload`` under ``key`` to the queue of ``clientid``, stamped now; with ``expiry_s`` (an MQTT 5
+        Message Expiry Interval in seconds, MQTT 5.0 section 3.3.2.3.3; 0: none) it expires that long after.
 
         Synchronous so that writes keep their arrival order; the returned future resolves with
         :class:`Appended` once committed, or fails with TimeoutError after ``write_timeout``, with
@@ -127,7 +128,9 @@ class QueueEngine:
             raise BadWrite("store_full", f"refused a write of {len(payload)} bytes to the queue of {clientid!r}: "
                                          f"the store holds {self._stored_bytes} payload bytes "
                                          f"(max_store_bytes {limit})")
-        future = self.pool.submit(clientid, Append(clientid, key, payload, now_ms()))
+        ts_ms = now_ms()
+        expires_ms = ts_ms + expiry_s * 1000 if expiry_s else 0
+        future = self.pool.submit(clientid, Append(clientid, key, payload, ts_ms, expires_ms))
         return self._write_deadline.watch(future)
 
     async def delete(self, clientid: str, key: str, stored_only: bool = False) -> Appended | None:
@@ -186,7 +189,7 @@ class QueueEngine:
         self._stored_entries += 1 - len(result.replaced)
         self._stored_bytes += len(op.payload) - result.replaced_bytes
         if (consumer := self.consumers.get(op.clientid)) and consumer.online:
-            consumer.appended(result.seqno, op.key, Message(result.seqno, op.key, op.payload, op.ts_ms)
+            consumer.appended(result.seqno, op.key, Message(result.seqno, op.key, op.payload, op.ts_ms, op.expires_ms)
                               if in_order else None)
         for observer in self.observers if own else (self.lag,):
             observer.appended(op, result)

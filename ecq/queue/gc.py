@@ -21,8 +21,11 @@ LAG_WAIT_S = 0.02  # how often a paused GC looks again whether the observers cau
 async def run_gc(store: QueueStore, read: Callable[..., asyncio.Future], pool: WriterPool, cutoff_ms: int, *,
                  traffic: Callable[[], int], running: Callable[[], bool],
                  lagging: Callable[[], bool] = lambda: False, select: Callable[[ExpiredRow], bool] | None = None,
-                 reason: str = "retention") -> int:
+                 reason: str = "retention", step: Callable[..., tuple] | None = None) -> int:
     """One GC pass: delete every entry published before ``cutoff_ms`` (ms since the epoch); returns how many.
+    ``step``: the store's step read, :meth:`QueueStore.expired_step` by default; with
+    :meth:`QueueStore.lapsed_step` the pass deletes instead every entry whose own expiry time (MQTT 5 Message
+    Expiry Interval) is at or before ``cutoff_ms``, which is then the time now.
 
     ``read(func, *args)`` runs a blocking store read off the loop; ``traffic()`` is the count of appends and
     PUBACKs so far (GC slows down while it grows, see :class:`GcPacer`); the pass ends early once
@@ -35,7 +38,7 @@ async def run_gc(store: QueueStore, read: Callable[..., asyncio.Future], pool: W
     deleted, cursor = 0, None
     while running():
         started = time.monotonic()
-        found, cursor = await read(store.expired_step, cutoff_ms, pacer.rows, cursor)
+        found, cursor = await read(step or store.expired_step, cutoff_ms, pacer.rows, cursor)
         if select is not None:
             found = {cid: kept for cid, rows in found.items() if (kept := [row for row in rows if select(row)])}
         deletions = [pool.submit(cid, Expire(cid, tuple(rows), reason)) for cid, rows in found.items()]

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ecq.queue import gc
-from ecq.queue.clock import retention_cutoff_ms
+from ecq.queue.clock import now_ms, retention_cutoff_ms
 from ecq.store.protocol import ExpiredRow, ForgetQueue, QueueStore, StoreError
 
 if TYPE_CHECKING:
@@ -23,8 +23,9 @@ FORGET_BATCH = 512               # state GC: queues checked and forgotten per ro
 
 
 async def run_gc(engine: QueueEngine) -> int:
-    """Delete every entry published more than ``data_retention`` ago and, with ``tombstones`` on, every
-    tombstone (empty payload) published more than ``tombstone_retention`` ago; returns how many (see
+    """Delete every entry published more than ``data_retention`` ago, every entry whose own expiry time has
+    passed (an MQTT 5 write's Message Expiry Interval: reason ``message_expiry``) and, with ``tombstones`` on,
+    every tombstone (empty payload) published more than ``tombstone_retention`` ago; returns how many (see
     ecq.queue.gc).
 
     A pass asked for while one runs starts after it; :meth:`QueueEngine.stop_delivering` ends the pass.
@@ -36,11 +37,12 @@ async def run_gc(engine: QueueEngine) -> int:
                                     traffic=lambda: engine.traffic, running=lambda: not engine.closing, lagging=engine.gc_lagging)
         cutoff_ms = retention_cutoff_ms(engine.settings.data_retention)
         deleted = await gc_pass(cutoff_ms)
+        deleted += await gc_pass(now_ms(), step=engine.store.lapsed_step, reason="message_expiry")
         if engine.settings.tombstones and engine.settings.tombstone_retention < engine.settings.data_retention:
             deleted += await gc_pass(retention_cutoff_ms(engine.settings.tombstone_retention),
                                      select=_is_tombstone, reason="tombstone_retention")
         if deleted:
-            log.info("ECQ GC deleted %d entries published before %d ms", deleted, cutoff_ms)
+            log.info("ECQ GC deleted %d entries published before %d ms or past their own expiry", deleted, cutoff_ms)
         if forgotten := await forget_idle_queues(engine):
             log.info("ECQ GC forgot the seqno and ack state of %d empty queues idle for %s s", forgotten,
                      f"{engine.settings.state_retention:g}")

@@ -8,8 +8,10 @@ subject token holding any string: ``x`` then the URL-safe base64 of its UTF-8, u
 ECQ table (ecq.store.leveldb)  on JetStream
 ==========================  ==================================================================================
 index + payload             stream ``NS_Q_<shard>``, one message per entry on ``NS.q.<shard>.T(clientid).T(key)``
-                            with header ``Ecq-Ts`` (publish ms); ``max_msgs_per_subject: 1``, so JetStream
-                            itself deletes a key's older value when a new one is stored (compaction)
+                            with header ``Ecq-Ts`` (publish ms), and ``Ecq-Expires`` (expiry ms) for an
+                            entry with an expiry of its own (MQTT 5 Message Expiry Interval);
+                            ``max_msgs_per_subject: 1``, so JetStream itself deletes a key's older value when
+                            a new one is stored (compaction)
 seqno                       the stream sequence: a queue's seqnos grow (with gaps: the shard's other queues
                             share the counter) and never repeat, even after every entry expired
 state (ack position)        stream ``NS_ACKS``, the last message on ``NS.ack.T(clientid)`` (JSON), read from
@@ -31,6 +33,7 @@ ask the stream leader only for what a lagging replica has not yet stored.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -209,9 +212,9 @@ class JetStreamStore(JetStreamWrites):
     # --- reads (JetStreamReads) --------------------------------------------------------------------
 
     def read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0,
-                   known_last: int | None = None) -> list[Message]:
+                   known_last: int | None = None, lapsed_at_ms: int = 0) -> list[Message]:
         """See :meth:`JetStreamReads.read_after`."""
-        return self.reads.read_after(clientid, after, limit, min_ts_ms, known_last)
+        return self.reads.read_after(clientid, after, limit, min_ts_ms, known_last, lapsed_at_ms)
 
     def ack_state(self, clientid: str) -> AckState:
         """See :meth:`JetStreamReads.ack_state`."""
@@ -225,6 +228,19 @@ class JetStreamStore(JetStreamWrites):
                      ) -> tuple[dict[str, list[ExpiredRow]], bytes | None]:
         """See :meth:`JetStreamReads.expired_step`."""
         return self.reads.expired_step(cutoff_ms, limit, start)
+
+    def lapsed_step(self, now_ms: int, limit: int, start: bytes | None = None
+                    ) -> tuple[dict[str, list[ExpiredRow]], bytes | None]:
+        """One GC step over the entries with an expiry of their own, from the watch's map (ShardWatch.lapsed: no
+        request to NATS); ``start`` is ``b"<shard>:<seqno>"``. Nothing without a watch (the broker always has one)."""
+        if self._watch is None:
+            return {}, None
+        shard, seq = map(int, start.split(b":")) if start else (0, 0)
+        found, seq = self._call(_on_loop(functools.partial(self._watch.lapsed, now_ms, limit, shard, seq)),
+                                self._settings.read_timeout)
+        if seq is not None:
+            return found, f"{shard}:{seq}".encode()
+        return found, f"{shard + 1}:0".encode() if shard + 1 < self._shards else None
 
     def idle_queues(self, cutoff_ms: int) -> list[str]:
         """See :meth:`JetStreamReads.idle_queues`."""

@@ -26,7 +26,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ecq.store.jsapi import TS_HEADER, JetStreamApi, queue_subject_parts, stream_ms, untoken
+from ecq.store.jsapi import (EXPIRES_HEADER, TS_HEADER, JetStreamApi, message_of, queue_subject_parts, stream_ms,
+                             untoken)
 from ecq.store.link import NatsLink
 from ecq.store.protocol import AckState, Append, Appended, AppendNotice, ExpiredRow, StoreListener
 
@@ -42,7 +43,9 @@ class ShardWatch:
     every publish of this broker. Runs on ``link``'s loop.
 
     ``entries[shard]`` maps each stored subject to (seqno, payload bytes): about 215 bytes of memory per stored
-    entry with 45-character subjects (tracemalloc, docs/cluster.md).
+    entry with 45-character subjects (tracemalloc, docs/cluster.md). ``expiring[shard]`` maps the subject of each
+    entry heard of with an expiry time of its own (``Ecq-Expires``) to (seqno, publish ms, expiry ms), for GC
+    (:meth:`lapsed`); one that ``entries`` no longer holds at that seqno is dropped when GC looks at it.
     """
 
     def __init__(self, link: NatsLink, api: JetStreamApi, ns: str, shards: int, stream: Callable[[int], str],
@@ -50,6 +53,7 @@ class ShardWatch:
         self._link, self._js, self._ns, self._stream, self._subject = link, api, ns, stream, subject
         self._own, self._listener = own_prefix, listener
         self.entries: list[dict[str, tuple[int, int]]] = [{} for _ in range(shards)]
+        self.expiring: list[dict[str, tuple[int, int, int]]] = [{} for _ in range(shards)]
         self._last = [0] * shards                      # the last sequence heard of each shard
         self._syncing: dict[int, list[tuple[str, int, int]]] = {}  # shard -> (subject, seqno, size) heard meanwhile
         self._suspect: dict[int, tuple[int, int]] = {}  # shard -> (last seq, count) a check found off the map
@@ -117,11 +121,14 @@ class ShardWatch:
             heard.append((subject, seqno, size))
         clientid, key = queue_subject_parts(subject)
         ts_ms = int(headers[TS_HEADER]) if TS_HEADER in headers else stream_ms(headers["Nats-Time-Stamp"])
+        expires_ms = int(headers.get(EXPIRES_HEADER, 0))
+        if expires_ms:
+            self.expiring[shard][subject] = (seqno, ts_ms, expires_ms)
         result = Appended(seqno)
         if replaced and old:  # not when GC deleted it first; 0 bytes when the map missed it (a lost notice)
             result = Appended(seqno, (replaced,), old[1] if old[0] == replaced else 0)
         own = headers.get("Nats-Msg-Id", "").startswith(self._own)
-        return AppendNotice(Append(clientid, key, msg.data, ts_ms), result, own, in_order)
+        return AppendNotice(Append(clientid, key, msg.data, ts_ms, expires_ms), result, own, in_order)
 
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
@@ -170,6 +177,26 @@ class ShardWatch:
             if entries.get(subject, (0, 0))[0] == row.seqno:
                 del entries[subject]
 
+    def lapsed(self, now_ms: int, limit: int, shard: int, seq: int) -> tuple[dict[str, list[ExpiredRow]], int | None]:
+        """Up to ``limit`` stored entries of ``shard`` with seqno >= ``seq`` whose own expiry time is at or before
+        ``now_ms``, by clientid, from ``expiring`` (which this drops the entries no longer stored from); and the
+        seqno the next call for the shard starts from, None once the whole shard was looked at. Call on the
+        link's loop."""
+        found: dict[str, list[ExpiredRow]] = {}
+        taken = 0
+        entries, expiring = self.entries[shard], self.expiring[shard]
+        for subject, (seqno, ts_ms, expires_ms) in sorted(expiring.items(), key=lambda item: item[1][0]):
+            stored = entries.get(subject)
+            if stored is None or stored[0] != seqno:
+                del expiring[subject]  # replaced by a newer write, or deleted
+            elif seqno >= seq and expires_ms <= now_ms:
+                if taken >= limit:
+                    return found, seqno
+                clientid, key = queue_subject_parts(subject)
+                found.setdefault(clientid, []).append(ExpiredRow(seqno, key, ts_ms, stored[1]))
+                taken += 1
+        return found, None
+
     # --- gaps ---------------------------------------------------------------------------------------
 
     async def resync(self, shard: int, tell: bool = True) -> None:
@@ -212,6 +239,9 @@ class ShardWatch:
                 seq = int(reply.headers["Nats-Sequence"])
                 fresh[reply.headers["Nats-Subject"]] = (seq, len(reply.data))
                 last = max(last, seq)
+                if EXPIRES_HEADER in reply.headers:
+                    message = message_of(reply)
+                    self.expiring[shard][reply.headers["Nats-Subject"]] = (seq, message.ts_ms, message.expires_ms)
             if len(replies) < SCAN_PAGE:
                 return fresh, last
             seq += 1

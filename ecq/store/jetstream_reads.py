@@ -43,22 +43,23 @@ class JetStreamReads:
     # --- delivery's reads -----------------------------------------------------------------------------
 
     def read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0,
-                   known_last: int | None = None) -> list[Message]:
+                   known_last: int | None = None, lapsed_at_ms: int = 0) -> list[Message]:
         """Up to ``limit`` entries of ``clientid`` with seqno > ``after``, in seqno order (QueueStore): either
         ``limit`` entries or every entry up to ``known_last`` (None: up to the leader's end of the queue)."""
-        return self._call(self.read_after_async(clientid, after, limit, min_ts_ms, known_last),
+        return self._call(self.read_after_async(clientid, after, limit, min_ts_ms, known_last, lapsed_at_ms),
                           self._settings.read_timeout)
 
     async def read_after_async(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0,
-                               known_last: int | None = None) -> list[Message]:
-        """:meth:`read_after` on the link's loop. Expired entries (before ``min_ts_ms``, not yet collected) are
-        skipped and the read goes on past them, so a short answer still means the end of the queue."""
+                               known_last: int | None = None, lapsed_at_ms: int = 0) -> list[Message]:
+        """:meth:`read_after` on the link's loop. Expired entries (before ``min_ts_ms``, or expiring at or before
+        ``lapsed_at_ms`` when not 0; not yet collected) are skipped and the read goes on past them, so a short
+        answer still means the end of the queue."""
         stream, subject = self._stream(self._shard(clientid)), self._queue_subject(clientid)
         live: list[Message] = []
         while len(live) < limit:
             wanted = limit - len(live)
             stored = await self._stored_after(stream, subject, after, wanted, known_last)
-            live += [m for m in stored if m.ts_ms >= min_ts_ms]
+            live += [m for m in stored if m.ts_ms >= min_ts_ms and not m.lapsed(lapsed_at_ms)]
             if len(stored) < wanted:
                 break
             after = stored[-1].seqno

@@ -20,7 +20,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from ecq.store.jetstream_publish import BatchPublisher, Publish
-from ecq.store.jsapi import REQUEST_TIMEOUT_S, TS_HEADER, JetStreamApi, Retry, stream_ms
+from ecq.store.jsapi import EXPIRES_HEADER, REQUEST_TIMEOUT_S, TS_HEADER, JetStreamApi, Retry, stream_ms
 from ecq.store.link import NatsLink
 from ecq.store.protocol import (Append, Appended, CommitResult, Expire, ExpiredRow, ForgetQueue, Op, SaveAck,
                                 StoreError)
@@ -85,7 +85,10 @@ class JetStreamWrites:
     def _message(self, op: Append | SaveAck) -> Publish:
         msg_id = {"Nats-Msg-Id": self._msg_id_prefix + str(next(self._msg_ids))}
         if isinstance(op, Append):
-            return Publish(self._queue_subject(op.clientid, op.key), op.payload, {TS_HEADER: str(op.ts_ms), **msg_id})
+            headers = {TS_HEADER: str(op.ts_ms), **msg_id}
+            if op.expires_ms:
+                headers[EXPIRES_HEADER] = str(op.expires_ms)
+            return Publish(self._queue_subject(op.clientid, op.key), op.payload, headers)
         state = op.state
         above = sorted(seqno for seqno in state.above if seqno > state.acked)
         body = json.dumps({"acked": state.acked, "last_ack_ms": state.last_ack_ms, "above": above})

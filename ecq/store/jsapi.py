@@ -19,6 +19,7 @@ from ecq.store.link import ConnectionDropped, NatsLink
 from ecq.store.protocol import IndexEntry, Message, StoreError
 
 TS_HEADER = "Ecq-Ts"         # the publish time in ms, as the broker that took the write stamped it
+EXPIRES_HEADER = "Ecq-Expires"  # the entry's own expiry time in ms (MQTT 5 Message Expiry); absent: none
 REQUEST_TIMEOUT_S = 2.0      # one NATS request; a commit retries within write_timeout
 DIRECT_TIMEOUT_S = 0.5       # one direct get: any replica answers it in ms, but one sent to a server that was just
                              # killed never is answered, and a write waited out the full REQUEST_TIMEOUT_S for it
@@ -94,7 +95,7 @@ def message_of(reply: Any) -> Message:
     headers = reply.headers
     _clientid, key = queue_subject_parts(headers["Nats-Subject"])
     ts_ms = int(headers[TS_HEADER]) if TS_HEADER in headers else stream_ms(headers["Nats-Time-Stamp"])
-    return Message(int(headers["Nats-Sequence"]), key, reply.data, ts_ms)
+    return Message(int(headers["Nats-Sequence"]), key, reply.data, ts_ms, int(headers.get(EXPIRES_HEADER, 0)))
 
 
 def stored_message_of(answer: dict) -> Message:
@@ -104,7 +105,8 @@ def stored_message_of(answer: dict) -> Message:
     headers = dict(line.split(": ", 1) for line in base64.b64decode(answer.get("hdrs") or b"").decode().split("\r\n")
                    if ": " in line)
     ts_ms = int(headers[TS_HEADER]) if TS_HEADER in headers else stream_ms(answer["time"])
-    return Message(answer["seq"], key, base64.b64decode(answer.get("data") or b""), ts_ms)
+    return Message(answer["seq"], key, base64.b64decode(answer.get("data") or b""), ts_ms,
+                   int(headers.get(EXPIRES_HEADER, 0)))
 
 
 def index_entry_of(reply: Any) -> IndexEntry:

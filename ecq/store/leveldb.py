@@ -21,13 +21,14 @@ from ecq.store.committed import CommittedSeqnos, Missing, describe as _describe_
 from ecq.store.leveldb_files import Gate, cut_logs, reason as _reason, repair_command, repair_hint, room_to_reopen
 from ecq.store.leveldb_reads import LevelDbReads
 from ecq.store.leveldb_tables import (INDEX, INDEX_VALUE, PAYLOAD, SEQNO, STATE, U64, BatchState, decode_state, encode_s,
-                                      encode_state, payload_key)
+                                      encode_state, expiry_key, index_key_and_expiry, index_value)
 from ecq.store.protocol import (Append, Appended, Expire, ExpiredRow, ForgetQueue, Op, QueueQuota, QuotaExceeded, SaveAck,
                                 StoreError, StoreListener)
 
 log = logging.getLogger(__name__)
 
 _L0_INLINE_LIMIT = 4  # level-0 files; LevelDB slows writes at 8 and stops them at 12
+_NO_INDEX_VALUE = INDEX_VALUE.pack(0, 0)  # a payload row without its index row: 0 bytes, no expiry
 ROOM_LOG_INTERVAL_S = 30.0  # while writes are suspended for want of space: one line saying what is waited for
 
 
@@ -42,8 +43,7 @@ class LevelDbStore(LevelDbReads):
     ``cache_bytes`` are LevelDB's table cache size (its open table files are memory-mapped: this bounds the
     store's file-backed RSS) and block cache size in bytes; None keeps LevelDB's defaults (1000 files, 8 MiB). A
     broker that may call :meth:`reopen_if_space` runs its reads through :meth:`run`, so that no read uses the
-    database while it is closed and opened again; :meth:`commit` takes care of itself.
-    """
+    database while it is closed and opened again; :meth:`commit` takes care of itself."""
 
     shared = False  # one broker holds the LevelDB lock
 
@@ -110,8 +110,7 @@ class LevelDbStore(LevelDbReads):
         about 0.15 s for 100k entries (200k rows, 7 MB) on the 2-core dev VM.
 
         Returns (rows, seconds). Raises StoreError naming the file (when LevelDB names it), the reason, and
-        the last key read intact.
-        """
+        the last key read intact."""
         started, rows, last = time.monotonic(), 0, b""
         try:
             with self._gate:
@@ -157,8 +156,7 @@ class LevelDbStore(LevelDbReads):
         later write until the database is reopened); then commits are accepted again. While there is not room,
         logs what it waits for (bytes free, bytes needed) every ROOM_LOG_INTERVAL_S. Blocks until no read or
         commit is running. Returns True when the database was reopened. Raises StoreError if it cannot be
-        reopened (then every operation fails until a later call succeeds).
-        """
+        reopened (then every operation fails until a later call succeeds)."""
         room = room_to_reopen(self.path)
         if not room.enough:
             if self._room_log.due() is not None:
@@ -195,8 +193,7 @@ class LevelDbStore(LevelDbReads):
         After an I/O error (disk full) every commit raises StoreError until :meth:`reopen_if_space`
         succeeds: a failed log write can leave a partial record at the log's end, which LevelDB's recovery
         reads as an unfinished last write; a record written after it would make it a damaged middle, and
-        the next open (with paranoid checks) would fail.
-        """
+        the next open (with paranoid checks) would fail."""
         if self.write_error:
             raise StoreError(f"writes suspended until LevelDB is reopened: {self.write_error}")
         done = BatchState()
@@ -251,13 +248,18 @@ class LevelDbStore(LevelDbReads):
             return refused
         seqno = self._next_seqno(clientid)
         batch.put(SEQNO + queue, U64.pack(seqno) + U64.pack(op.ts_ms))
-        batch.put(index_prefix + U64.pack(seqno), INDEX_VALUE.pack(op.ts_ms, size) + op.key.encode())
+        batch.put(index_prefix + U64.pack(seqno), index_value(op.ts_ms, size, op.key, op.expires_ms))
         batch.put(payload_prefix + U64.pack(seqno) + U64.pack(op.ts_ms), op.payload)
-        for old_seqno, old_ts, _size in older:
+        if op.expires_ms:
+            batch.put(expiry_key(op.expires_ms, clientid, seqno), b"")
+            done.expiries[(clientid, seqno)] = op.expires_ms
+        for old_seqno, old_ts, _size, old_expires in older:
             batch.delete(index_prefix + U64.pack(old_seqno))
             batch.delete(payload_prefix + U64.pack(old_seqno) + U64.pack(old_ts))
+            if old_expires:
+                batch.delete(expiry_key(old_expires, clientid, old_seqno))
             done.deleted.add((clientid, old_seqno))
-        done.latest[slot] = (seqno, op.ts_ms, size)
+        done.latest[slot] = (seqno, op.ts_ms, size, op.expires_ms)
         done.appended[clientid] = seqno
         done.touched.add(clientid)
         evicted: tuple[ExpiredRow, ...] = ()
@@ -281,10 +283,12 @@ class LevelDbStore(LevelDbReads):
         for row in op.rows:
             seqno_bytes = pack(row.seqno)
             index_key = index_prefix + seqno_bytes
-            if (clientid, row.seqno) in done.deleted or get(index_key) is None:
+            if (clientid, row.seqno) in done.deleted or (value := get(index_key)) is None:
                 continue
             batch.delete(index_key)
             batch.delete(payload_prefix + encode_s(row.key) + seqno_bytes + pack(row.ts_ms))
+            if expires_ms := index_key_and_expiry(value)[1]:
+                batch.delete(expiry_key(expires_ms, clientid, row.seqno))
             done.deleted.add((clientid, row.seqno))
             deleted.append(row)
         if deleted and (sizes := self._sizes.get(clientid)):
@@ -326,7 +330,10 @@ class LevelDbStore(LevelDbReads):
             seqno = U64.unpack_from(index_key, len(prefix))[0]
             if (clientid, seqno) not in done.deleted:
                 ts_ms, size = INDEX_VALUE.unpack_from(value)
-                yield ExpiredRow(seqno, value[INDEX_VALUE.size:].decode(), ts_ms, size)
+                key, expires_ms = index_key_and_expiry(value)
+                if expires_ms:
+                    done.expiries[(clientid, seqno)] = expires_ms
+                yield ExpiredRow(seqno, key, ts_ms, size)
         yield from (row for row in done.added.get(clientid, ()) if (clientid, row.seqno) not in done.deleted)
 
     def _evict(self, batch, clientid: str, done: BatchState) -> tuple[ExpiredRow, ...]:
@@ -339,6 +346,8 @@ class LevelDbStore(LevelDbReads):
                 break
             batch.delete(index_prefix + U64.pack(row.seqno))
             batch.delete(payload_prefix + encode_s(row.key) + U64.pack(row.seqno) + U64.pack(row.ts_ms))
+            if expires_ms := done.expiries.get((clientid, row.seqno)):
+                batch.delete(expiry_key(expires_ms, clientid, row.seqno))
             done.deleted.add((clientid, row.seqno))
             if done.latest.get((clientid, row.key), (0,))[0] == row.seqno:
                 del done.latest[(clientid, row.key)]  # a later append of that key in this batch finds no older value
@@ -371,15 +380,15 @@ class LevelDbStore(LevelDbReads):
         return True
 
     def _live_versions(self, payload_keys, index_prefix: bytes, payload_prefix: bytes
-                       ) -> Iterator[tuple[int, int, int]]:
-        """(seqno, publish ms, payload bytes) of the stored values of one key (normally at most one)."""
+                       ) -> Iterator[tuple[int, int, int, int]]:
+        """(seqno, publish ms, payload bytes, expiry ms or 0) of the stored values of one key (usually one)."""
         payload_keys.seek(payload_prefix)
         for row in payload_keys:
             if not row.startswith(payload_prefix):
                 break
             seqno, ts_ms = U64.unpack_from(row, len(payload_prefix)), U64.unpack_from(row, len(payload_prefix) + 8)
-            index_value = self._db.get(index_prefix + U64.pack(seqno[0]))
-            yield seqno[0], ts_ms[0], INDEX_VALUE.unpack_from(index_value)[1] if index_value else 0
+            value = self._db.get(index_prefix + U64.pack(seqno[0])) or _NO_INDEX_VALUE
+            yield seqno[0], ts_ms[0], INDEX_VALUE.unpack_from(value)[1], index_key_and_expiry(value)[1]
 
     def _next_seqno(self, clientid: str) -> int:
         with self._seqno_lock:

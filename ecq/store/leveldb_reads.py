@@ -10,8 +10,8 @@ from pathlib import Path
 import plyvel
 
 from ecq.store.leveldb_files import reason as _reason
-from ecq.store.leveldb_tables import (INDEX, INDEX_END, INDEX_VALUE, MAX_U64, PAYLOAD, SEQNO, STATE, U64, decode_state,
-                                      encode_s, index_entry, payload_key, read_s)
+from ecq.store.leveldb_tables import (EXPIRY, INDEX, INDEX_END, INDEX_VALUE, MAX_U64, PAYLOAD, SEQNO, STATE, U64,
+                                      decode_state, encode_s, index_entry, index_key_and_expiry, payload_key, read_s)
 from ecq.store.protocol import AckState, ExpiredRow, IndexEntry, Message, StoreReadError
 
 
@@ -23,18 +23,19 @@ class LevelDbReads:
     path: Path
 
     def read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0,
-                   known_last: int | None = None) -> list[Message]:
+                   known_last: int | None = None, lapsed_at_ms: int = 0) -> list[Message]:
         """Up to ``limit`` messages of ``clientid`` with seqno > ``after``, in seqno order.
 
-        Entries published before ``min_ts_ms`` (expired, not yet collected) are skipped. Blocks read from
-        disk are checksummed; raises StoreReadError when LevelDB finds one damaged or unreadable.
+        Entries published before ``min_ts_ms`` or whose own expiry time is at or before ``lapsed_at_ms`` (not 0)
+        are skipped (expired, not yet collected). Blocks read from disk are checksummed; raises StoreReadError
+        when LevelDB finds one damaged or unreadable.
         """
         try:
-            return self._read_after(clientid, after, limit, min_ts_ms)
+            return self._read_after(clientid, after, limit, min_ts_ms, lapsed_at_ms)
         except (plyvel.CorruptionError, plyvel.IOError) as exc:
             raise StoreReadError(f"LevelDB at {self.path}: {_reason(exc)}") from exc
 
-    def _read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int) -> list[Message]:
+    def _read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int, lapsed_at_ms: int) -> list[Message]:
         prefix = INDEX + encode_s(clientid)
         messages: list[Message] = []
         with self._db.snapshot() as snap:
@@ -42,12 +43,12 @@ class LevelDbReads:
                                  verify_checksums=True)
             for index_key, value in rows:
                 seqno = U64.unpack_from(index_key, len(prefix))[0]
-                ts_ms, key = U64.unpack_from(value)[0], value[INDEX_VALUE.size:].decode()
-                if ts_ms < min_ts_ms:
+                ts_ms, (key, expires_ms) = U64.unpack_from(value)[0], index_key_and_expiry(value)
+                if ts_ms < min_ts_ms or 0 < expires_ms <= lapsed_at_ms:
                     continue
                 payload = snap.get(payload_key(clientid, key, seqno, ts_ms), verify_checksums=True)
                 if payload is not None:
-                    messages.append(Message(seqno, key, payload, ts_ms))
+                    messages.append(Message(seqno, key, payload, ts_ms, expires_ms))
                     if len(messages) >= limit:
                         break
         return messages
@@ -87,7 +88,7 @@ class LevelDbReads:
         found: dict[str, list[ExpiredRow]] = {}
         taken = 0
         queue, rows_of_queue = b"", []  # rows of one queue are adjacent: decode each clientid once
-        unpack_value, unpack_seqno, key_at = INDEX_VALUE.unpack_from, U64.unpack_from, INDEX_VALUE.size
+        unpack_value, unpack_seqno = INDEX_VALUE.unpack_from, U64.unpack_from
         with self._db.iterator(start=start or INDEX, stop=INDEX_END) as rows:
             for index_key, value in rows:
                 seqno_at = len(index_key) - 8
@@ -98,10 +99,33 @@ class LevelDbReads:
                 if index_key[:seqno_at] != queue:
                     queue = index_key[:seqno_at]
                     rows_of_queue = found.setdefault(read_s(queue, 1)[0], [])
-                rows_of_queue.append(ExpiredRow(unpack_seqno(index_key, seqno_at)[0], value[key_at:].decode(), ts_ms, size))
+                key = index_key_and_expiry(value)[0]
+                rows_of_queue.append(ExpiredRow(unpack_seqno(index_key, seqno_at)[0], key, ts_ms, size))
                 taken += 1
                 if taken >= limit:
                     return found, index_key + b"\x00"
+        return found, None
+
+    def lapsed_step(self, now_ms: int, limit: int, start: bytes | None = None
+                    ) -> tuple[dict[str, list[ExpiredRow]], bytes | None]:
+        """One GC step over the expiry table: up to ``limit`` entries whose own expiry time is at or before
+        ``now_ms``, soonest first, from ``start`` (None: the table's beginning). Returns them by clientid and the
+        ``start`` of the next step (None once every entry expiring by ``now_ms`` was found). Costs one index
+        lookup per entry found; entries without an expiry are not looked at."""
+        found: dict[str, list[ExpiredRow]] = {}
+        taken = 0
+        with self._db.iterator(start=start or EXPIRY, stop=EXPIRY + U64.pack(now_ms + 1), include_value=False) as rows:
+            for expiry_row in rows:
+                clientid, seqno_at = read_s(expiry_row, 9)
+                seqno = U64.unpack_from(expiry_row, seqno_at)[0]
+                value = self._db.get(INDEX + expiry_row[9:seqno_at] + U64.pack(seqno))
+                if value is not None:
+                    ts_ms, size = INDEX_VALUE.unpack_from(value)
+                    key = index_key_and_expiry(value)[0]
+                    found.setdefault(clientid, []).append(ExpiredRow(seqno, key, ts_ms, size))
+                    taken += 1
+                if taken >= limit:
+                    return found, expiry_row + b"\x00"
         return found, None
 
     def idle_queues(self, cutoff_ms: int) -> list[str]:

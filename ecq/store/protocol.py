@@ -2,9 +2,10 @@
 through which the queue engine, delivery, GC and the operations reach stored queues.
 
 A store holds, per queue (a clientid): entries numbered by a seqno that starts at 1 and only grows, each
-with a compaction key, a payload and its publish time; the consumer's ack state; and the last seqno ever
-assigned. Writes come as ops (:data:`Op`) committed in batches, each batch atomically. All timestamps are
-milliseconds since the Unix epoch; sizes are payload bytes. The methods block (disk I/O) and are run off
+with a compaction key, a payload, its publish time and, for an MQTT 5 write with a Message Expiry Interval,
+its expiry time (an entry is gone once either ``data_retention`` or its own expiry has passed); the
+consumer's ack state; and the last seqno ever assigned. Writes come as ops (:data:`Op`) committed in
+batches, each batch atomically. All timestamps are milliseconds since the Unix epoch; sizes are payload bytes. The methods block (disk I/O) and are run off
 the event loop, in reader or writer threads. :class:`ecq.store.leveldb.LevelDbStore` is the embedded
 implementation, :class:`ecq.store.jetstream.JetStreamStore` the one a cluster of brokers shares.
 """
@@ -58,12 +59,19 @@ class QueueQuota:
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """One stored queue entry: seqno, compaction key, payload bytes, publish time in ms."""
+    """One stored queue entry: seqno, compaction key, payload bytes, publish time in ms, and the time in ms at
+    which it expires (``expires_ms``; 0: never, the common case), set from an MQTT 5 write's Message Expiry
+    Interval (MQTT 5.0 section 3.3.2.3.3)."""
 
     seqno: int
     key: str
     payload: bytes
     ts_ms: int
+    expires_ms: int = 0
+
+    def lapsed(self, at_ms: int) -> bool:
+        """True when the entry's own expiry time is at or before ``at_ms`` (ms since the epoch); never without one."""
+        return 0 < self.expires_ms <= at_ms
 
 
 @dataclass(slots=True)
@@ -77,12 +85,14 @@ class AckState:
 
 @dataclass(frozen=True, slots=True)
 class Append:
-    """Write op: append ``payload`` under ``key`` to the queue of ``clientid`` (compacting older values)."""
+    """Write op: append ``payload`` under ``key`` to the queue of ``clientid`` (compacting older values), published
+    at ``ts_ms`` and expiring at ``expires_ms`` (0: no expiry of its own; see :class:`Message`)."""
 
     clientid: str
     key: str
     payload: bytes
     ts_ms: int
+    expires_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +131,7 @@ class Expire:
     """Write op: delete the rows of ``clientid`` found by :meth:`QueueStore.expired_step` (GC) or by a read.
 
     ``reason`` says why, for observers only (the store ignores it): ``retention`` (GC, ``data_retention``),
+    ``message_expiry`` (GC, the entry's own expiry: :meth:`QueueStore.lapsed_step`),
     ``tombstone_retention`` (GC of tombstones), ``tombstone_acked`` (a delivered tombstone's PUBACK) or
     ``purge`` (``ecq purge``)."""
 
@@ -222,9 +233,10 @@ class QueueStore(Protocol):
         """True when :meth:`commit` will not block on the disk, so the writer may run it on the event loop."""
 
     def read_after(self, clientid: str, after: int, limit: int, min_ts_ms: int = 0,
-                   known_last: int | None = None) -> list[Message]:
+                   known_last: int | None = None, lapsed_at_ms: int = 0) -> list[Message]:
         """Up to ``limit`` entries of ``clientid`` with seqno > ``after``, in seqno order, skipping those
-        published before ``min_ts_ms`` (expired, not yet collected). ``known_last``: a seqno the caller was
+        published before ``min_ts_ms`` and those whose own expiry time is at or before ``lapsed_at_ms`` (0: none
+        skipped for that) (expired, not yet collected). ``known_last``: a seqno the caller was
         told is stored (None: not known), for a store whose replicas may lag: a shorter answer is checked.
         Raises :class:`StoreReadError` for damaged data."""
 
@@ -239,6 +251,12 @@ class QueueStore(Protocol):
         """One GC step: up to ``limit`` entries published before ``cutoff_ms``, scanning from ``start`` (None:
         the beginning) across queues. Returns them by clientid, oldest first, and the opaque ``start`` of the
         next step (None once every queue was scanned)."""
+
+    def lapsed_step(self, now_ms: int, limit: int, start: bytes | None = None
+                    ) -> tuple[dict[str, list[ExpiredRow]], bytes | None]:
+        """One GC step over the entries with an expiry time of their own (:attr:`Message.expires_ms`): up to
+        ``limit`` of those expiring at or before ``now_ms``, scanning from ``start`` (None: the beginning).
+        Returns them by clientid and the opaque ``start`` of the next step (None once all were scanned)."""
 
     def idle_queues(self, cutoff_ms: int) -> list[str]:
         """Clientids whose queue stores no entry and had no write and no ack since ``cutoff_ms`` (ms since the

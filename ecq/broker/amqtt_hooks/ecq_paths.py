@@ -195,10 +195,11 @@ def acknowledge_soon(handler: BrokerProtocolHandler, qos: int, packet_id: int | 
 
 
 async def publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: bytes, seqno: int | None = None,
-                       ts_ms: int | None = None) -> None:
+                       ts_ms: int | None = None, expires_ms: int = 0) -> None:
     """Send a QoS 1 PUBLISH on ``handler`` and wait for its PUBACK for as long as the connection lives. On an
     MQTT 5 connection it carries the User Properties ``ecq-seqno`` and ``ecq-ts`` (the message's seqno and
-    publish time in Unix ms, when given).
+    publish time in Unix ms, when given) and, for an entry that expires at ``expires_ms`` (Unix ms, 0: never),
+    the Message Expiry Interval left (MQTT 5.0 section 3.3.2.3.3).
 
     amqtt's own ``mqtt_publish`` gives up after a fixed 5 s and forgets the packet id, so under load a
     late PUBACK was lost and the resend added more load. MQTT 3.1.1 section 4.4 resends unacknowledged
@@ -217,7 +218,7 @@ async def publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: byte
         if context_of(handler) is None:
             send_soon(handler, message.build_publish_packet().to_bytes())
         else:
-            send_soon(handler, delivery(packet_id, topic, payload, seqno, ts_ms))
+            send_soon(handler, delivery(packet_id, topic, payload, seqno, ts_ms, expires_ms))
         await puback
     except asyncio.CancelledError:
         if asyncio.current_task().cancelling():

@@ -151,7 +151,8 @@ class Mqtt5Framer(Framer):
             raise violation(self._packets, f"MQTT 5 packet that does not decode ({exc})") from None
 
     def _take_ecq_publish(self, data: bytes, first: int, body: int, end: int) -> bool:
-        """Take a v5 PUBLISH under ``$ECQ/`` (as Framer does); any other is kept for :meth:`_hand_to_amqtt` (False).
+        """Take a v5 PUBLISH under ``$ECQ/`` (as Framer does), with its Message Expiry Interval, which is stored with
+        the entry (MQTT 5.0 section 3.3.2.3.3); any other is kept for :meth:`_hand_to_amqtt` (False).
         Raises ProtocolViolation: malformed, a bad Topic Alias (:meth:`_topic_of`), bad_clients' PUBLISH rules
         (topic length, UTF-8, NUL, wildcards, packet id 0)."""
         self._check_topic(data, first, body, end)
@@ -169,7 +170,8 @@ class Mqtt5Framer(Framer):
         if not is_ecq_topic(topic):
             self._publish = (packet, topic)
             return False
-        self._plugin.take_ecq_write(self._handler, topic, qos, packet.packet_id, packet.payload)
+        self._plugin.take_ecq_write(self._handler, topic, qos, packet.packet_id, packet.payload,
+                                    packet.message_expiry_interval or 0)
         return True
 
     def _topic_of(self, packet: Any) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 import mqtt5
 
+from ecq.queue.clock import now_ms
 from ecq.queue.refusal_codes import write_refusal_code
 
 MALFORMED_PACKET = 0x81
@@ -141,12 +142,22 @@ def publish_acknowledgement(context: Mqtt5Context, qos: int, packet_id: int, rea
     return _PUBLISH_ACKS[qos](packet_id, reason_code=code).write()
 
 
-def delivery(packet_id: int, topic: str, payload: bytes, seqno: int | None, ts_ms: int | None) -> bytes:
+def delivery(packet_id: int, topic: str, payload: bytes, seqno: int | None, ts_ms: int | None,
+             expires_ms: int = 0) -> bytes:
     """A QoS 1 PUBLISH of an ECQ delivery with the User Properties ``ecq-seqno`` (decimal seqno) and ``ecq-ts``
-    (the write's publish time, Unix ms), when known (MQTT 5.0 section 3.3.2.3.7)."""
+    (the write's publish time, Unix ms), when known (MQTT 5.0 section 3.3.2.3.7), and for an entry that expires
+    at ``expires_ms`` (Unix ms; 0: never) the Message Expiry Interval left (section 3.3.2.3.3)."""
     properties = [] if seqno is None else [("ecq-seqno", str(seqno)), ("ecq-ts", str(ts_ms))]
     return mqtt5.PublishPacket(topic, payload, qos=mqtt5.QoS.AT_LEAST_ONCE, packet_id=packet_id,
-                               user_properties=properties).write()
+                               user_properties=properties,
+                               message_expiry_interval=remaining_expiry_s(expires_ms, now_ms())).write()
+
+
+def remaining_expiry_s(expires_ms: int, now: int) -> int | None:
+    """The Message Expiry Interval of a delivery at ``now`` (Unix ms) of an entry expiring at ``expires_ms``:
+    the seconds left, rounded up and at least 1 (a delivery is sent only before its entry expires), None when it
+    never expires (MQTT 5.0 section 3.3.2.3.3: the received value minus the time the message waited)."""
+    return max(1, -((now - expires_ms) // 1000)) if expires_ms else None
 
 
 def disconnect(code: int, message: str | None = None) -> bytes:

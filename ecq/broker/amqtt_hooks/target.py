@@ -30,9 +30,11 @@ class EcqHooksTarget(Protocol):
     start_error: Exception | None  # a failure of the plugin's start, raised from ``Broker.start``
 
     def take_ecq_write(self, handler: BrokerProtocolHandler, topic: str, qos: int, packet_id: int | None,
-                       payload: bytes) -> None:
+                       payload: bytes, expiry_s: int = 0) -> None:
         """Take a PUBLISH under ``$ECQ/`` as it is read: start its write now; acknowledge it, in arrival order,
-        once stored (QoS 1 PUBACK, QoS 2 PUBREC; a QoS 2 retransmit is not stored again), or refuse it."""
+        once stored (QoS 1 PUBACK, QoS 2 PUBREC; a QoS 2 retransmit is not stored again), or refuse it.
+        ``expiry_s``: an MQTT 5 PUBLISH's Message Expiry Interval in seconds, 0 for none (MQTT 5.0 section
+        3.3.2.3.3)."""
 
     def hold_acknowledgement(self, handler: BrokerProtocolHandler) -> Callable[[Callable[[], None] | None], None]:
         """A place in the connection's arrival order for a plain QoS 1 PUBLISH; the returned function takes what
