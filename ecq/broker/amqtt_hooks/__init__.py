@@ -32,7 +32,10 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   :mod:`.mqtt5_framer`: the reader of those connections (v5 packets decoded, taken by ECQ or handed to amqtt as
   3.1.1); :mod:`.mqtt5_packets`: the v5 context of a connection and the v5 packets ECQ sends (refused writes'
   reason codes, deliveries with ``ecq-seqno``/``ecq-ts``); :mod:`.mqtt5_sessions`: the life of a v5 session
-  (Session Expiry Interval per session, Will Delay Interval, Server Keep Alive, server DISCONNECT reason codes).
+  (Session Expiry Interval per session, Will Delay Interval, Server Keep Alive, server DISCONNECT reason codes);
+  :mod:`.mqtt5_messages`: a v5 PUBLISH's properties carried through amqtt in its payload object, subscription
+  options, the v5 PUBLISH ECQ sends; :mod:`.mqtt5_routing`: deliveries on ordinary topics as a v5 client's
+  subscriptions and CONNECT ask (expiry, No Local, Retain As Published and Handling, identifiers, size, window).
 
 Several corrections wrap the same amqtt method (``init_from_connect``, ``_reader_loop``, ``handle_puback``,
 ``_handle_message_delivery``, ``_broadcast_message``, ``_handle_client_session``, ``_client_connected``,
