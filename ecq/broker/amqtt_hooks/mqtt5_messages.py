@@ -124,17 +124,10 @@ def matches(topic: str, topic_filter: str) -> bool:
 
 
 def publish_bytes(context: Mqtt5Context, packet: Any) -> bytes:
-    """The v5 bytes of amqtt's outgoing PublishPacket: its payload's forwarded properties, the remaining Message
-    Expiry Interval in whole seconds (section 3.3.2.3.3), the delivery's Subscription Identifiers, and a Topic
-    Alias while the client's Topic Alias Maximum has room (the topic is sent once, then an empty topic)."""
+    """The v5 bytes of amqtt's outgoing PublishPacket: :func:`_publish_properties`, and a Topic Alias while the
+    client's Topic Alias Maximum has room (the topic is sent once with it, then as an empty topic)."""
     data, topic = packet.data, packet.topic_name
-    properties: dict[str, Any] = {}
-    if isinstance(data, Mqtt5Payload):
-        properties = dict(data.properties)
-        if data.expires_at is not None:
-            properties["message_expiry_interval"] = max(0, math.ceil(data.expires_at - time.monotonic()))
-        if data.subscription_ids:
-            properties["subscription_ids"] = list(data.subscription_ids)
+    properties = _publish_properties(data)
     alias, known = context.alias_out(topic)
     if alias is not None:
         properties["topic_alias"] = alias
@@ -147,10 +140,18 @@ def publish_bytes(context: Mqtt5Context, packet: Any) -> bytes:
 def encoded_size(topic: str, data: bytes, qos: int) -> int:
     """The size in bytes of a v5 PUBLISH of ``data`` to ``topic`` without a Topic Alias (for the client's Maximum
     Packet Size, section 3.1.2.11.4)."""
-    properties = dict(data.properties) if isinstance(data, Mqtt5Payload) else {}
-    if isinstance(data, Mqtt5Payload) and data.subscription_ids:
-        properties["subscription_ids"] = list(data.subscription_ids)
-    if isinstance(data, Mqtt5Payload) and data.expires_at is not None:
-        properties["message_expiry_interval"] = 0
     return len(mqtt5.PublishPacket(topic, bytes(data), qos=mqtt5.QoS(qos), packet_id=1 if qos else None,
-                                   **properties).write())
+                                   **_publish_properties(data)).write())
+
+
+def _publish_properties(data: bytes) -> dict[str, Any]:
+    """The properties of a v5 PUBLISH of ``data``: an Mqtt5Payload's forwarded ones, its Message Expiry Interval
+    left in whole seconds, rounded up (section 3.3.2.3.3), the delivery's Subscription Identifiers (3.3.4)."""
+    if not isinstance(data, Mqtt5Payload):
+        return {}
+    properties = dict(data.properties)
+    if data.expires_at is not None:
+        properties["message_expiry_interval"] = max(1, math.ceil(data.expires_at - time.monotonic()))
+    if data.subscription_ids:
+        properties["subscription_ids"] = list(data.subscription_ids)
+    return properties
