@@ -235,3 +235,18 @@ def test_unsuback_says_which_filters_had_no_subscription(broker):
     assert isinstance(v5_packet(raw.next()), mqtt5.SubAckPacket)
     raw.send(mqtt5.UnsubscribePacket(2, ["un/a", "un/b"]).write())
     assert v5_packet(raw.next()).reason_codes == [0x00, 0x11]
+
+
+def test_a_client_still_sending_after_a_server_disconnect_reads_it_rather_than_a_reset(broker, v5):
+    """Section 4.13: the client is to learn why it is disconnected. A socket closed with unread bytes sends a reset,
+    which fails the client's next write and discards the DISCONNECT unread (Paho's test_flow_control2 died of
+    it): ECQ shuts its side and discards what still comes before it closes."""
+    limit = v5(broker.port, "flood2-probe").connack[1].ReceiveMaximum
+    client = wire(broker.port, "flood2")
+    client.send(*[mqtt5.PublishPacket("flood2/t", b"v", qos=mqtt5.QoS.EXACTLY_ONCE, packet_id=n).write()
+                  for n in range(1, limit + 2)])
+    for _ in range(15):  # what a client does meanwhile: its PUBRELs, PINGREQs... every 20 ms for 0.3 s
+        client.send(mqtt5.PingReqPacket().write())
+        time.sleep(0.02)
+    packets = client.until_closed(timeout=30)
+    assert packets and packets[-1].kind == DISCONNECT and packets[-1].body[:1] == b"\x93"
