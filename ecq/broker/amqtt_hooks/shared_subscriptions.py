@@ -8,10 +8,10 @@ shared subscription one member of its group.
 
 The member: the first connected one in the subscription's list, which then moves to the list's end (round robin
 among the connected members). With no member connected, the first persistent offline one, which gets the message
-queued as any QoS 1 or 2 message for an offline session (a QoS 0 one is dropped). EMQX and Mosquitto take offline
-persistent members in their rotation (emqx/emqx#3243, #11865); ECQ gives the message to a connected member first,
-as the section's "SHOULD send the Application Message to another Client" leans. Groups are per broker: in a
-cluster, each broker's members of a group get one copy of a forwarded message.
+queued as any QoS 1 or 2 message for an offline session (a QoS 0 one is dropped). EMQX keeps offline persistent
+members in its rotation, so they hold a share of the messages while away (emqx/emqx#3243, #11865; VerneMQ did too
+and called it a bug, vernemq/vernemq#618): ECQ gives the message to a connected member first. Groups are per
+broker: in a cluster, each broker's members of a group get one copy of a forwarded message.
 
 Retained messages are not sent on a shared subscription (section 4.8.2; ``_matches`` does not match its filter).
 """
