@@ -289,8 +289,9 @@ def _as_mqtt5(handler: BrokerProtocolHandler, context: Mqtt5Context, packet: Any
 def _connack(context: Mqtt5Context, session_present: int, return_code: int) -> bytes:
     """The v5 CONNACK of a 3.1.1 one (MQTT 5.0 section 3.2): a refusal with its v5 code, or success with ECQ's
     properties: what it cannot carry yet announced as unavailable (Topic Alias Maximum 0, Subscription
-    Identifiers and Shared Subscriptions 0), Maximum Packet Size the broker's ``max_packet_bytes``, the Assigned
-    Client Identifier, and the Session Expiry Interval ECQ applies when it differs from the one asked for."""
+    Identifiers 0), Shared Subscriptions 1 (``shared_subscriptions``), Maximum Packet Size the broker's
+    ``max_packet_bytes``, the Assigned Client Identifier, and the Session Expiry Interval ECQ applies when it
+    differs from the one asked for."""
     if return_code:
         code = _CONNACK_CODES.get(return_code, UNSPECIFIED_ERROR)
         return mqtt5.ConnAckPacket(reason_code=mqtt5.ConnAckReasonCode(code)).write()
@@ -300,7 +301,7 @@ def _connack(context: Mqtt5Context, session_present: int, return_code: int) -> b
         session_expiry_interval=None if expiry == context.session_expiry_s else expiry,
         receive_max=65535, topic_alias_max=0, retain_available=True, wildcard_subscription_available=True,
         max_packet_size=context.server_maximum_packet_size, subscription_id_available=False,
-        shared_subscription_available=False).write()
+        shared_subscription_available=True).write()
 
 
 def _suback(handler: BrokerProtocolHandler, context: Mqtt5Context, packet_id: int, granted: list[int]) -> bytes:

@@ -6,9 +6,10 @@ equivalent 3.1.1 packet, which amqtt's decoders (and ``bad_clients``' checks) re
   as 3.1.1 (its properties are not carried); a Topic Alias is refused with DISCONNECT 0x94 (CONNACK announced
   Topic Alias Maximum 0, MQTT 5.0 section 3.3.2.3.4);
 - PUBACK, PUBREC, PUBREL, PUBCOMP: their packet id (a reason code and properties are read and dropped);
-- SUBSCRIBE: a ``$share/`` filter is refused with 0x9E, a Subscription Identifier with 0xA1, and No Local, Retain As
-  Published or a Retain Handling other than 0 with 0x83 (amqtt has none of them, section 3.8.3.1); the other
-  filters reach amqtt, and ``mqtt5_edge`` puts the codes back in place in the SUBACK;
+- SUBSCRIBE: a malformed ``$share/`` filter is refused with 0x8F, one on ``$ECQ/`` with 0x9E (``shared_subscriptions``),
+  a Subscription Identifier with 0xA1, and No Local, Retain As Published or a Retain Handling other than 0 with 0x83
+  (amqtt has none of them, section 3.8.3.1); the other filters reach amqtt, and ``mqtt5_edge`` puts the codes back
+  in place in the SUBACK;
 - DISCONNECT: reason 0x04 (Disconnect with Will Message) keeps the Will, as a connection lost does; any other
   drops it (section 3.14.2.1);
 - AUTH: DISCONNECT 0x82 Protocol Error, then close (no CONNECT had an Authentication Method, which ECQ refuses
@@ -38,12 +39,13 @@ from ecq.broker.amqtt_hooks.framer import Framer
 from ecq.broker.amqtt_hooks.mqtt5_packets import (MALFORMED_PACKET, PACKET_TOO_LARGE,
                                                   PROTOCOL_ERROR, TOPIC_ALIAS_INVALID, MalformedPacket, context_of,
                                                   decode, disconnect, mqtt_string, remaining_length)
+from ecq.broker.amqtt_hooks.shared_subscriptions import v5_refusal
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic, queue_filter
 
 _ACKS = (PUBACK, PUBREC, PUBREL, PUBCOMP)
 _WITH_WILL = 0x04
-SHARED_NOT_SUPPORTED, IDS_NOT_SUPPORTED, OPTIONS_NOT_SUPPORTED = 0x9E, 0xA1, 0x83
+IDS_NOT_SUPPORTED, OPTIONS_NOT_SUPPORTED = 0xA1, 0x83
 NOT_AUTHORIZED, UNSPECIFIED_ERROR = 0x87, 0x80
 
 
@@ -215,8 +217,8 @@ class Mqtt5Framer(Framer):
 
 def _refusal(topic_filter: Any, subscription_id: int | None) -> int | None:
     """The SUBACK code of a v5 filter amqtt cannot carry, or None (MQTT 5.0 sections 3.8.3.1, 4.8.2)."""
-    if topic_filter.pattern.startswith("$share/"):
-        return SHARED_NOT_SUPPORTED
+    if (code := v5_refusal(topic_filter.pattern)) is not None:
+        return code
     if subscription_id is not None:
         return IDS_NOT_SUPPORTED
     if (topic_filter.no_local or topic_filter.retain_as_published
