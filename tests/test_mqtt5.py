@@ -205,7 +205,6 @@ def test_v5_and_3_1_1_clients_interoperate(broker, v5, connect):
 def test_suback_says_why_a_filter_is_refused(broker, v5):
     client = v5(broker.port, "sub5")
     assert client.subscribe("$ECQ/someone-else/#") == [0x87]
-    assert client.subscribe("$share/group/plain/#") == [0x9E]
     assert client.subscribe("$ECQ/sub5/#", "$share/g/$ECQ/sub5/#", "plain/#") == [1, 0x9E, 1]
 
 

@@ -250,3 +250,15 @@ def test_a_client_still_sending_after_a_server_disconnect_reads_it_rather_than_a
         time.sleep(0.02)
     packets = client.until_closed(timeout=30)
     assert packets and packets[-1].kind == DISCONNECT and packets[-1].body[:1] == b"\x93"
+
+
+def test_a_shared_subscription_keeps_its_identifier_and_no_local_on_it_is_a_protocol_error(broker, v5):
+    """Section 3.8.2.1.2: a delivery through a shared subscription carries its Subscription Identifier; section
+    3.8.3.1: No Local on a shared subscription is a Protocol Error (DISCONNECT 0x82)."""
+    member = v5(broker.port, "share-id")
+    assert member.subscribe("$share/g/shid/#", subscription_id=42) == [1]
+    v5(broker.port, "share-id-producer").publish("shid/t", b"m")
+    assert getattr(member.expect(1)[0].properties, "SubscriptionIdentifier", None) == [42]
+    raw = wire(broker.port, "share-nl")
+    raw.send(mqtt5.SubscribePacket(1, [mqtt5.TopicFilter("$share/g/shnl/#", no_local=True)]).write())
+    assert [(p.kind, p.body[:1]) for p in raw.until_closed()] == [(DISCONNECT, b"\x82")]

@@ -19,6 +19,8 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   retained messages);
 - :mod:`.conformance`: MQTT 3.1.1 for ordinary topics (what was read before a disconnect is routed, persistent sessions, without their dead connection's
   handler, retained messages, QoS of a fan-out, resend on reconnect, keepalive, with per-session bounds);
+- :mod:`.shared_subscriptions`: ``$share/<ShareName>/<filter>`` (MQTT 5.0 section 4.8.2): each message to one
+  member of the group, malformed ones refused, the ACL judging the filter read;
 - :mod:`.cluster`: ordinary MQTT messages forwarded to and from the other brokers of a cluster, retained messages
   and persistent sessions that follow the client across them;
 - :mod:`.start_up`: start-up failures are reported, not hidden;
@@ -38,16 +40,16 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   subscriptions and CONNECT ask (expiry, No Local, Retain As Published and Handling, identifiers, size, window).
 
 Several corrections wrap the same amqtt method (``init_from_connect``, ``_reader_loop``, ``handle_puback``,
-``_handle_message_delivery``, ``_broadcast_message``, ``_handle_client_session``, ``_client_connected``,
-``_publish_session_retained_messages``, ``_initialize_client_session``, ``_delete_session``,
+``_handle_message_delivery``, ``_broadcast_message``, ``add_subscription``, ``_handle_client_session``,
+``_client_connected``, ``_publish_session_retained_messages``, ``_initialize_client_session``, ``_delete_session``,
 ``_handle_disconnect``, ``handle_read_timeout``): the order of :func:`install` is the order of wrapping.
 """
 
 from __future__ import annotations
 
 from ecq.broker.amqtt_hooks import (acks, bad_clients, cluster, conformance, ecq_guards, ecq_paths, framer,
-                                    mqtt5_edge, mqtt5_framer, mqtt5_routing, mqtt5_sessions, start_up, target,
-                                    websocket)
+                                    mqtt5_edge, mqtt5_framer, mqtt5_routing, mqtt5_sessions, shared_subscriptions,
+                                    start_up, target, websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import (broadcast_from_cluster, discard_session, hand_over_session,
                                            persistent_subscriptions, set_retained_from_cluster)
@@ -99,6 +101,7 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     conformance.route_what_was_read_before_the_disconnect()  # outside keep_the_new_connection's: on takeovers too
     conformance.end_clean_sessions_with_their_connection()
     conformance.conformant_fan_out()
+    shared_subscriptions.take_shared_subscriptions()  # its fan-out side is conformance._subscribers'
     conformance.resend_unacked_on_reconnect()
     conformance.enforce_keepalive()
     cluster.replicate_retained_messages()  # outside keep_ecq_out_of_retained_store: $ECQ/ never reaches it

@@ -28,6 +28,7 @@ from amqtt.session import OUTGOING
 
 from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE, client_id, close_connection, no_op
 from ecq.broker.amqtt_hooks.mqtt5_routing import sends_retained
+from ecq.broker.amqtt_hooks.shared_subscriptions import receivers
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
 from ecq.queue.topics import is_ecq_topic
 
@@ -274,13 +275,11 @@ def conformant_fan_out() -> None:
 
 
 def _subscribers(broker: Broker, topic: str) -> dict[str, tuple[Any, int]]:
-    """client id -> (session, highest granted QoS among its filters matching ``topic``)."""
+    """client id -> (session, highest granted QoS among its subscriptions taking ``topic``, shared ones included)."""
     found: dict[str, tuple[Any, int]] = {}
-    for topic_filter, subscriptions in broker.subscriptions.items():
-        if broker._matches(topic, topic_filter):
-            for session, qos in subscriptions:
-                if session.client_id not in found or qos > found[session.client_id][1]:
-                    found[session.client_id] = (session, qos)
+    for session, qos in receivers(broker, topic):
+        if session.client_id not in found or qos > found[session.client_id][1]:
+            found[session.client_id] = (session, qos)
     return found
 
 

@@ -292,11 +292,10 @@ def _as_mqtt5(handler: BrokerProtocolHandler, context: Mqtt5Context, packet: Any
 
 def _connack(context: Mqtt5Context, session_present: int, return_code: int) -> bytes:
     """The v5 CONNACK of a 3.1.1 one (MQTT 5.0 section 3.2): a refusal with its v5 code, or success with ECQ's
-    properties: Topic Alias Maximum :data:`TOPIC_ALIAS_MAXIMUM`, Subscription Identifiers available, Receive
-    Maximum :data:`RECEIVE_MAXIMUM`, what it cannot carry yet announced as unavailable (Shared Subscriptions 0),
-    Maximum Packet Size the broker's ``max_packet_bytes``, the Assigned Client Identifier, and the Session Expiry
-    Interval and Server Keep Alive ECQ applies when they differ from the ones asked for
-    (``mqtt5_sessions.connack_properties``)."""
+    properties: Topic Alias Maximum :data:`TOPIC_ALIAS_MAXIMUM`, Subscription Identifiers and Shared
+    Subscriptions available, Receive Maximum :data:`RECEIVE_MAXIMUM`, Maximum Packet Size the broker's
+    ``max_packet_bytes``, the Assigned Client Identifier, and the Session Expiry Interval and Server Keep Alive ECQ
+    applies when they differ from the ones asked for (``mqtt5_sessions.connack_properties``)."""
     if return_code:
         code = _CONNACK_CODES.get(return_code, UNSPECIFIED_ERROR)
         return mqtt5.ConnAckPacket(reason_code=mqtt5.ConnAckReasonCode(code)).write()
@@ -306,7 +305,7 @@ def _connack(context: Mqtt5Context, session_present: int, return_code: int) -> b
         receive_max=RECEIVE_MAXIMUM, topic_alias_max=TOPIC_ALIAS_MAXIMUM, retain_available=True,
         wildcard_subscription_available=True, max_packet_size=context.server_maximum_packet_size,
         subscription_id_available=True,
-        shared_subscription_available=False).write()
+        shared_subscription_available=True).write()
 
 
 def _suback(handler: BrokerProtocolHandler, context: Mqtt5Context, packet_id: int, granted: list[int]) -> bytes:

@@ -7,9 +7,10 @@ equivalent 3.1.1 packet, which amqtt's decoders (and ``bad_clients``' checks) re
   Alias is resolved per connection (MQTT 5.0 section 3.3.2.3.4); more than ``RECEIVE_MAXIMUM`` QoS 1/2 PUBLISHes
   unacknowledged get DISCONNECT 0x93 (section 3.3.4);
 - PUBACK, PUBREC, PUBREL, PUBCOMP: their packet id (a reason code and properties are read and dropped);
-- SUBSCRIBE: a ``$share/`` filter is refused with 0x9E; the other filters reach amqtt with their options and
-  Subscription Identifier kept (``mqtt5_routing.subscribed``), and ``mqtt5_edge`` puts the codes back in place in
-  the SUBACK; UNSUBSCRIBE: its UNSUBACK codes (``mqtt5_routing.unsubscribed``);
+- SUBSCRIBE: a malformed ``$share/`` filter is refused with 0x8F, one on ``$ECQ/`` with 0x9E
+  (``shared_subscriptions``), No Local on a shared subscription is a Protocol Error (0x82); the other filters reach
+  amqtt with their options and Subscription Identifier kept (``mqtt5_routing.subscribed``), and ``mqtt5_edge``
+  puts the codes back in place in the SUBACK; UNSUBSCRIBE: its UNSUBACK codes (``mqtt5_routing.unsubscribed``);
 - DISCONNECT: its Session Expiry Interval applies (``mqtt5_sessions.take_disconnect_expiry``; a non-zero one after
   a CONNECT's 0 is a Protocol Error, 0x82); reason 0x04 (Disconnect with Will Message) keeps the Will, as a
   connection lost does; any other drops it (section 3.14.2.1);
@@ -47,12 +48,12 @@ from ecq.broker.amqtt_hooks.mqtt5_packets import (MALFORMED_PACKET, PACKET_TOO_L
                                                   disconnect, mqtt_string, remaining_length)
 from ecq.broker.amqtt_hooks.mqtt5_routing import subscribed, unsubscribed
 from ecq.broker.amqtt_hooks.mqtt5_sessions import take_disconnect_expiry
+from ecq.broker.amqtt_hooks.shared_subscriptions import v5_refusal
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic, queue_filter
 
 _ACKS = (PUBACK, PUBREC, PUBREL, PUBCOMP)
 _WITH_WILL = 0x04
-SHARED_NOT_SUPPORTED = 0x9E
 LINGER_S = 2.0  # how long a connection refused with DISCONNECT waits for the client to close (see _linger)
 LINGER_IDLE_S = 0.2  # ... or for the client to stop sending
 _lingering: set[asyncio.Task] = set()  # the tasks of _linger, kept from the garbage collector
@@ -248,7 +249,10 @@ class Mqtt5Framer(Framer):
         (MQTT 5.0 section 3.9.3), sent at once when no filter is left for amqtt."""
         decided, kept = [], []
         for topic_filter in packet.topic_filters:
-            code = _refusal(topic_filter)
+            if topic_filter.no_local and topic_filter.pattern.startswith("$share/"):
+                self._refuse(PROTOCOL_ERROR)
+                raise violation(self._packets, "No Local on a shared subscription [MQTT-3.8.3-4]")
+            code = v5_refusal(topic_filter.pattern)
             if code is not None:
                 decided.append((False, code))
                 continue
@@ -298,8 +302,3 @@ async def _discard_until_closed(held: socket.socket) -> None:
         held.close()
 
 
-def _refusal(topic_filter: Any) -> int | None:
-    """The SUBACK code of a v5 filter amqtt cannot carry, or None (MQTT 5.0 sections 3.8.3.1, 4.8.2)."""
-    if topic_filter.pattern.startswith("$share/"):
-        return SHARED_NOT_SUPPORTED
-    return None

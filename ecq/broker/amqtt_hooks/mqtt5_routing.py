@@ -22,6 +22,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from ecq.broker.amqtt_hooks.mqtt5_messages import (Mqtt5Payload, Subscription, as_mqtt5_payload, encoded_size,
                                                    matches, subscriptions_of)
 from ecq.broker.amqtt_hooks.mqtt5_packets import context_of
+from ecq.broker.amqtt_hooks.shared_subscriptions import is_shared, share_target
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def deliver_as_mqtt5_clients_ask() -> None:
             return await original(handler, topic, data, qos, retain, ack_timeout)
         if isinstance(data, Mqtt5Payload) and data.expired():
             return None
-        matching = [s for f, s in subscriptions_of(handler.session).items() if matches(topic, f)]
+        matching = [s for f, s in subscriptions_of(handler.session).items() if matches(topic, _filter_of(f))]
         if _local(handler, data, matching) and not retain:
             return None
         if not retain and isinstance(data, Mqtt5Payload) and any(s.retain_as_published for s in matching):
@@ -85,6 +86,11 @@ def deliver_as_mqtt5_clients_ask() -> None:
             return await original(handler, topic, data, qos, retain, ack_timeout)
 
     BrokerProtocolHandler.mqtt_publish = mqtt_publish
+
+
+def _filter_of(pattern: str) -> str:
+    """The topic filter of a subscription: ``f`` of a shared ``$share/<group>/f`` (MQTT 5.0 section 4.8.2)."""
+    return (share_target(pattern) or pattern) if is_shared(pattern) else pattern
 
 
 def _local(handler: BrokerProtocolHandler, data: Any, matching: list[Subscription]) -> bool:
