@@ -170,7 +170,7 @@ class RuleTopic:
             return False
         if self.literal:
             return subject == rendered
-        return _filter_covers(rendered, subject)
+        return filter_covers(rendered, subject)
 
     def _render(self, client: ClientInfo) -> str | None:
         rendered = []
@@ -185,7 +185,7 @@ class RuleTopic:
         return "".join(rendered)
 
 
-def _filter_covers(rule_filter: str, subject: str) -> bool:
+def filter_covers(rule_filter: str, subject: str) -> bool:
     """True when every topic name matched by ``subject`` is matched by ``rule_filter`` (MQTT 3.1.1 4.7).
 
     A topic name is a filter that matches only itself, so this is both the PUBLISH test (subject is a

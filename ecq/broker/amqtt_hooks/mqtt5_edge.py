@@ -26,6 +26,7 @@ import mqtt5
 from amqtt.adapters import ReaderAdapter, WriterAdapter
 from amqtt.errors import AMQTTError, MQTTError
 from amqtt.mqtt.connack import ConnackPacket
+from amqtt.codecs_amqtt import encode_data_with_length
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.puback import PubackPacket
 from amqtt.mqtt.pubcomp import PubcompPacket
@@ -36,7 +37,7 @@ from ecq.broker.amqtt_hooks.bad_clients import checked_connection, checks_shared
 from ecq.broker.amqtt_hooks.mqtt5_messages import publish_bytes
 from ecq.broker.amqtt_hooks.mqtt5_packets import (BAD_AUTHENTICATION_METHOD, MALFORMED_PACKET, PACKET_TOO_LARGE,
                                                   RECEIVE_MAXIMUM, TOPIC_ALIAS_MAXIMUM, MalformedPacket, Mqtt5Context,
-                                                  context_of, decode, mqtt_string, remaining_length, set_context)
+                                                  context_of, decode, remaining_length, set_context)
 from ecq.broker.amqtt_hooks.mqtt5_sessions import connack_properties, session_options
 from ecq.broker.amqtt_hooks.target import find_target
 
@@ -228,17 +229,17 @@ def _connect_as_3_1_1(connect: Any, context: Mqtt5Context, plugins_manager: Any)
     if not client_id:
         client_id = context.assigned_client_id = f"ecq-{secrets.token_hex(8)}"  # no "/": it may own a queue
     context.session = session_options(connect, find_target(plugins_manager).settings)
-    flags, payload = 0x02 if connect.clean_start else 0, mqtt_string(client_id.encode())
+    flags, payload = 0x02 if connect.clean_start else 0, encode_data_with_length(client_id.encode())
     if (will := connect.will) is not None:
         flags |= 0x04 | int(will.qos) << 3 | (0x20 if will.retain else 0)
-        payload += mqtt_string(will.topic.encode()) + mqtt_string(will.payload or b"")
+        payload += encode_data_with_length(will.topic.encode()) + encode_data_with_length(will.payload or b"")
     if connect.username is not None:
         flags |= 0x80
-        payload += mqtt_string(connect.username.encode())
+        payload += encode_data_with_length(connect.username.encode())
     if connect.password is not None:
         flags |= 0x40
-        payload += mqtt_string(connect.password)
-    body = mqtt_string(b"MQTT") + bytes((4, flags)) + context.session.keep_alive_s.to_bytes(2, "big") + payload
+        payload += encode_data_with_length(connect.password)
+    body = encode_data_with_length(b"MQTT") + bytes((4, flags)) + context.session.keep_alive_s.to_bytes(2, "big") + payload
     return bytes((_CONNECT_FIRST_BYTE,)) + remaining_length(len(body)) + body
 
 

@@ -34,6 +34,7 @@ import mqtt5
 from amqtt.adapters import StreamReaderAdapter, StreamWriterAdapter
 from amqtt.mqtt.packet import (CONNECT, DISCONNECT, PINGREQ, PUBACK, PUBCOMP, PUBLISH, PUBREC, PUBREL, RESERVED_15,
                                SUBSCRIBE, UNSUBSCRIBE)
+from amqtt.codecs_amqtt import encode_data_with_length
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.publish import PublishPacket
 
@@ -45,9 +46,9 @@ from ecq.broker.amqtt_hooks.mqtt5_messages import payload_of
 from ecq.broker.amqtt_hooks.mqtt5_packets import (MALFORMED_PACKET, PACKET_TOO_LARGE, PROTOCOL_ERROR,
                                                   RECEIVE_MAXIMUM, RECEIVE_MAXIMUM_EXCEEDED, TOPIC_ALIAS_INVALID,
                                                   TOPIC_ALIAS_MAXIMUM, MalformedPacket, context_of, decode,
-                                                  disconnect, mqtt_string, remaining_length)
+                                                  remaining_length)
 from ecq.broker.amqtt_hooks.mqtt5_routing import subscribed, unsubscribed
-from ecq.broker.amqtt_hooks.mqtt5_sessions import take_disconnect_expiry
+from ecq.broker.amqtt_hooks.mqtt5_sessions import take_disconnect_expiry, tell
 from ecq.broker.amqtt_hooks.shared_subscriptions import v5_refusal
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic, queue_filter
@@ -114,7 +115,6 @@ class Mqtt5Framer(Framer):
         super().__init__(handler, plugin)
         self._context = context_of(handler)
         self._publish: Any = None  # a PUBLISH decoded by _take_ecq_publish that amqtt is to handle
-        self._disconnect_sent = False
 
     @staticmethod
     def _byte_stream(adapter: Any) -> Any:
@@ -134,15 +134,14 @@ class Mqtt5Framer(Framer):
         try:
             await super()._read()
         except ProtocolViolation:
-            if self._disconnect_sent:
+            if self._context.session.disconnect_sent:
                 _linger(self._handler.writer)
             raise
 
     def _refuse(self, code: int) -> None:
-        """Write DISCONNECT ``code`` now (once): the reader's exit closes the connection after it."""
-        if not self._disconnect_sent and self._handler.writer is not None:
-            self._disconnect_sent = True
-            self._handler.writer.write(disconnect(code))
+        """Write DISCONNECT ``code`` now, unless the connection had one (``mqtt5_sessions.tell``): the reader's exit
+        closes the connection after it."""
+        tell(self._handler, code)
 
     def _decode(self, first: int, body: bytes) -> Any:
         """The mqtt5 packet of a fixed header's first byte and ``body``; ProtocolViolation when it is malformed."""
@@ -230,7 +229,7 @@ class Mqtt5Framer(Framer):
         elif kind == UNSUBSCRIBE:
             self._context.unsubscribes[packet.packet_id] = unsubscribed(self._handler.session, packet.patterns)
             await super()._hand_to_amqtt(first, packet.packet_id.to_bytes(2, "big") + b"".join(
-                mqtt_string(pattern.encode()) for pattern in packet.patterns))
+                encode_data_with_length(pattern.encode()) for pattern in packet.patterns))
         elif kind == DISCONNECT and not take_disconnect_expiry(self._context, packet):
             self._refuse(PROTOCOL_ERROR)
             raise violation(self._packets, "DISCONNECT with a Session Expiry Interval after a CONNECT without one "
@@ -267,7 +266,7 @@ class Mqtt5Framer(Framer):
             return
         self._context.subscribes[packet.packet_id] = decided
         await super()._hand_to_amqtt(0x82, packet.packet_id.to_bytes(2, "big") + b"".join(
-            mqtt_string(f.pattern.encode()) + bytes((int(f.max_qos),)) for f in kept))
+            encode_data_with_length(f.pattern.encode()) + bytes((int(f.max_qos),)) for f in kept))
 
 
 def _linger(writer: Any) -> None:

@@ -66,18 +66,14 @@ def make_payload(data: bytes, properties: dict[str, Any], expires_at: float | No
     return payload
 
 
-def forwarded_properties(packet: Any) -> dict[str, Any]:
-    """The properties of a v5 PUBLISH or Will (``mqtt5.PublishPacket``, ``mqtt5.Will``) that are forwarded unaltered
-    (MQTT 5.0 sections 3.3.2.3, 3.1.3.2), as ``mqtt5.PublishPacket`` keyword arguments."""
-    return {name: value for name in _FORWARDED if (value := getattr(packet, name))}
-
-
 def payload_of(packet: Any, publisher: str | None) -> Mqtt5Payload:
-    """The payload of a decoded v5 PUBLISH (``mqtt5.PublishPacket``) published by ``publisher``, with its properties."""
-    properties = forwarded_properties(packet)
+    """The payload of a decoded v5 PUBLISH or Will (``mqtt5.PublishPacket``, ``mqtt5.Will``) of ``publisher``, with
+    the properties forwarded unaltered (MQTT 5.0 sections 3.3.2.3, 3.1.3.2) and its Message Expiry counted from now
+    (for a Will: from its publication, section 3.1.3.2.4)."""
+    properties = {name: value for name in _FORWARDED if (value := getattr(packet, name))}
     expiry = packet.message_expiry_interval
     expires_at = None if expiry is None else time.monotonic() + expiry
-    return make_payload(packet.payload, properties, expires_at, publisher, bool(packet.retain))
+    return make_payload(packet.payload or b"", properties, expires_at, publisher, bool(packet.retain))
 
 
 def as_mqtt5_payload(data: bytes, subscription_ids: tuple[int, ...]) -> bytes:
@@ -107,20 +103,6 @@ def subscriptions_of(session: Any) -> dict[str, Subscription]:
         subscriptions = {}
         setattr(session, _SESSION_SUBSCRIPTIONS, subscriptions)
     return subscriptions
-
-
-def matches(topic: str, topic_filter: str) -> bool:
-    """True when ``topic`` matches ``topic_filter`` (MQTT 5.0 section 4.7: ``+`` one level, ``#`` the rest; a
-    ``$``-topic matches no filter that starts with a wildcard, section 4.7.2)."""
-    if topic.startswith("$") and topic_filter[:1] in ("+", "#"):
-        return False
-    levels, filter_levels = topic.split("/"), topic_filter.split("/")
-    for index, level in enumerate(filter_levels):
-        if level == "#":
-            return True
-        if index >= len(levels) or (level != "+" and level != levels[index]):
-            return False
-    return len(levels) == len(filter_levels)
 
 
 def publish_bytes(context: Mqtt5Context, packet: Any) -> bytes:

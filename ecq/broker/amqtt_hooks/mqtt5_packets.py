@@ -165,11 +165,6 @@ def disconnect(code: int, message: str | None = None) -> bytes:
     return mqtt5.DisconnectPacket(reason_code=mqtt5.DisconnectReasonCode(code), reason_str=message).write()
 
 
-def mqtt_string(data: bytes) -> bytes:
-    """``data`` as an MQTT string or binary data field: a 2-byte big-endian length, then the bytes (section 1.5)."""
-    return len(data).to_bytes(2, "big") + data
-
-
 def remaining_length(length: int) -> bytes:
     """``length`` in MQTT's variable byte integer encoding (MQTT 5.0 section 1.5.5), 1 to 4 bytes."""
     encoded = bytearray()

@@ -19,8 +19,9 @@ from typing import Any
 
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
+from ecq.broker.acl.rules import filter_covers
 from ecq.broker.amqtt_hooks.mqtt5_messages import (Mqtt5Payload, Subscription, as_mqtt5_payload, encoded_size,
-                                                   matches, subscriptions_of)
+                                                   subscriptions_of)
 from ecq.broker.amqtt_hooks.mqtt5_packets import context_of
 from ecq.broker.amqtt_hooks.shared_subscriptions import is_shared, share_target
 
@@ -70,7 +71,7 @@ def deliver_as_mqtt5_clients_ask() -> None:
             return await original(handler, topic, data, qos, retain, ack_timeout)
         if isinstance(data, Mqtt5Payload) and data.expired():
             return None
-        matching = [s for f, s in subscriptions_of(handler.session).items() if matches(topic, _filter_of(f))]
+        matching = [s for f, s in subscriptions_of(handler.session).items() if filter_covers(_filter_of(f), topic)]
         if _local(handler, data, matching) and not retain:
             return None
         if not retain and isinstance(data, Mqtt5Payload) and any(s.retain_as_published for s in matching):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +27,7 @@ from amqtt.mqtt.disconnect import DisconnectPacket
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker.amqtt_hooks.ecq_paths import connection_is_open
-from ecq.broker.amqtt_hooks.mqtt5_messages import forwarded_properties, make_payload
+from ecq.broker.amqtt_hooks.mqtt5_messages import payload_of
 from ecq.broker.amqtt_hooks.mqtt5_packets import context_of, disconnect
 from ecq.broker.amqtt_hooks.target import find_target
 
@@ -120,19 +119,10 @@ def tell(handler: BrokerProtocolHandler, code: int) -> None:
         handler.writer.write(disconnect(code))
 
 
-def will_payload(will: Any, publisher: str) -> bytes:
-    """The data amqtt broadcasts for a v5 ``will`` (mqtt5.Will) of ``publisher``, built when the Will is published:
-    an ``Mqtt5Payload`` with the Will's properties (User Properties, Content Type, Payload Format Indicator,
-    Response Topic, Correlation Data), its Message Expiry counted from now (MQTT 5.0 section 3.1.3.2.4)."""
-    properties = forwarded_properties(will)
-    expiry = will.message_expiry_interval
-    expires_at = None if expiry is None else time.monotonic() + expiry
-    return make_payload(will.payload or b"", properties, expires_at, publisher, bool(will.retain))
-
-
 async def _publish_will(broker: Broker, session: Any, will: Any) -> None:
-    """Publish ``will`` as amqtt publishes a 3.1.1 Will: a broadcast, and retained with Will Retain."""
-    data, qos = will_payload(will, session.client_id), int(will.qos)
+    """Publish ``will`` as amqtt publishes a 3.1.1 Will: a broadcast, and retained with Will Retain; its properties
+    go with it (``mqtt5_messages.payload_of``)."""
+    data, qos = payload_of(will, session.client_id), int(will.qos)
     log.debug("publishing the Will of %s on %r", session.client_id, will.topic)
     await broker._broadcast_message(session, will.topic, data, qos)
     if will.retain:
