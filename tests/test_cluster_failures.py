@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import paho.mqtt.client as mqtt
 import pytest
 
+from ecq.queue.writer import FAILURE_LOG_INTERVAL_S
+from ecq.store.link import OUTAGE_LOG_INTERVAL_S
 from ecq.testing.nats import LocalNatsCluster
 from tests.harness import RawClient, drain, topics_payloads, wait_until, write
 
@@ -239,6 +241,7 @@ def test_a_full_cluster_restart_keeps_every_queue_and_acked_position(own_nats, c
 # --- point 5: NATS unreachable --------------------------------------------------------------------
 
 WRITE_TIMEOUT_S = 2.0
+WRITER_AGENTS = 2  # each writer agent throttles its own failure lines
 PUBACK = 0x40
 
 
@@ -258,8 +261,10 @@ def refused_write(port: int, clientid: str, key: str) -> tuple[list[tuple[int, b
 
 @pytest.mark.timeout(90)
 def test_without_nats_writes_get_no_puback_the_node_serves_mqtt_and_recovers(own_nats, cluster_nodes, connect):
-    [node] = [n.start() for n in cluster_nodes(1, nats=own_nats, write_timeout=f"{WRITE_TIMEOUT_S}s")]
+    [node] = [n.start() for n in cluster_nodes(1, nats=own_nats, write_timeout=f"{WRITE_TIMEOUT_S}s",
+                                               writer_pool_size=WRITER_AGENTS)]
     write(connect(node.port, "before"), "out", "before", "b")
+    outage_started = time.monotonic()
     own_nats.kill_all()
 
     results: list[tuple[list, float]] = []
@@ -281,8 +286,9 @@ def test_without_nats_writes_get_no_puback_the_node_serves_mqtt_and_recovers(own
     connect(node.port, "plain-pub").publish("plain/x", b"still here", qos=1)
     assert topics_payloads(subscriber.expect(1)) == [("plain/x", b"still here")]
     log = node.log()
-    assert 1 <= log.count("NATS unreachable") <= 2, log
-    assert 1 <= log.count("ECQ commit of") <= 2, log
+    outage_s = time.monotonic() - outage_started
+    assert 1 <= log.count("NATS unreachable") <= 2 * _lines_let_through(outage_s, OUTAGE_LOG_INTERVAL_S), log
+    assert 1 <= log.count("ECQ commit of") <= WRITER_AGENTS * _lines_let_through(outage_s, FAILURE_LOG_INTERVAL_S), log
 
     restarted = time.monotonic()
     own_nats.start()
@@ -293,6 +299,11 @@ def test_without_nats_writes_get_no_puback_the_node_serves_mqtt_and_recovers(own
     got = dict(topics_payloads(_drain_at_least(connect, node.port, "out", 2)))
     assert got["$ECQ/out/before"] == b"b" and got[f"$ECQ/out/{recovered}"] == recovered.encode()
     print(f"writes accepted again {recovery_s:.1f} s after the NATS servers were started again")
+
+
+def _lines_let_through(elapsed_s: float, interval_s: float) -> int:
+    """The most lines one LogThrottle(interval_s) lets through in ``elapsed_s``: one per window it opened."""
+    return int(elapsed_s // interval_s) + 1
 
 
 def _first_accepted_write(port: int, clientid: str, deadline: float) -> str | None:

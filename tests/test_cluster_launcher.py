@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import re
 import signal
 import socket
@@ -20,7 +19,7 @@ from nats.js.errors import APIError
 
 from ecq.testing.nats import LocalNatsCluster, NatsPorts, NatsServer, monitor_json, nats_server_binary
 from ecq.config import EcqSettings
-from ecq.testing import free_port, port_open, wait_until
+from ecq.testing import free_port, free_port_range, port_open, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "cluster"
@@ -146,31 +145,12 @@ def test_a_missing_nats_server_names_the_extra_to_install(monkeypatch, tmp_path)
 
 # scripts/cluster -----------------------------------------------------------------------------------------
 
-def free_port_base(count: int = 13) -> int:
-    """A port B such that B..B+count-1 were all free a moment ago, below Linux's ephemeral range (where
-    free_port() picks) so that other tests' brokers do not take them meanwhile."""
-    for _ in range(100):
-        base = random.randrange(20000, 32000 - count)
-        if not any(_taken(port) for port in range(base, base + count)):
-            return base
-    raise RuntimeError("no free range of ports")
-
-
-def _taken(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
-
-
 class ScriptCluster:
     """scripts/cluster on a base dir and port range of its own, without scripts/setup."""
 
     def __init__(self, base_dir: Path) -> None:
         self.base_dir = base_dir
-        self.port_base = free_port_base()
+        self.port_base = free_port_range(13)
         self.env = {**os.environ, "ECQ_CLUSTER_DIR": str(base_dir), "ECQ_CLUSTER_PORT_BASE": str(self.port_base),
                     "ECQ_CLUSTER_SETUP": "0", "PYTHONPATH": str(ROOT)}
 

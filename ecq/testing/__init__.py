@@ -6,6 +6,7 @@ Every wait is bounded; a broker that does not come up raises RuntimeError with i
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,11 +21,49 @@ START_TIMEOUT_S = 20.0
 ANONYMOUS_AUTH = {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}}
 
 
+LOWEST_TEST_PORT = 10000
+_handed_out: set[int] = set()
+_rng = random.Random()  # its own: hypothesis seeds the module-level one inside its tests
+
+
 def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    """A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range and not handed out before by
+    this process.
+
+    Not ``bind(("127.0.0.1", 0))``: that picks from the ephemeral range, where the source port of any outgoing
+    connection (a client's, a broker's to NATS) can take the port before the broker binds it, as a CI run
+    once saw ("address already in use" on an admin port). Raises RuntimeError when no port is free.
+    """
+    return free_port_range(1)
+
+
+def free_port_range(count: int) -> int:
+    """The first of ``count`` consecutive ports that are free as free_port() says; the whole range is handed out."""
+    below = _ephemeral_low()
+    for _ in range(1000):
+        first = _rng.randrange(LOWEST_TEST_PORT, below - count)
+        ports = range(first, first + count)
+        if not any(port in _handed_out or _bound(port) for port in ports):
+            _handed_out.update(ports)
+            return first
+    raise RuntimeError(f"no {count} free consecutive ports in {LOWEST_TEST_PORT}-{below - 1}")
+
+
+def _ephemeral_low() -> int:
+    """The first port of Linux's ephemeral range (net.ipv4.ip_local_port_range), 32768 where unreadable."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bound(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
 def port_open(port: int) -> bool:
