@@ -127,6 +127,12 @@ def metrics_text(broker: BrokerProcess) -> str:
         return response.read().decode()
 
 
+def lines_let_through(elapsed_s: float, interval_s: float) -> int:
+    """The most lines one LogThrottle(interval_s) (ecq.queue.throttle) lets through in ``elapsed_s`` seconds:
+    one per window it opened. A bound on throttled log lines that holds however slow the machine is."""
+    return int(elapsed_s // interval_s) + 1
+
+
 def write(client: Client, clientid: str, key: str, payload: bytes | str, qos: int = 1) -> None:
     """An ECQ write: PUBLISH to ``$ECQ/w/<clientid>/<key>`` and wait for its acknowledgement."""
     client.publish(f"$ECQ/w/{clientid}/{key}", payload, qos)

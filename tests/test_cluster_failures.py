@@ -14,7 +14,7 @@ import pytest
 from ecq.queue.writer import FAILURE_LOG_INTERVAL_S
 from ecq.store.link import OUTAGE_LOG_INTERVAL_S
 from ecq.testing.nats import LocalNatsCluster
-from tests.harness import RawClient, drain, topics_payloads, wait_until, write
+from tests.harness import RawClient, drain, lines_let_through, topics_payloads, wait_until, write
 
 NAMESPACE = "ECQT"  # the namespace cluster_nodes gives nodes on a cluster of the test's own
 SHARDS = 2
@@ -287,8 +287,8 @@ def test_without_nats_writes_get_no_puback_the_node_serves_mqtt_and_recovers(own
     assert topics_payloads(subscriber.expect(1)) == [("plain/x", b"still here")]
     log = node.log()
     outage_s = time.monotonic() - outage_started
-    assert 1 <= log.count("NATS unreachable") <= 2 * _lines_let_through(outage_s, OUTAGE_LOG_INTERVAL_S), log
-    assert 1 <= log.count("ECQ commit of") <= WRITER_AGENTS * _lines_let_through(outage_s, FAILURE_LOG_INTERVAL_S), log
+    assert 1 <= log.count("NATS unreachable") <= 2 * lines_let_through(outage_s, OUTAGE_LOG_INTERVAL_S), log
+    assert 1 <= log.count("ECQ commit of") <= WRITER_AGENTS * lines_let_through(outage_s, FAILURE_LOG_INTERVAL_S), log
 
     restarted = time.monotonic()
     own_nats.start()
@@ -299,11 +299,6 @@ def test_without_nats_writes_get_no_puback_the_node_serves_mqtt_and_recovers(own
     got = dict(topics_payloads(_drain_at_least(connect, node.port, "out", 2)))
     assert got["$ECQ/out/before"] == b"b" and got[f"$ECQ/out/{recovered}"] == recovered.encode()
     print(f"writes accepted again {recovery_s:.1f} s after the NATS servers were started again")
-
-
-def _lines_let_through(elapsed_s: float, interval_s: float) -> int:
-    """The most lines one LogThrottle(interval_s) lets through in ``elapsed_s``: one per window it opened."""
-    return int(elapsed_s // interval_s) + 1
 
 
 def _first_accepted_write(port: int, clientid: str, deadline: float) -> str | None:
