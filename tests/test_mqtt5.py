@@ -238,6 +238,7 @@ def test_an_empty_client_id_gets_an_assigned_one(broker, v5):
     (b"\x30\x0c\x00\x01t\x07\x26\x00\x01\xff\x00\x01av", 0x81),  # a User Property of it (mqtt5 panics on it)
     (b"\x82\x08\x00\x01\x00\x00\x02\xff\xfe\x01", 0x81),  # a SUBSCRIBE filter of it (mqtt5 panics on it)
     (mqtt5.PublishPacket("plain/t", b"v", topic_alias=65).write(), 0x94),  # CONNACK said Topic Alias Maximum 64
+    (b"\x30\x08\x00\x01t\x03\x23\x00\x00v", 0x94),  # Topic Alias 0 (section 3.3.2.3.4; mqtt5 refuses to decode it)
     (mqtt5.PublishPacket("", b"v", topic_alias=3).write(), 0x82),  # an alias no PUBLISH of this connection set
     (b"\xf0\x00", 0x82),  # AUTH, with no Authentication Method in CONNECT: a Protocol Error
     (b"\x82\x04\x00\x00\x00\x00", 0x81),  # SUBSCRIBE with packet id 0 and no filter

@@ -17,7 +17,7 @@ equivalent 3.1.1 packet, which amqtt's decoders (and ``bad_clients``' checks) re
 - AUTH: DISCONNECT 0x82 Protocol Error, then close (no CONNECT had an Authentication Method, which ECQ refuses
   with CONNACK 0x8C; section 4.12: an AUTH without one is a Protocol Error; 0x8C is no DISCONNECT reason code);
 - a packet that does not decode, or breaks a rule of ``bad_clients``: DISCONNECT 0x81 (0x95 for one above
-  ``max_packet_bytes``), then close (section 4.13), after a linger that lets the client read it (:meth:`_linger`).
+  ``max_packet_bytes``, 0x94 for a Topic Alias of 0), then close (section 4.13), after a linger that lets the client read it (:meth:`_linger`).
 
 :func:`read_mqtt5_with_the_framer` picks this reader for every v5 connection, over TCP or WebSocket, whatever
 ``fast_path`` says: amqtt's own reader reads 3.1.1 only.
@@ -55,6 +55,7 @@ from ecq.queue.topics import is_ecq_topic, queue_filter
 
 _ACKS = (PUBACK, PUBREC, PUBREL, PUBCOMP)
 _WITH_WILL = 0x04
+_ALIAS_ZERO = "Topic alias must be != 0"  # mqtt5 0.8.0's error for a Topic Alias of 0, which it does not decode
 LINGER_S = 2.0  # how long a connection refused with DISCONNECT waits for the client to close (see _linger)
 LINGER_IDLE_S = 0.2  # ... or for the client to stop sending
 _lingering: set[asyncio.Task] = set()  # the tasks of _linger, kept from the garbage collector
@@ -148,6 +149,8 @@ class Mqtt5Framer(Framer):
         try:
             return decode(bytes((first,)) + remaining_length(len(body)) + body)
         except MalformedPacket as exc:
+            if _ALIAS_ZERO in str(exc):  # MQTT 5.0 section 3.3.2.3.4: 0x94 Topic Alias invalid, not Malformed Packet
+                self._refuse(TOPIC_ALIAS_INVALID)
             raise violation(self._packets, f"MQTT 5 packet that does not decode ({exc})") from None
 
     def _take_ecq_publish(self, data: bytes, first: int, body: int, end: int) -> bool:
