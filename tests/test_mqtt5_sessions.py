@@ -13,6 +13,7 @@ import pytest
 
 from tests.harness import topics_payloads
 from tests.mqtt_wire import DISCONNECT, WireClient
+from tests.test_cluster_operations import ecq_drain
 from tests.test_mqtt5 import v5_packet
 
 QOS_1 = mqtt5.QoS.AT_LEAST_ONCE
@@ -195,6 +196,16 @@ def test_a_stopping_broker_tells_v5_clients_0x8b(make_broker):
     client, _ = connect5(broker.port, "stay")
     assert broker.stop() == 0
     assert server_disconnect(client) == [0x8B]
+
+
+def test_a_drain_tells_v5_clients_0x8b_and_3_1_1_clients_nothing(make_broker, connect):
+    broker = make_broker()
+    client, _ = connect5(broker.port, "drained")
+    old, _present = WireClient.connected(broker.port, "drained-311")
+    code, report = ecq_drain(broker)
+    assert code == 0 and report["connections_closed"] == 2, report
+    assert server_disconnect(client) == [0x8B]
+    assert old.until_closed() == []  # MQTT 3.1.1 has no server DISCONNECT
 
 
 def test_a_takeover_leaves_the_resumed_session_to_the_new_connection(broker, connect):

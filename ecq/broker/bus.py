@@ -5,7 +5,8 @@ session takeover, so that a clientid is connected to one broker of the cluster a
 Subjects, ``NS`` being ``jetstream_namespace`` and ``T(x)`` the subject token of :func:`ecq.store.jetstream.token`:
 
 - ``NS.mqtt``: one NATS message per MQTT message broadcast on a broker (headers ``Ecq-Origin``: the broker's
-  node name, ``Ecq-Topic``: T(topic), ``Ecq-Qos``); every other broker broadcasts it to its own subscribers
+  node name, ``Ecq-Topic``: T(topic), ``Ecq-Qos``, and ``Ecq-Mqtt5`` for an MQTT 5.0 message's properties and
+  expiry, :func:`ecq.broker.amqtt_hooks.cluster_form`); every other broker broadcasts it to its own subscribers
   and forwards it no further. Like EMQX's forwarding between nodes, the hop is at most once: a message sent while
   the link is down is not sent again. Retained messages are in the cluster's KV (:mod:`ecq.broker.cluster_state`).
 - ``NS.session.T(clientid)``: the broker holding a connection or a persistent session of ``clientid`` subscribes
@@ -26,7 +27,8 @@ from typing import Any
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from ecq.broker.cluster_state import SessionState
+from ecq.broker.amqtt_hooks import cluster_form, from_cluster_form
+from ecq.broker.cluster_state import MQTT5_HEADER, SessionState
 from ecq.config import EcqSettings
 from ecq.store.jsapi import token, untoken
 from ecq.store.link import NatsLink
@@ -85,6 +87,8 @@ class ClusterBus:
     def forward(self, topic: str, payload: bytes, qos: int) -> None:
         """Send a message broadcast here to every other broker (returns at once; at most once)."""
         headers = {"Ecq-Origin": self._node, "Ecq-Topic": token(topic), "Ecq-Qos": str(qos)}
+        if (form := cluster_form(payload)) is not None:
+            headers[MQTT5_HEADER] = form
         self.forwarded += 1
         asyncio.run_coroutine_threadsafe(self._publish(payload, headers), self._link.loop)
 
@@ -100,11 +104,12 @@ class ClusterBus:
             return
         try:
             topic, qos = untoken(headers["Ecq-Topic"]), int(headers.get("Ecq-Qos", "0"))
+            data = from_cluster_form(msg.data, headers.get(MQTT5_HEADER))
         except (KeyError, ValueError) as exc:
             log.warning("ECQ: ignored a malformed cluster message from %s: %s", headers.get("Ecq-Origin"), exc)
             return
         self.received += 1
-        asyncio.run_coroutine_threadsafe(self._deliver(topic, msg.data, qos), self._loop)
+        asyncio.run_coroutine_threadsafe(self._deliver(topic, data, qos), self._loop)
 
     # --- takeover across brokers --------------------------------------------------------------------
 

@@ -2,7 +2,9 @@
 JetStream KV buckets of ``jetstream_replicas`` copies (``NS`` being ``jetstream_namespace``, ``T(x)`` the subject
 token of :func:`ecq.store.jsapi.token`):
 
-- ``NS_retained``: key T(topic), value one byte of QoS (3: none given) then the payload; one entry per topic, an
+- ``NS_retained``: key T(topic), value one byte of QoS (3: none given) then the payload; for an MQTT 5.0 message
+  with properties or an expiry, that byte has bit 0x80 set and is followed by the 4-byte length (big-endian) of its
+  :func:`ecq.broker.amqtt_hooks.cluster_form`, the form (ASCII), then the payload. One entry per topic, an
   empty retained payload deletes it (MQTT 3.1.1 section 3.3.1.3). Every broker watches the bucket and keeps amqtt's
   retained table in step with it; a broker that starts loads every entry before its listeners open.
 - ``NS_sessions``: key T(clientid), value the JSON list of a persistent session's subscriptions
@@ -12,7 +14,7 @@ token of :func:`ecq.store.jsapi.token`):
 
 And one stream, ``NS_SESSIONS`` (subjects ``NS.sq.T(clientid)``, at most ``session_max_queued`` messages per subject,
 the oldest dropped, kept ``session_expiry``): the QoS 1/2 messages queued for each offline persistent session
-(headers ``Ecq-Topic`` T(topic), ``Ecq-Qos``), purged when the session's queue is taken for sending or the session
+(headers ``Ecq-Topic`` T(topic), ``Ecq-Qos``, ``Ecq-Mqtt5`` the cluster form of an MQTT 5.0 message), purged when the session's queue is taken for sending or the session
 is discarded. The broker that holds a session hands its queue over in the takeover's answer (:class:`SessionState`,
 :mod:`ecq.broker.bus`); the stream is read only when that broker does not answer (it died).
 
@@ -34,6 +36,7 @@ from typing import Any
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
+from ecq.broker.amqtt_hooks import cluster_form, from_cluster_form
 from ecq.config import EcqSettings
 from ecq.store.jsapi import REQUEST_TIMEOUT_S, JetStreamApi, Retry, token, until, untoken
 from ecq.store.link import NatsLink
@@ -42,6 +45,8 @@ from ecq.store.protocol import StoreError
 log = logging.getLogger(__name__)
 
 NO_QOS = 3                 # the QoS byte of a retained message stored without a QoS (amqtt's ``qos=None``)
+WITH_MQTT5 = 0x80          # the QoS byte's flag: an MQTT 5.0 message's cluster form follows it
+MQTT5_HEADER = "Ecq-Mqtt5"  # the NATS header of an MQTT 5.0 message's cluster form (here and on the bus)
 LOAD_TIMEOUT_S = 10.0      # how long a starting broker waits for the retained messages and buckets
 CLOSE_TIMEOUT_S = 5.0      # how long a stopping broker waits for its last writes
 SETTLE_TIMEOUT_S = 1.0     # how long a takeover's answer waits for this broker's pending writes
@@ -52,23 +57,30 @@ KV_OPERATION = b"KV-Operation"  # the header of a KV delete or purge marker
 @dataclass
 class SessionState:
     """A persistent session as one broker hands it to another: ``subscriptions`` ``[(filter, granted QoS)]`` and
-    ``messages`` ``[(topic, QoS, payload)]`` queued for it, oldest first; ``present`` False when there is none."""
+    ``messages`` ``[(topic, QoS, payload)]`` queued for it, oldest first (a payload may be an MQTT 5.0 one, with its
+    properties); ``present`` False when there is none."""
 
     present: bool
     subscriptions: list[tuple[str, int]] = field(default_factory=list)
     messages: list[tuple[str, int, bytes]] = field(default_factory=list)
 
     def to_bytes(self) -> bytes:
-        """JSON, payloads in base64."""
+        """JSON, payloads in base64, each followed by its cluster form (null for none)."""
         return json.dumps({"present": self.present, "subscriptions": self.subscriptions,
-                           "messages": [[t, q, base64.b64encode(d).decode()] for t, q, d in self.messages]}).encode()
+                           "messages": [[t, q, base64.b64encode(d).decode(), cluster_form(d)]
+                                        for t, q, d in self.messages]}).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> SessionState:
         """Inverse of :meth:`to_bytes`. Raises ValueError (or KeyError, TypeError) for anything else."""
         raw = json.loads(data)
         return cls(bool(raw["present"]), [(str(f), int(q)) for f, q in raw["subscriptions"]],
-                   [(str(t), int(q), base64.b64decode(d)) for t, q, d in raw["messages"]])
+                   [_message(*entry) for entry in raw["messages"]])
+
+
+def _message(topic: str, qos: int, data: str, form: str | None = None) -> tuple[str, int, bytes]:
+    """One message of :meth:`SessionState.to_bytes` (three elements from a broker of an earlier version)."""
+    return str(topic), int(qos), from_cluster_form(base64.b64decode(data), form)
 
 
 class ClusterState:
@@ -123,9 +135,13 @@ class ClusterState:
                 continue
             if entry.operation is not None or not entry.value:  # DEL or PURGE
                 self._loop.call_soon_threadsafe(self._apply_retained, topic, None, None)
-            else:
-                qos = None if entry.value[0] == NO_QOS else entry.value[0]
-                self._loop.call_soon_threadsafe(self._apply_retained, topic, bytes(entry.value[1:]), qos)
+                continue
+            try:
+                data, qos = retained_message(entry.value)
+            except ValueError as exc:
+                log.warning("ECQ ignored the retained entry of %r: %s", topic, exc)
+                continue
+            self._loop.call_soon_threadsafe(self._apply_retained, topic, data, qos)
 
     async def _write(self) -> None:
         while True:
@@ -146,7 +162,7 @@ class ClusterState:
         """Store the retained message of ``topic`` for the whole cluster; an empty ``payload`` deletes it (returns at
         once; written in call order)."""
         if payload:
-            value = bytes([NO_QOS if qos is None else qos]) + payload
+            value = retained_value(payload, qos)
             self._enqueue(self._put_retained, f"retained message of {topic!r}", token(topic), value)
         else:
             self._enqueue(self._delete_retained, f"cleared retained message of {topic!r}", token(topic))
@@ -173,6 +189,8 @@ class ClusterState:
     def queue_message(self, clientid: str, topic: str, qos: int, payload: bytes) -> None:
         """Store a message queued for ``clientid``'s offline persistent session (returns at once; call order)."""
         headers = {"Ecq-Topic": token(topic), "Ecq-Qos": str(qos)}
+        if (form := cluster_form(payload)) is not None:
+            headers[MQTT5_HEADER] = form
         self._enqueue(self._publish_queued, f"message queued for {clientid!r}", self._queue_subject(clientid),
                       payload, headers)
 
@@ -200,7 +218,8 @@ class ClusterState:
             return replies
 
         replies = await until(time.monotonic() + LEADER_READ_TIMEOUT_S, caught_up)
-        return [(untoken(r.headers["Ecq-Topic"]), int(r.headers["Ecq-Qos"]), bytes(r.data)) for r in replies]
+        return [(untoken(r.headers["Ecq-Topic"]), int(r.headers["Ecq-Qos"]),
+                 from_cluster_form(bytes(r.data), r.headers.get(MQTT5_HEADER))) for r in replies]
 
     async def _from_leader(self, stream: str, subject: str) -> dict | None:
         """The newest message of ``subject`` as the stream leader has it (JetStream's stored-message JSON), or None."""
@@ -254,6 +273,31 @@ class ClusterState:
                             self._writes.qsize(), exc)
         for task in self._tasks:
             self._link.loop.call_soon_threadsafe(task.cancel)
+
+
+def retained_value(payload: bytes, qos: int | None) -> bytes:
+    """The ``NS_retained`` value of a retained message (see the module's docstring)."""
+    qos_byte = NO_QOS if qos is None else qos
+    if (form := cluster_form(payload)) is None:
+        return bytes([qos_byte]) + payload
+    encoded = form.encode()
+    return bytes([qos_byte | WITH_MQTT5]) + len(encoded).to_bytes(4, "big") + encoded + payload
+
+
+def retained_message(value: bytes) -> tuple[bytes, int | None]:
+    """``(payload, QoS or None)`` of an ``NS_retained`` value, the inverse of :func:`retained_value`. Raises
+    ValueError for a value it did not write."""
+    qos_byte, form = value[0], None
+    body = bytes(value[1:])
+    if qos_byte & WITH_MQTT5:
+        qos_byte &= ~WITH_MQTT5
+        length = int.from_bytes(body[:4], "big")
+        if len(body) < 4 + length:
+            raise ValueError(f"a value of {len(value)} bytes announces {length} bytes of MQTT 5 properties")
+        form, body = body[4:4 + length].decode("ascii", errors="replace"), body[4 + length:]
+    if qos_byte not in (0, 1, 2, NO_QOS):
+        raise ValueError(f"QoS byte {value[0]:#x}")
+    return from_cluster_form(body, form), None if qos_byte == NO_QOS else qos_byte
 
 
 async def _bucket(js: Any, name: str, replicas: int, ttl: float | None) -> Any:

@@ -4,7 +4,7 @@ other nodes of the cluster and nothing it took is lost.
 In order: the MQTT listeners close (a client connecting now is refused by the kernel and tries another node);
 every TCP/TLS connection stops being read, once what was received before is taken; every write taken is
 waited for (``write_timeout``) until it is stored, and so PUBACKed on its still open connection, or failed;
-then every connection is closed, and a client reconnects to another node (MQTT 3.1.1 section 4.4: it resends
+then every connection is closed (an MQTT 5 client is sent DISCONNECT 0x8B Server shutting down first), and a client reconnects to another node (MQTT 3.1.1 section 4.4: it resends
 there the QoS 1 and 2 PUBLISHes it got no acknowledgement for, such as one the pause cut in half); what a
 connection whose CONNECT was under way when the listeners closed wrote is waited for too; last, every
 consumer's received acks are saved, so the node its client moves to resumes after them.
@@ -82,5 +82,7 @@ async def _stop_reading(connections: list, timeout_s: float) -> None:
 
 async def _close_connections(context: BrokerContext) -> int:
     connections = hooks.open_connections(context)
+    for handler in connections:  # MQTT 5.0 section 3.14.2.1: a v5 client is told why
+        hooks.send_disconnect(handler, hooks.SERVER_SHUTTING_DOWN)
     await asyncio.gather(*(hooks.close_connection(handler) for handler in connections), return_exceptions=True)
     return len(connections)

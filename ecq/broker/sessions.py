@@ -87,11 +87,13 @@ class QueueSessions:
             await self._attach(client_id, live)
 
     async def release(self, client_id: str) -> None:
-        """Another broker of the cluster took ``client_id`` over: close its connection here and return once
-        its consumer's acks are saved."""
+        """Another broker of the cluster took ``client_id`` over: close its connection here (an MQTT 5 client is
+        sent DISCONNECT 0x8E Session taken over first, MQTT 5.0 section 3.14.2.1) and return once its consumer's
+        acks are saved."""
         live = hooks.live_connection(self._context, client_id)
         if hooks.connection_is_open(live):
             await self._read_what_was_sent(live)
+            hooks.send_disconnect(live, hooks.SESSION_TAKEN_OVER)
             await hooks.close_connection(live)
         await self._engine.release(client_id)
 

@@ -58,15 +58,19 @@ from ecq.broker.amqtt_hooks.conformance import set_session_expiry
 from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge_soon, client_id, close_connection, connection_is_open,
                                               listener_addresses, live_connection, publish_qos1, qos2_receipts, send_soon,
                                               set_listen_backlog, shorten_subscriptions_repr)
+from ecq.broker.amqtt_hooks.mqtt5_messages import cluster_form, from_cluster_form
 from ecq.broker.amqtt_hooks.mqtt5_packets import receive_maximum
+from ecq.broker.amqtt_hooks.mqtt5_sessions import SERVER_SHUTTING_DOWN, SESSION_TAKEN_OVER
+from ecq.broker.amqtt_hooks.mqtt5_sessions import tell as send_disconnect
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 
-__all__ = ["EcqHooksTarget", "ProtocolViolation", "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection",
-           "close_listeners", "connection_is_open", "discard_session", "hand_over_session", "install", "listener_addresses",
-           "live_connection", "open_connections", "persistent_subscriptions", "publish_qos1", "qos2_receipts",
-           "receive_maximum", "received_unread",
-           "send_soon", "set_listen_backlog", "set_retained_from_cluster", "set_session_expiry",
-           "shorten_subscriptions_repr", "stop_reading"]
+__all__ = ["EcqHooksTarget", "ProtocolViolation", "SERVER_SHUTTING_DOWN", "SESSION_TAKEN_OVER", "acknowledge_soon",
+           "broadcast_from_cluster", "client_id", "close_connection", "close_listeners", "cluster_form",
+           "connection_is_open", "discard_session", "from_cluster_form", "hand_over_session", "install",
+           "listener_addresses", "live_connection", "open_connections", "persistent_subscriptions", "publish_qos1",
+           "qos2_receipts", "receive_maximum", "received_unread", "send_disconnect", "send_soon",
+           "set_listen_backlog", "set_retained_from_cluster", "set_session_expiry", "shorten_subscriptions_repr",
+           "stop_reading"]
 
 
 def install(plugin_class: type[EcqHooksTarget]) -> None:

@@ -9,11 +9,14 @@ retained store), and the subscription options of a v5 SUBSCRIBE are kept on the 
 - :class:`Subscription`: the options of one v5 filter (section 3.8.3.1) and its Subscription Identifier (3.8.2.1.2),
   kept per session (:func:`subscriptions_of`);
 - :func:`publish_bytes`: the v5 PUBLISH of an amqtt one, with the properties, the remaining expiry, the
-  Subscription Identifiers of the delivery and a Topic Alias when the client takes them (section 3.3.2.3.4).
+  Subscription Identifiers of the delivery and a Topic Alias when the client takes them (section 3.3.2.3.4);
+- :func:`cluster_form` and :func:`from_cluster_form`: what of an Mqtt5Payload travels between the brokers of a
+  cluster beside its bytes (forwarded messages, retained messages, offline sessions' queues).
 """
 
 from __future__ import annotations
 
+import base64
 import math
 import time
 from dataclasses import dataclass
@@ -70,10 +73,44 @@ def payload_of(packet: Any, publisher: str | None) -> Mqtt5Payload:
     """The payload of a decoded v5 PUBLISH or Will (``mqtt5.PublishPacket``, ``mqtt5.Will``) of ``publisher``, with
     the properties forwarded unaltered (MQTT 5.0 sections 3.3.2.3, 3.1.3.2) and its Message Expiry counted from now
     (for a Will: from its publication, section 3.1.3.2.4)."""
-    properties = {name: value for name in _FORWARDED if (value := getattr(packet, name))}
     expiry = packet.message_expiry_interval
     expires_at = None if expiry is None else time.monotonic() + expiry
-    return make_payload(packet.payload or b"", properties, expires_at, publisher, bool(packet.retain))
+    return make_payload(packet.payload or b"", _forwarded(packet), expires_at, publisher, bool(packet.retain))
+
+
+def _forwarded(packet: Any) -> dict[str, Any]:
+    return {name: value for name in _FORWARDED if (value := getattr(packet, name))}
+
+
+def cluster_form(data: bytes) -> str | None:
+    """What another broker of a cluster needs beside ``data`` to deliver it as this one would, as ASCII (it goes
+    into NATS headers, JSON and KV values): ``<deadline>:<properties>``, the deadline being the Message Expiry as
+    unix ms (empty for none; brokers' clocks are assumed in step, as for ``data_retention``) and the properties the
+    base64 of a v5 PUBLISH with no payload that carries the forwarded properties and the RETAIN flag (the codec's
+    encoding). None when there is nothing to carry: ``data`` is a 3.1.1 payload, or a v5 one without any of them.
+    The publisher's client id is not carried: its connection is on the broker that took the PUBLISH."""
+    if not isinstance(data, Mqtt5Payload) or not (data.properties or data.retain or data.expires_at is not None):
+        return None
+    deadline = "" if data.expires_at is None else str(round((time.time() + data.expires_at - time.monotonic()) * 1000))
+    packet = mqtt5.PublishPacket("-", b"", retain=data.retain, **data.properties).write()
+    return f"{deadline}:{base64.b64encode(packet).decode()}"
+
+
+def from_cluster_form(data: bytes, form: str | None) -> bytes:
+    """``data`` as another broker's :func:`cluster_form` describes it: an Mqtt5Payload, or ``data`` itself when
+    ``form`` is None. Raises ValueError for a form that is not one."""
+    if form is None:
+        return data
+    try:
+        deadline, encoded = form.split(":", 1)
+        packet, _used = mqtt5.read(memoryview(base64.b64decode(encoded, validate=True)))
+        expires_in = None if not deadline else int(deadline) / 1000 - time.time()
+    except Exception as exc:  # the codec raises ValueError and others on bytes that are not a packet
+        raise ValueError(f"unreadable MQTT 5 properties {form[:60]!r}: {exc}") from None
+    if not isinstance(packet, mqtt5.PublishPacket):
+        raise ValueError(f"unreadable MQTT 5 properties {form[:60]!r}: not a PUBLISH")
+    expires_at = None if expires_in is None else time.monotonic() + expires_in
+    return make_payload(data, _forwarded(packet), expires_at, None, bool(packet.retain))
 
 
 def as_mqtt5_payload(data: bytes, subscription_ids: tuple[int, ...]) -> bytes:

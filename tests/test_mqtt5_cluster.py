@@ -1,0 +1,146 @@
+"""MQTT 5.0 messages of ordinary topics across two ECQ nodes on the session's NATS cluster, over TCP with paho MQTTv5
+clients: the properties (MQTT 5.0 section 3.3.2.3), RETAIN flag (for Retain As Published, 3.8.3.1) and Message Expiry
+(3.3.2.3.3) of a message stay with it when it is forwarded to the other node, retained in the cluster's KV, or queued
+for an offline session that resumes on the other node, also after the node that held the session died.
+
+Where a test shows that something is NOT delivered, a marker published after it must come first: no sleep decides
+the outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+
+import pytest
+
+from tests.harness import wait_until
+from tests.test_cluster_state import PROPAGATION_BOUND_S, started, stored_count
+from tests.test_mqtt5 import V5Client, v5  # noqa: F401  (v5 is a fixture)
+from tests.test_mqtt5_sessions import connect5, server_disconnect
+from tests.test_mqtt5_routing import REQUEST_PROPERTIES, properties_of
+
+SESSION = {"SessionExpiryInterval": 600}
+
+
+def test_a_message_forwarded_to_the_other_node_keeps_its_properties_retain_flag_and_expiry(cluster_nodes, v5):
+    node1, node2 = started(cluster_nodes())
+    subscriber = v5(node2.port, "fwd-sub")
+    assert subscriber.subscribe("fwd/#", retainAsPublished=True) == [1]
+    producer = v5(node1.port, "fwd-producer")
+    assert producer.publish("fwd/1", b"question", **REQUEST_PROPERTIES, MessageExpiryInterval=60) == (0, None)
+    assert producer.publish("fwd/2", b"kept", retain=True) == (0, None)
+    first, second = subscriber.expect(2)
+    assert (first.topic, first.payload, first.retain) == ("fwd/1", b"question", False)
+    assert properties_of(first) == REQUEST_PROPERTIES
+    assert 58 <= first.properties.MessageExpiryInterval <= 60
+    assert (second.topic, second.payload, second.retain) == ("fwd/2", b"kept", True)
+
+
+def test_a_retained_message_keeps_its_properties_on_the_other_node_until_it_expires(cluster_nodes, v5):
+    node1, node2 = started(cluster_nodes())
+    producer = v5(node1.port, "kv-producer")
+    producer.publish("kv/short", b"gone", retain=True, MessageExpiryInterval=1)
+    published = time.monotonic()
+    producer.publish("kv/long", b"kept", retain=True, UserProperty=[("k", "v")], ContentType="x",
+                     MessageExpiryInterval=60)
+    probes = iter(range(1000))
+
+    def retained_on_node2() -> bool:  # node 2 applies the KV's changes in order: kv/short is there before kv/long
+        probe = V5Client(node2.port, f"kv-probe-{next(probes)}")
+        try:
+            probe.subscribe("kv/long")
+            return probe.messages.get(timeout=0.5) is not None
+        except queue.Empty:
+            return False
+        finally:
+            probe.close()
+    assert wait_until(retained_on_node2, PROPAGATION_BOUND_S, 0.1)
+    time.sleep(max(0.0, published + 1.6 - time.monotonic()))  # let kv/short's interval pass: that is what is tested
+    late = v5(node2.port, "kv-late")
+    assert late.subscribe("kv/#") == [1]
+    producer.publish("kv/marker", b"after")
+    kept, marker = late.expect(2)
+    assert (kept.topic, kept.payload, kept.retain) == ("kv/long", b"kept", True)
+    assert properties_of(kept) == {"UserProperty": [("k", "v")], "ContentType": "x"}
+    assert 50 <= kept.properties.MessageExpiryInterval <= 59
+    assert (marker.topic, marker.payload) == ("kv/marker", b"after")
+
+
+def queue_for_offline_session(v5, node1, node2, clientid: str) -> None:
+    """``clientid`` subscribes ``<clientid>/#`` in a v5 session of 600 s on node 1 and leaves; then node 1 takes a
+    message that expires in 1 s and one with the request properties, node 2 one without properties, each once a
+    witness on node 1 saw the one before (so they reach the offline session in this order)."""
+    client = V5Client(node1.port, clientid, clean_start=False, **SESSION)
+    assert client.subscribe(f"{clientid}/#") == [1]
+    client.close()
+    witness = v5(node1.port, f"{clientid}-witness")
+    witness.subscribe(f"{clientid}/#")
+    for node, topic, properties in ((node1, "expires", {"MessageExpiryInterval": 1}),
+                                    (node1, "asks", {**REQUEST_PROPERTIES, "MessageExpiryInterval": 120}),
+                                    (node2, "plain", {})):
+        v5(node.port, f"{clientid}-{topic}").publish(f"{clientid}/{topic}", topic.encode(), **properties)
+        assert witness.expect(1)[0].topic == f"{clientid}/{topic}"
+
+
+def resumed_on(node, clientid: str) -> list:
+    """The two messages the session of ``clientid`` gets when it resumes on ``node`` 1.6 s after it was queued
+    (the first message's expiry has passed), checked for what the session kept."""
+    time.sleep(1.6)  # let the first message's interval pass while the session is offline
+    back = V5Client(node.port, clientid, clean_start=False, **SESSION)
+    try:
+        asks, plain = back.expect(2)
+    finally:
+        back.close()
+    assert (asks.topic, asks.payload) == (f"{clientid}/asks", b"asks")
+    assert properties_of(asks) == REQUEST_PROPERTIES
+    assert 116 <= asks.properties.MessageExpiryInterval <= 119
+    assert (plain.topic, plain.payload, properties_of(plain)) == (f"{clientid}/plain", b"plain", {})
+    return [asks, plain]
+
+
+def test_an_offline_session_handed_over_keeps_its_messages_properties_and_expiry(cluster_nodes, v5):
+    node1, node2 = started(cluster_nodes())
+    queue_for_offline_session(v5, node1, node2, "handed")
+    resumed_on(node2, "handed")
+
+
+def test_an_offline_session_of_a_dead_node_keeps_its_messages_properties_and_expiry(cluster_nodes, v5,
+                                                                                     jetstream_options, nats_cluster):
+    node1, node2 = started(cluster_nodes())
+    stream = f"{jetstream_options['jetstream_namespace']}_SESSIONS"
+    queue_for_offline_session(v5, node1, node2, "orphan5")
+    assert wait_until(lambda: asyncio.run(stored_count(nats_cluster.urls, stream)) == 3, PROPAGATION_BOUND_S, 0.1)
+    node1.kill()
+    resumed_on(node2, "orphan5")
+
+
+def test_a_takeover_from_the_other_node_tells_the_old_v5_connection_0x8e(cluster_nodes, v5):
+    node1, node2 = started(cluster_nodes())
+    old, _connack = connect5(node1.port, "moving", session_expiry_interval=60)
+    v5(node2.port, "moving", clean_start=False, **SESSION)
+    assert server_disconnect(old) == [0x8E]  # MQTT 5.0 section 3.14.2.1: Session taken over
+
+
+def test_the_cluster_form_round_trips_reads_what_earlier_versions_stored_and_refuses_garbage():
+    from ecq.broker.amqtt_hooks.mqtt5_messages import cluster_form, from_cluster_form, make_payload
+    from ecq.broker.cluster_state import SessionState, retained_message, retained_value
+
+    properties = {"user_properties": [("a", "1"), ("a", "2")], "content_type": "text/plain",
+                  "correlation_data": b"\x00id"}
+    message = make_payload(b"data", properties, time.monotonic() + 30, "publisher", True)
+    carried, qos = retained_message(retained_value(message, 1))
+    assert (bytes(carried), qos, carried.properties, carried.retain, carried.publisher) == (
+        b"data", 1, properties, True, None)
+    assert 29 <= carried.expires_at - time.monotonic() <= 30
+    assert retained_message(b"\x03plain") == (b"plain", None)  # a value stored before MQTT 5 messages were carried
+    assert cluster_form(b"a 3.1.1 payload") is None
+    old_session = b'{"present": true, "subscriptions": [], "messages": [["t", 1, "eA=="]]}'
+    assert SessionState.from_bytes(old_session).messages == [("t", 1, b"x")]
+    moved = SessionState.from_bytes(SessionState(True, [], [("t", 2, message)]).to_bytes()).messages[0][2]
+    assert moved.properties == properties
+    for garbage in ("", "no-colon", ":not base64!", "12:AAAA", "soon:" + cluster_form(message).split(":")[1]):
+        with pytest.raises(ValueError, match="unreadable MQTT 5 properties"):
+            from_cluster_form(b"x", garbage)
+    with pytest.raises(ValueError, match="announces"):
+        retained_message(b"\x81\x00\x00\x01\x00short")
