@@ -4,10 +4,11 @@ other nodes of the cluster and nothing it took is lost.
 In order: the MQTT listeners close (a client connecting now is refused by the kernel and tries another node);
 every TCP/TLS connection stops being read, once what was received before is taken; every write taken is
 waited for (``write_timeout``) until it is stored, and so PUBACKed on its still open connection, or failed;
-then every connection is closed (an MQTT 5 client is sent DISCONNECT 0x8B Server shutting down first), and a client reconnects to another node (MQTT 3.1.1 section 4.4: it resends
-there the QoS 1 and 2 PUBLISHes it got no acknowledgement for, such as one the pause cut in half); what a
-connection whose CONNECT was under way when the listeners closed wrote is waited for too; last, every
-consumer's received acks are saved, so the node its client moves to resumes after them.
+then every connection is closed (an MQTT 5 client is sent DISCONNECT 0x8B Server shutting down first), and a
+client reconnects to another node (MQTT 3.1.1 section 4.4: it resends there the QoS 1 and 2 PUBLISHes it got no
+acknowledgement for, such as one the pause cut in half); what a connection whose CONNECT was under way when the
+listeners closed wrote is waited for too; last, every consumer's received acks are saved, so the node its client
+moves to resumes after them.
 
 Since a write is PUBACKed before its connection closes, the client cannot send a newer value of the same key
 to another node while this one still stores the older. Where that order cannot be kept (a WebSocket
