@@ -1,7 +1,8 @@
 """MQTT 5.0 messages of ordinary topics across two ECQ nodes on the session's NATS cluster, over TCP with paho MQTTv5
 clients: the properties (MQTT 5.0 section 3.3.2.3), RETAIN flag (for Retain As Published, 3.8.3.1) and Message Expiry
 (3.3.2.3.3) of a message stay with it when it is forwarded to the other node, retained in the cluster's KV, or queued
-for an offline session that resumes on the other node, also after the node that held the session died.
+for an offline session that resumes on the other node, also after the node that held the session died; a session
+that expired (3.1.2.11.2) is not resumed anywhere; a takeover from the other node is told 0x8E (3.14.2.1).
 
 Where a test shows that something is NOT delivered, a marker published after it must come first: no sleep decides
 the outcome."""
@@ -14,11 +15,12 @@ import time
 
 import pytest
 
+from ecq.store.jsapi import token
 from tests.harness import wait_until
-from tests.test_cluster_state import PROPAGATION_BOUND_S, started, stored_count
+from tests.test_cluster_state import PROPAGATION_BOUND_S, kv_value, started, stored_count
 from tests.test_mqtt5 import V5Client, v5  # noqa: F401  (v5 is a fixture)
-from tests.test_mqtt5_sessions import connect5, server_disconnect
 from tests.test_mqtt5_routing import REQUEST_PROPERTIES, properties_of
+from tests.test_mqtt5_sessions import connect5, server_disconnect
 
 SESSION = {"SessionExpiryInterval": 600}
 
@@ -120,6 +122,25 @@ def test_a_takeover_from_the_other_node_tells_the_old_v5_connection_0x8e(cluster
     old, _connack = connect5(node1.port, "moving", session_expiry_interval=60)
     v5(node2.port, "moving", clean_start=False, **SESSION)
     assert server_disconnect(old) == [0x8E]  # MQTT 5.0 section 3.14.2.1: Session taken over
+
+
+def test_a_session_that_expired_on_its_node_is_not_resumed_on_the_other_after_that_node_died(cluster_nodes,
+                                                                                              jetstream_options,
+                                                                                              nats_cluster):
+    """MQTT 5.0 section 3.1.2.11.2: the session ends when its interval (2 s) has passed; the cluster's copy of it,
+    kept for ``session_expiry``, ends with it."""
+    node1, node2 = started(cluster_nodes())
+    bucket = f"{jetstream_options['jetstream_namespace']}_sessions"
+    client = V5Client(node1.port, "brief", clean_start=False, SessionExpiryInterval=2)
+    assert client.subscribe("brief/#") == [1]
+    client.close()
+    assert wait_until(lambda: asyncio.run(kv_value(nats_cluster.urls, bucket, token("brief"))) is not None,
+                      PROPAGATION_BOUND_S, 0.1)
+    assert wait_until(lambda: asyncio.run(kv_value(nats_cluster.urls, bucket, token("brief"))) is None,
+                      2 + PROPAGATION_BOUND_S, 0.1), "the cluster kept the expired session"
+    node1.kill()
+    _back, connack = connect5(node2.port, "brief", clean_start=False, session_expiry_interval=2)
+    assert not connack.session_present
 
 
 def test_the_cluster_form_round_trips_reads_what_earlier_versions_stored_and_refuses_garbage():

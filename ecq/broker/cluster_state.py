@@ -181,8 +181,8 @@ class ClusterState:
                       json.dumps(subscriptions).encode())
 
     def forget_session(self, clientid: str) -> None:
-        """Delete ``clientid``'s stored session and queue (a clean-session CONNECT; returns at once, written in call
-        order)."""
+        """Delete ``clientid``'s stored session and queue (a clean-session CONNECT, or an MQTT 5 session's expiry;
+        returns at once, written in call order)."""
         self._enqueue(self._delete_session, f"end of the session of {clientid!r}", token(clientid))
         self.drop_queue(clientid)
 

@@ -161,6 +161,14 @@ class EcqPlugin(BaseTopicPlugin):
         if self.cluster_state is not None:
             self.cluster_state.drop_queue(clientid)
 
+    async def session_expired(self, clientid: str) -> None:
+        """A persistent session ended by its MQTT 5 Session Expiry Interval (MQTT 5.0 section 3.1.2.11.2): in a
+        cluster its stored subscriptions and queue are deleted and this broker stops answering for ``clientid``, so
+        that no broker resumes it, also after this one died."""
+        if self.cluster_state is not None:
+            self.cluster_state.forget_session(clientid)
+            await self.bus.disown(clientid)
+
     async def claim_session(self, clientid: str, clean: bool) -> Any:
         """At a CONNECT, take ``clientid`` over from the cluster (see ClusterBus.claim): returns the persistent
         session (a SessionState) another broker handed over or, when no broker answered and none is here, the

@@ -193,7 +193,7 @@ def expire_sessions_one_by_one() -> None:
 
 
 async def _expire(broker: Broker, session: Any, offline: _Offline) -> None:
-    """The end of an offline session: its pending Will published, the session forgotten."""
+    """The end of an offline session: its pending Will published, the session forgotten (by the cluster too)."""
     if session.attributes.get(_PENDING) is not offline:
         return  # resumed or ended meanwhile
     del session.attributes[_PENDING]
@@ -202,6 +202,8 @@ async def _expire(broker: Broker, session: Any, offline: _Offline) -> None:
         await _publish_will(broker, session, offline.will)
     if broker._sessions.get(session.client_id, (None, None))[0] is session:
         await broker._cleanup_session(session.client_id)
+        if (plugin := find_target(broker.plugins_manager)) is not None:
+            await plugin.session_expired(session.client_id)
 
 
 def publish_wills_after_their_delay() -> None:

@@ -69,6 +69,10 @@ class EcqHooksTarget(Protocol):
     def session_queue_taken(self, clientid: str) -> None:
         """Drop the cluster's copy of a persistent session's queue: it is being sent (no-op without a cluster)."""
 
+    async def session_expired(self, clientid: str) -> None:
+        """A persistent session ended by its MQTT 5 Session Expiry Interval: forget it in the cluster (no-op without
+        one)."""
+
     def session_message_dropped(self, clientid: str, topic: str, reason: str) -> None:
         """Count a message of an ordinary topic dropped from a persistent session at a bound
         (``reason``: ``queue_full`` or ``inflight_full``)."""
