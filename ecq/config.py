@@ -141,6 +141,12 @@ class EcqSettings(BaseModel):
     max_keepalive: Int | None = Field(default=None, ge=1, le=65535,
                                       description="longest Keep Alive (seconds) an MQTT 5 client is held to, told in "
                                       "CONNACK's Server Keep Alive; None = the client's own")
+    receive_maximum: Int = Field(default=1024, ge=1, le=65535,
+                                 description="QoS 1/2 PUBLISHes an MQTT 5 client may have unacknowledged, told in "
+                                 "CONNACK's Receive Maximum; one more gets DISCONNECT 0x93")
+    topic_alias_maximum: Int = Field(default=64, ge=0, le=65535,
+                                     description="Topic Aliases an MQTT 5 client may set, told in CONNACK's Topic Alias "
+                                     "Maximum; 0 = none; an alias above it gets DISCONNECT 0x94")
 
     backend: Literal["leveldb", "jetstream"] = Field(
         default="leveldb", description="queue storage: embedded LevelDB in data_dir, or a NATS JetStream cluster")

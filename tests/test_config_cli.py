@@ -47,6 +47,9 @@ def test_defaults_follow_the_spec():
     ("jetstream_replicas", 6, "less than or equal to 5"),
     ("jetstream_namespace", "ECQ.prod", "should match pattern"),
     ("node_name", "node 1", "should match pattern"),
+    ("receive_maximum", 0, "greater than or equal to 1"),
+    ("receive_maximum", 65536, "less than or equal to 65535"),
+    ("topic_alias_maximum", -1, "greater than or equal to 0"),
 ])
 def test_bad_option_names_option_and_rule(option, value, rule):
     with pytest.raises(ValidationError) as info:

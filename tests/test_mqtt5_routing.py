@@ -215,6 +215,23 @@ def test_the_clients_receive_maximum_bounds_qos1_messages_in_flight(broker, v5):
     assert v5_packet(raw.next()).topic == "rmax/2"
 
 
+def test_receive_maximum_and_topic_alias_maximum_are_options_told_in_connack_and_held_to(make_broker, v5):
+    """Sections 3.2.2.3.3 and 3.2.2.3.8: the broker's ``receive_maximum`` and ``topic_alias_maximum`` are what CONNACK
+    says and what a client is held to (0x93 for one more unacknowledged QoS 2 PUBLISH, 0x94 for an alias above)."""
+    broker = make_broker(receive_maximum=3, topic_alias_maximum=0)
+    connack = v5(broker.port, "limits-probe").connack[1]
+    assert connack.ReceiveMaximum == 3 and getattr(connack, "TopicAliasMaximum", 0) == 0
+    flood = wire(broker.port, "limits-flood")
+    qos2 = [mqtt5.PublishPacket("limits/t", b"v", qos=mqtt5.QoS.EXACTLY_ONCE, packet_id=n).write() for n in (1, 2, 3, 4)]
+    flood.send(*qos2[:3])
+    assert [flood.next().kind for _ in range(3)] == [PUBREC] * 3  # within the limit; no PUBREL: all 3 stay in flight
+    flood.send(qos2[3])
+    assert [(p.kind, p.body[:1]) for p in flood.until_closed()] == [(DISCONNECT, b"\x93")]
+    aliased = wire(broker.port, "limits-alias")
+    aliased.send(mqtt5.PublishPacket("limits/a", b"v", topic_alias=1).write())
+    assert [(p.kind, p.body[:1]) for p in aliased.until_closed()] == [(DISCONNECT, b"\x94")]
+
+
 def test_more_qos2_publishes_in_flight_than_the_servers_receive_maximum_get_disconnect_0x93(broker, v5):
     """Section 3.3.4: a client that sends more QoS 1/2 PUBLISHes unacknowledged than the server's Receive Maximum
     (CONNACK) is disconnected with 0x93; it reads the DISCONNECT even while it is still sending."""

@@ -36,8 +36,8 @@ from amqtt.mqtt.unsuback import UnsubackPacket
 from ecq.broker.amqtt_hooks.bad_clients import checked_connection, checks_shared_with, fixed_header_violation, violation
 from ecq.broker.amqtt_hooks.mqtt5_messages import publish_bytes
 from ecq.broker.amqtt_hooks.mqtt5_packets import (BAD_AUTHENTICATION_METHOD, MALFORMED_PACKET, PACKET_TOO_LARGE,
-                                                  RECEIVE_MAXIMUM, TOPIC_ALIAS_MAXIMUM, MalformedPacket, Mqtt5Context,
-                                                  context_of, decode, remaining_length, set_context)
+                                                  MalformedPacket, Mqtt5Context, context_of, decode, remaining_length,
+                                                  set_context)
 from ecq.broker.amqtt_hooks.mqtt5_sessions import connack_properties, session_options
 from ecq.broker.amqtt_hooks.target import find_target
 
@@ -114,7 +114,9 @@ def translate_level_5_connects() -> None:
         connection = checked_connection(reader)
         if connection is None:
             return await original(reader, writer, plugins_manager, loop)
-        context = Mqtt5Context()
+        settings = find_target(plugins_manager).settings
+        context = Mqtt5Context(server_receive_maximum=settings.receive_maximum,
+                               server_topic_alias_maximum=settings.topic_alias_maximum)
         try:
             async with asyncio.timeout(connection.connect_timeout_s):
                 peeked, level = await _peek_level(reader)
@@ -293,8 +295,8 @@ def _as_mqtt5(handler: BrokerProtocolHandler, context: Mqtt5Context, packet: Any
 
 def _connack(context: Mqtt5Context, session_present: int, return_code: int) -> bytes:
     """The v5 CONNACK of a 3.1.1 one (MQTT 5.0 section 3.2): a refusal with its v5 code, or success with ECQ's
-    properties: Topic Alias Maximum :data:`TOPIC_ALIAS_MAXIMUM`, Subscription Identifiers and Shared
-    Subscriptions available, Receive Maximum :data:`RECEIVE_MAXIMUM`, Maximum Packet Size the broker's
+    properties: Topic Alias Maximum ``topic_alias_maximum``, Subscription Identifiers and Shared
+    Subscriptions available, Receive Maximum ``receive_maximum``, Maximum Packet Size the broker's
     ``max_packet_bytes``, the Assigned Client Identifier, and the Session Expiry Interval and Server Keep Alive ECQ
     applies when they differ from the ones asked for (``mqtt5_sessions.connack_properties``)."""
     if return_code:
@@ -303,7 +305,8 @@ def _connack(context: Mqtt5Context, session_present: int, return_code: int) -> b
     return mqtt5.ConnAckPacket(
         session_present=bool(session_present), assigned_client_id=context.assigned_client_id,
         **connack_properties(context),
-        receive_max=RECEIVE_MAXIMUM, topic_alias_max=TOPIC_ALIAS_MAXIMUM, retain_available=True,
+        receive_max=context.server_receive_maximum, topic_alias_max=context.server_topic_alias_maximum,
+        retain_available=True,
         wildcard_subscription_available=True, max_packet_size=context.server_maximum_packet_size,
         subscription_id_available=True,
         shared_subscription_available=True).write()

@@ -4,7 +4,7 @@ equivalent 3.1.1 packet, which amqtt's decoders (and ``bad_clients``' checks) re
 
 - a PUBLISH under ``$ECQ/`` goes to the plugin's ``take_ecq_write``, as on 3.1.1; any other PUBLISH reaches amqtt
   as an amqtt PublishPacket whose payload carries the v5 properties (``mqtt5_messages.Mqtt5Payload``); a Topic
-  Alias is resolved per connection (MQTT 5.0 section 3.3.2.3.4); more than ``RECEIVE_MAXIMUM`` QoS 1/2 PUBLISHes
+  Alias is resolved per connection (MQTT 5.0 section 3.3.2.3.4); more than ``receive_maximum`` QoS 1/2 PUBLISHes
   unacknowledged get DISCONNECT 0x93 (section 3.3.4);
 - PUBACK, PUBREC, PUBREL, PUBCOMP: their packet id (a reason code and properties are read and dropped);
 - SUBSCRIBE: a malformed ``$share/`` filter is refused with 0x8F, one on ``$ECQ/`` with 0x9E
@@ -44,9 +44,8 @@ from ecq.broker.amqtt_hooks.ecq_paths import client_id, send_soon
 from ecq.broker.amqtt_hooks.framer import READ_SIZE, Framer
 from ecq.broker.amqtt_hooks.mqtt5_messages import payload_of
 from ecq.broker.amqtt_hooks.mqtt5_packets import (MALFORMED_PACKET, PACKET_TOO_LARGE, PROTOCOL_ERROR,
-                                                  RECEIVE_MAXIMUM, RECEIVE_MAXIMUM_EXCEEDED, TOPIC_ALIAS_INVALID,
-                                                  TOPIC_ALIAS_MAXIMUM, MalformedPacket, context_of, decode,
-                                                  remaining_length)
+                                                  RECEIVE_MAXIMUM_EXCEEDED, TOPIC_ALIAS_INVALID, MalformedPacket,
+                                                  context_of, decode, remaining_length)
 from ecq.broker.amqtt_hooks.mqtt5_routing import subscribed, unsubscribed
 from ecq.broker.amqtt_hooks.mqtt5_sessions import take_disconnect_expiry, tell
 from ecq.broker.amqtt_hooks.shared_subscriptions import v5_refusal
@@ -168,8 +167,8 @@ class Mqtt5Framer(Framer):
             raise violation(self._packets, reason)
         if qos and not self._context.receive(packet.packet_id):
             self._refuse(RECEIVE_MAXIMUM_EXCEEDED)
-            raise violation(self._packets, f"more than the Receive Maximum of {RECEIVE_MAXIMUM} QoS 1 and 2 "
-                                           "PUBLISHes unacknowledged (MQTT 5.0 section 3.3.4)")
+            raise violation(self._packets, f"more than the Receive Maximum of {self._context.server_receive_maximum} "
+                                           "QoS 1 and 2 PUBLISHes unacknowledged (MQTT 5.0 section 3.3.4)")
         if not is_ecq_topic(topic):
             self._publish = (packet, topic)
             return False
@@ -180,15 +179,15 @@ class Mqtt5Framer(Framer):
     def _topic_of(self, packet: Any) -> str:
         """The topic of a v5 PUBLISH: its Topic Name, which a Topic Alias then stands for on this connection, or the
         topic its Topic Alias stands for when the name is empty (MQTT 5.0 section 3.3.2.3.4). Raises
-        ProtocolViolation after DISCONNECT 0x94 for an alias above :data:`TOPIC_ALIAS_MAXIMUM` (announced in
+        ProtocolViolation after DISCONNECT 0x94 for an alias above ``topic_alias_maximum`` (announced in
         CONNACK), 0x82 for an empty topic with an alias no PUBLISH set."""
         alias = packet.topic_alias
         if alias is None:
             return packet.topic
-        if alias > TOPIC_ALIAS_MAXIMUM:
+        if alias > (most := self._context.server_topic_alias_maximum):
             self._refuse(TOPIC_ALIAS_INVALID)
             raise violation(self._packets, f"PUBLISH with Topic Alias {alias}, above the Topic Alias Maximum "
-                                           f"{TOPIC_ALIAS_MAXIMUM} of CONNACK [MQTT-3.3.2-9]")
+                                           f"{most} of CONNACK [MQTT-3.3.2-9]")
         if packet.topic:
             self._context.aliases_in[alias] = packet.topic
             return packet.topic

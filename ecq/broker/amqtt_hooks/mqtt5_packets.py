@@ -23,8 +23,6 @@ BAD_AUTHENTICATION_METHOD = 0x8C
 TOPIC_ALIAS_INVALID = 0x94
 PACKET_TOO_LARGE = 0x95
 RECEIVE_MAXIMUM_EXCEEDED = 0x93
-RECEIVE_MAXIMUM = 1024  # the QoS 1/2 PUBLISHes a client may have unacknowledged (CONNACK, section 3.2.2.3.3)
-TOPIC_ALIAS_MAXIMUM = 64  # the Topic Aliases a client may set on one connection (CONNACK, section 3.2.2.3.8)
 _PUBLISH_ACKS = {1: mqtt5.PubAckPacket, 2: mqtt5.PubRecPacket}  # the acknowledgement of a PUBLISH by its QoS
 _PUBLISH_ACK_CODES = {1: mqtt5.PubAckReasonCode, 2: mqtt5.PubRecReasonCode}
 _CONTEXT = "_ecq_mqtt5"  # the attribute of amqtt's handler that holds the context
@@ -49,10 +47,11 @@ class Mqtt5Context:
     ``unsubscribes``: the UNSUBACK reason codes of each UNSUBSCRIBE until its UNSUBACK.
     ``topic_alias_maximum``: the aliases the client takes (section 3.1.2.11.5); ``aliases_out``: topic -> the
     alias ECQ gave it on this connection; ``aliases_in``: alias -> topic the client set (at most
-    :data:`TOPIC_ALIAS_MAXIMUM`, section 3.3.2.3.4). ``send_window``: bounds the QoS 1/2 PUBLISHes of ordinary
+    ``server_topic_alias_maximum``, the broker's ``topic_alias_maximum`` told in CONNACK, section 3.3.2.3.4). ``send_window``: bounds the QoS 1/2 PUBLISHes of ordinary
     topics in flight to ``receive_maximum``. ``retained_wanted``: per filter of the SUBSCRIBE being handled,
     whether its Retain Handling sends the retained messages. ``inbound``: the packet ids of the client's QoS 1/2
-    PUBLISHes not yet acknowledged (PUBACK, PUBCOMP, or a PUBREC refusal), at most :data:`RECEIVE_MAXIMUM`.
+    PUBLISHes not yet acknowledged (PUBACK, PUBCOMP, or a PUBREC refusal), at most ``server_receive_maximum``
+    (the broker's ``receive_maximum``, told in CONNACK, section 3.2.2.3.3).
     """
 
     receive_maximum: int = 65535
@@ -70,6 +69,8 @@ class Mqtt5Context:
     send_window: asyncio.Semaphore | None = None
     retained_wanted: dict[str, bool] = field(default_factory=dict)
     inbound: set[int] = field(default_factory=set)
+    server_receive_maximum: int = 65535
+    server_topic_alias_maximum: int = 0
 
     def fits(self, packet: bytes) -> bool:
         """True when ``packet`` is within the client's Maximum Packet Size (MQTT 5.0 section 3.1.2.11.4)."""
@@ -88,8 +89,8 @@ class Mqtt5Context:
 
     def receive(self, packet_id: int) -> bool:
         """Count a QoS 1/2 PUBLISH of the client in flight until :meth:`release`: False when that would exceed
-        :data:`RECEIVE_MAXIMUM` (MQTT 5.0 section 3.3.4: DISCONNECT 0x93). A resent packet id counts once."""
-        if packet_id not in self.inbound and len(self.inbound) >= RECEIVE_MAXIMUM:
+        ``server_receive_maximum`` (MQTT 5.0 section 3.3.4: DISCONNECT 0x93). A resent packet id counts once."""
+        if packet_id not in self.inbound and len(self.inbound) >= self.server_receive_maximum:
             return False
         self.inbound.add(packet_id)
         return True
