@@ -15,8 +15,9 @@ token of :func:`ecq.store.jsapi.token`):
 And one stream, ``NS_SESSIONS`` (subjects ``NS.sq.T(clientid)``, at most ``session_max_queued`` messages per subject,
 the oldest dropped, kept ``session_expiry``): the QoS 1/2 messages queued for each offline persistent session
 (headers ``Ecq-Topic`` T(topic), ``Ecq-Qos``, and ``Ecq-Mqtt5`` the cluster form of an MQTT 5.0 message), purged
-when the session's queue is taken for sending or the session is discarded. The broker that holds a session hands its queue over in the takeover's answer (:class:`SessionState`,
-:mod:`ecq.broker.bus`); the stream is read only when that broker does not answer (it died).
+when the session's queue is taken for sending or the session is discarded. The broker that holds a session hands
+its queue over in the takeover's answer (:class:`SessionState`, :mod:`ecq.broker.bus`); the stream is read only
+when that broker does not answer (it died).
 
 Writes here are ordered and asynchronous: a retained PUBLISH is PUBACKed before its KV write is acknowledged, and a
 failed write is logged, not retried.

@@ -241,7 +241,8 @@ def _connect_as_3_1_1(connect: Any, context: Mqtt5Context, plugins_manager: Any)
     if connect.password is not None:
         flags |= 0x40
         payload += encode_data_with_length(connect.password)
-    body = encode_data_with_length(b"MQTT") + bytes((4, flags)) + context.session.keep_alive_s.to_bytes(2, "big") + payload
+    keep_alive = context.session.keep_alive_s.to_bytes(2, "big")
+    body = encode_data_with_length(b"MQTT") + bytes((4, flags)) + keep_alive + payload
     return bytes((_CONNECT_FIRST_BYTE,)) + remaining_length(len(body)) + body
 
 

@@ -17,7 +17,8 @@ equivalent 3.1.1 packet, which amqtt's decoders (and ``bad_clients``' checks) re
 - AUTH: DISCONNECT 0x82 Protocol Error, then close (no CONNECT had an Authentication Method, which ECQ refuses
   with CONNACK 0x8C; section 4.12: an AUTH without one is a Protocol Error; 0x8C is no DISCONNECT reason code);
 - a packet that does not decode, or breaks a rule of ``bad_clients``: DISCONNECT 0x81 (0x95 for one above
-  ``max_packet_bytes``, 0x94 for a Topic Alias of 0), then close (section 4.13), after a linger that lets the client read it (:meth:`_linger`).
+  ``max_packet_bytes``, 0x94 for a Topic Alias of 0), then close (section 4.13), after a linger that lets the
+  client read it (:meth:`_linger`).
 
 :func:`read_mqtt5_with_the_framer` picks this reader for every v5 connection, over TCP or WebSocket, whatever
 ``fast_path`` says: amqtt's own reader reads 3.1.1 only.

@@ -47,8 +47,8 @@ class Mqtt5Context:
     ``unsubscribes``: the UNSUBACK reason codes of each UNSUBSCRIBE until its UNSUBACK.
     ``topic_alias_maximum``: the aliases the client takes (section 3.1.2.11.5); ``aliases_out``: topic -> the
     alias ECQ gave it on this connection; ``aliases_in``: alias -> topic the client set (at most
-    ``server_topic_alias_maximum``, the broker's ``topic_alias_maximum`` told in CONNACK, section 3.3.2.3.4). ``send_window``: bounds the QoS 1/2 PUBLISHes of ordinary
-    topics in flight to ``receive_maximum``. ``retained_wanted``: per filter of the SUBSCRIBE being handled,
+    ``server_topic_alias_maximum``, the broker's ``topic_alias_maximum`` told in CONNACK, section 3.3.2.3.4).
+    ``send_window``: bounds the QoS 1/2 PUBLISHes of ordinary topics in flight to ``receive_maximum``. ``retained_wanted``: per filter of the SUBSCRIBE being handled,
     whether its Retain Handling sends the retained messages. ``inbound``: the packet ids of the client's QoS 1/2
     PUBLISHes not yet acknowledged (PUBACK, PUBCOMP, or a PUBREC refusal), at most ``server_receive_maximum``
     (the broker's ``receive_maximum``, told in CONNACK, section 3.2.2.3.3).
