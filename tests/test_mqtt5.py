@@ -28,10 +28,12 @@ WAIT_S = 10.0
 
 class V5Client:
     """A paho-mqtt MQTT 5.0 client with bounded waits: each PUBLISH's acknowledgement (reason code and Reason
-    String), each message with its User Properties, SUBACK reason codes, the CONNACK's properties."""
+    String), each message with its User Properties, SUBACK reason codes, the CONNACK's properties and Session
+    Present flag; ``username`` and ``password`` go in the CONNECT."""
 
     def __init__(self, port: int, client_id: str = "", manual_ack: bool = False, transport: str = "tcp",
-                 clean_start: bool = True, **connect_properties) -> None:
+                 clean_start: bool = True, username: str | None = None, password: str | None = None,
+                 **connect_properties) -> None:
         self.messages: queue.Queue = queue.Queue()
         self.subacks: queue.Queue = queue.Queue()
         self.acks: dict[int, tuple[int, str | None]] = {}
@@ -42,7 +44,11 @@ class V5Client:
         self._c.on_message = lambda _c, _u, m: self.messages.put(m)
         self._c.on_subscribe = lambda _c, _u, _mid, codes, _p: self.subacks.put([c.value for c in codes])
         connected, self.connack = threading.Event(), []
-        self._c.on_connect = lambda _c, _u, _f, reason, props: (self.connack.extend([reason, props]), connected.set())
+        self._c.on_connect = lambda _c, _u, flags, reason, props: (
+            self.connack.extend([reason, props]), setattr(self, "session_present", flags.session_present),
+            connected.set())
+        if username is not None:
+            self._c.username_pw_set(username, password)
         properties = Properties(PacketTypes.CONNECT)
         for name, value in connect_properties.items():
             setattr(properties, name, value)

@@ -7,8 +7,10 @@ token of :func:`ecq.store.jsapi.token`):
   :func:`ecq.broker.amqtt_hooks.cluster_form`, the form (ASCII), then the payload. One entry per topic, an
   empty retained payload deletes it (MQTT 3.1.1 section 3.3.1.3). Every broker watches the bucket and keeps amqtt's
   retained table in step with it; a broker that starts loads every entry before its listeners open.
-- ``NS_sessions``: key T(clientid), value the JSON list of a persistent session's subscriptions
-  ``[[filter, qos], ...]``, written on each SUBSCRIBE, UNSUBSCRIBE and disconnect; entries expire
+- ``NS_sessions``: key T(clientid), value the JSON object ``{"username": owner or null, "subscriptions": [[filter,
+  qos], ...]}`` of a persistent session, an MQTT 5.0 subscription's entry followed by its options
+  (:func:`subscriptions_value`), written on each SUBSCRIBE, UNSUBSCRIBE and disconnect (a broker of an earlier
+  version wrote the list of subscriptions alone: read as a session of no known owner); entries expire
   ``session_expiry`` after their last write (MQTT 3.1.1 section 3.1.2.4 leaves session lifetime to the server).
   Read by a broker where the clientid reconnects when the broker that held it does not answer (it died).
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import logging
 import time
@@ -37,7 +40,7 @@ from typing import Any
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
-from ecq.broker.amqtt_hooks import cluster_form, from_cluster_form
+from ecq.broker.amqtt_hooks import PersistentSession, Subscription, cluster_form, from_cluster_form
 from ecq.config import EcqSettings
 from ecq.store.jsapi import REQUEST_TIMEOUT_S, JetStreamApi, Retry, token, until, untoken
 from ecq.store.link import NatsLink
@@ -57,26 +60,70 @@ KV_OPERATION = b"KV-Operation"  # the header of a KV delete or purge marker
 
 @dataclass
 class SessionState:
-    """A persistent session as one broker hands it to another: ``subscriptions`` ``[(filter, granted QoS)]`` and
-    ``messages`` ``[(topic, QoS, payload)]`` queued for it, oldest first (a payload may be an MQTT 5.0 one, with its
-    properties); ``present`` False when there is none."""
+    """A persistent session as one broker hands it to another: ``username`` its owner's (None for none; a CONNECT of
+    another username does not resume it, ``amqtt_hooks.session_owners``), ``owner_known`` False for a session
+    stored by a broker that did not record its owner (none resumes it), ``subscriptions`` ``[(filter, granted QoS,
+    MQTT 5.0 options or None)]`` (``amqtt_hooks.Subscription``: No Local, Retain As Published, Retain Handling,
+    Subscription Identifier) and ``messages`` ``[(topic, QoS, payload)]`` queued for it, oldest first (a payload
+    may be an MQTT 5.0 one, with its properties); ``present`` False when there is none."""
 
     present: bool
-    subscriptions: list[tuple[str, int]] = field(default_factory=list)
+    subscriptions: list[tuple[str, int, Subscription | None]] = field(default_factory=list)
     messages: list[tuple[str, int, bytes]] = field(default_factory=list)
+    username: str | None = None
+    owner_known: bool = True
 
     def to_bytes(self) -> bytes:
-        """JSON, payloads in base64, each followed by its cluster form (null for none)."""
-        return json.dumps({"present": self.present, "subscriptions": self.subscriptions,
+        """JSON: the owner, the subscriptions (:func:`subscriptions_value`), payloads in base64, each followed by its
+        cluster form (null for none)."""
+        return json.dumps({"present": self.present, "username": self.username,
+                           "subscriptions": subscriptions_value(self.subscriptions),
                            "messages": [[t, q, base64.b64encode(d).decode(), cluster_form(d)]
                                         for t, q, d in self.messages]}).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> SessionState:
-        """Inverse of :meth:`to_bytes`. Raises ValueError (or KeyError, TypeError) for anything else."""
+        """Inverse of :meth:`to_bytes`; from a broker of an earlier version (no ``username``), a session of no known
+        owner. Raises ValueError (or KeyError, TypeError) for anything else."""
         raw = json.loads(data)
-        return cls(bool(raw["present"]), [(str(f), int(q)) for f, q in raw["subscriptions"]],
-                   [_message(*entry) for entry in raw["messages"]])
+        return cls._of(raw, bool(raw["present"]), [_message(*entry) for entry in raw["messages"]])
+
+    @classmethod
+    def from_kv(cls, value: bytes) -> SessionState:
+        """The session of an ``NS_sessions`` value (see the module's docstring), without its messages; a list of
+        subscriptions alone (from a broker of an earlier version) is a session of no known owner. Raises
+        ValueError (or KeyError, TypeError) for anything else."""
+        raw = json.loads(value)
+        return cls._of({"subscriptions": raw} if isinstance(raw, list) else raw, True, [])
+
+    @classmethod
+    def _of(cls, raw: dict[str, Any], present: bool, messages: list[tuple[str, int, bytes]]) -> SessionState:
+        return cls(present, read_subscriptions(raw["subscriptions"]), messages, _username(raw.get("username")),
+                   owner_known="username" in raw)
+
+
+def subscriptions_value(subscriptions: list[tuple[str, int, Subscription | None]]) -> list[list[Any]]:
+    """The JSON of a session's subscriptions: ``[filter, QoS]``, followed for an MQTT 5.0 subscription by its options
+    ``{"no_local": bool, "retain_as_published": bool, "retain_handling": 0-2, "subscription_id": int or null}``."""
+    return [[f, q] if options is None else [f, q, dataclasses.asdict(options)] for f, q, options in subscriptions]
+
+
+def read_subscriptions(value: list[list[Any]]) -> list[tuple[str, int, Subscription | None]]:
+    """Inverse of :func:`subscriptions_value` (``[filter, QoS]`` alone from a broker of an earlier version). Raises
+    ValueError, KeyError or TypeError for anything else."""
+    return [(str(entry[0]), int(entry[1]), _subscription(entry[2]) if len(entry) > 2 else None) for entry in value]
+
+
+def _subscription(options: dict[str, Any]) -> Subscription:
+    subscription_id = options["subscription_id"]
+    return Subscription(bool(options["no_local"]), bool(options["retain_as_published"]),
+                        int(options["retain_handling"]), None if subscription_id is None else int(subscription_id))
+
+
+def _username(value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"a username of type {type(value).__name__}")
+    return value
 
 
 def _message(topic: str, qos: int, data: str, form: str | None = None) -> tuple[str, int, bytes]:
@@ -176,10 +223,11 @@ class ClusterState:
 
     # --- persistent sessions' subscriptions ---------------------------------------------------------------
 
-    def save_subscriptions(self, clientid: str, subscriptions: list[tuple[str, int]]) -> None:
-        """Store the subscriptions of ``clientid``'s persistent session (returns at once; written in call order)."""
-        self._enqueue(self._put_session, f"session of {clientid!r}", token(clientid),
-                      json.dumps(subscriptions).encode())
+    def save_session(self, clientid: str, session: PersistentSession) -> None:
+        """Store the owner and subscriptions of ``clientid``'s persistent session (returns at once; written in call
+        order)."""
+        value = {"username": session.username, "subscriptions": subscriptions_value(session.subscriptions)}
+        self._enqueue(self._put_session, f"session of {clientid!r}", token(clientid), json.dumps(value).encode())
 
     def forget_session(self, clientid: str) -> None:
         """Delete ``clientid``'s stored session and queue (a clean-session CONNECT, or an MQTT 5 session's expiry;
@@ -242,15 +290,16 @@ class ClusterState:
         await self._sessions.delete(key)
 
     async def load_session(self, clientid: str) -> SessionState:
-        """The stored subscriptions and queued messages of ``clientid`` (run on the link's loop); not present when
-        none are stored or they cannot be read (logged)."""
+        """The stored owner, subscriptions and queued messages of ``clientid`` (run on the link's loop); not present
+        when none are stored or they cannot be read (logged)."""
         bucket = f"{self._settings.jetstream_namespace}_sessions"
         try:  # from the leader: a replica may not hold the subscriptions written just before their broker died
             entry = await self._from_leader(f"KV_{bucket}", f"$KV.{bucket}.{token(clientid)}")
             if entry is None or KV_OPERATION in base64.b64decode(entry.get("hdrs") or ""):  # none, or deleted
                 return SessionState(False)
-            subscriptions = json.loads(base64.b64decode(entry["data"]))
-            return SessionState(True, [(str(f), int(q)) for f, q in subscriptions], await self._load_queue(clientid))
+            stored = SessionState.from_kv(base64.b64decode(entry["data"]))
+            stored.messages = await self._load_queue(clientid)
+            return stored
         except Exception as exc:
             log.warning("ECQ could not read the stored session of %r: %s", clientid, exc or type(exc).__name__)
             return SessionState(False)

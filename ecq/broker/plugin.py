@@ -171,18 +171,24 @@ class EcqPlugin(BaseTopicPlugin):
 
     async def claim_session(self, clientid: str, clean: bool) -> Any:
         """At a CONNECT, take ``clientid`` over from the cluster (see ClusterBus.claim): returns the persistent
-        session (a SessionState) another broker handed over or, when no broker answered and none is here, the
-        subscriptions and queued messages stored in the cluster; None without a cluster or for a clean session
-        (which is then discarded everywhere, MQTT 3.1.1 section 3.1.2.4)."""
+        session (a SessionState, with its owner) another broker handed over or, when no broker answered and none is
+        here, the one stored in the cluster; None without a cluster or for a clean session (which is then discarded
+        everywhere, MQTT 3.1.1 section 3.1.2.4)."""
         if self.bus is None:
             return None
         state = await self.bus.claim(clientid, clean)
         if clean:
             self.cluster_state.forget_session(clientid)
             return None
-        if state is None and self.bus.connected and hooks.persistent_subscriptions(self.context, clientid) is None:
+        if state is None and self.bus.connected and hooks.persistent_session(self.context, clientid) is None:
             state = await self.bus.link.submit(self.cluster_state.load_session(clientid))
         return state
+
+    def session_discarded(self, clientid: str) -> None:
+        """A CONNECT of another username did not resume ``clientid``'s session (``amqtt_hooks.session_owners``): the
+        cluster forgets its copy, so that no broker resumes it later."""
+        if self.cluster_state is not None:
+            self.cluster_state.forget_session(clientid)
 
     async def _release_to_cluster(self, clientid: str, clean: bool) -> Any:
         from ecq.broker.cluster_state import SessionState
@@ -192,15 +198,19 @@ class EcqPlugin(BaseTopicPlugin):
             return SessionState(False)
         handed = await hooks.hand_over_session(self.context, clientid)
         await self.bus.link.submit(self.cluster_state.settle())
-        return SessionState(False) if handed is None else SessionState(True, *handed)
+        if handed is None:
+            return SessionState(False)
+        held, messages = handed
+        return SessionState(True, held.subscriptions, messages, held.username)
 
     def _store_session(self, clientid: str) -> None:
-        """Write ``clientid``'s persistent subscriptions to the cluster while this broker answers for it."""
+        """Write ``clientid``'s persistent session (owner, subscriptions) to the cluster while this broker answers
+        for it."""
         if self.cluster_state is None or not self.bus.holds(clientid):
             return
-        subscriptions = hooks.persistent_subscriptions(self.context, clientid)
-        if subscriptions is not None:
-            self.cluster_state.save_subscriptions(clientid, subscriptions)
+        held = hooks.persistent_session(self.context, clientid)
+        if held is not None:
+            self.cluster_state.save_session(clientid, held)
 
     def forward_to_cluster(self, topic: str, data: bytes, qos: int) -> None:
         """Send a message of an ordinary topic broadcast here to the cluster's other brokers."""

@@ -23,6 +23,7 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   member of the group, malformed ones refused, the ACL judging the filter read;
 - :mod:`.cluster`: ordinary MQTT messages forwarded to and from the other brokers of a cluster, retained messages
   and persistent sessions that follow the client across them;
+- :mod:`.session_owners`: a persistent session is resumed only by the username that owns it;
 - :mod:`.start_up`: start-up failures are reported, not hidden;
 - :mod:`.framer`: the packet reader (``fast_path``): buffered framing, ECQ writes and PUBACKs without amqtt's
   packet objects and tasks;
@@ -48,26 +49,26 @@ Several corrections wrap the same amqtt method (``init_from_connect``, ``_reader
 from __future__ import annotations
 
 from ecq.broker.amqtt_hooks import (acks, bad_clients, cluster, conformance, ecq_guards, ecq_paths, framer,
-                                    mqtt5_edge, mqtt5_framer, mqtt5_routing, mqtt5_sessions, shared_subscriptions,
-                                    start_up, target, websocket)
+                                    mqtt5_edge, mqtt5_framer, mqtt5_routing, mqtt5_sessions, session_owners,
+                                    shared_subscriptions, start_up, target, websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
-from ecq.broker.amqtt_hooks.cluster import (broadcast_from_cluster, discard_session, hand_over_session,
-                                           persistent_subscriptions, set_retained_from_cluster)
+from ecq.broker.amqtt_hooks.cluster import (PersistentSession, broadcast_from_cluster, discard_session,
+                                           hand_over_session, persistent_session, set_retained_from_cluster)
 from ecq.broker.amqtt_hooks.drain import close_listeners, open_connections, received_unread, stop_reading
 from ecq.broker.amqtt_hooks.conformance import set_session_expiry
 from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge_soon, client_id, close_connection, connection_is_open,
                                               listener_addresses, live_connection, publish_qos1, qos2_receipts, send_soon,
                                               set_listen_backlog, shorten_subscriptions_repr)
-from ecq.broker.amqtt_hooks.mqtt5_messages import cluster_form, from_cluster_form
+from ecq.broker.amqtt_hooks.mqtt5_messages import Subscription, cluster_form, from_cluster_form
 from ecq.broker.amqtt_hooks.mqtt5_packets import receive_maximum
 from ecq.broker.amqtt_hooks.mqtt5_sessions import SERVER_SHUTTING_DOWN, SESSION_TAKEN_OVER
 from ecq.broker.amqtt_hooks.mqtt5_sessions import tell as send_disconnect
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 
-__all__ = ["EcqHooksTarget", "ProtocolViolation", "SERVER_SHUTTING_DOWN", "SESSION_TAKEN_OVER", "acknowledge_soon",
-           "broadcast_from_cluster", "client_id", "close_connection", "close_listeners", "cluster_form",
+__all__ = ["EcqHooksTarget", "PersistentSession", "ProtocolViolation", "SERVER_SHUTTING_DOWN", "SESSION_TAKEN_OVER",
+           "Subscription", "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection", "close_listeners", "cluster_form",
            "connection_is_open", "discard_session", "from_cluster_form", "hand_over_session", "install",
-           "listener_addresses", "live_connection", "open_connections", "persistent_subscriptions", "publish_qos1",
+           "listener_addresses", "live_connection", "open_connections", "persistent_session", "publish_qos1",
            "qos2_receipts", "receive_maximum", "received_unread", "send_disconnect", "send_soon",
            "set_listen_backlog", "set_retained_from_cluster", "set_session_expiry", "shorten_subscriptions_repr",
            "stop_reading"]
@@ -110,6 +111,7 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     conformance.enforce_keepalive()
     cluster.replicate_retained_messages()  # outside keep_ecq_out_of_retained_store: $ECQ/ never reaches it
     cluster.adopt_sessions_from_the_cluster()  # outermost init_from_connect: a refused CONNECT claims nothing
+    session_owners.resume_sessions_only_for_their_owner()  # outside adopt_sessions: judges a handed-over session too
     cluster.store_offline_queues_in_the_cluster()  # outermost: sees the queue before it is taken
     mqtt5_edge.translate_level_5_connects()  # outside adopt_sessions: every CONNECT wrapper sees a 3.1.1 CONNECT
     mqtt5_edge.send_mqtt5_packets()  # what amqtt sends (CONNACK, SUBACK, UNSUBACK, PUBLISH) encoded as v5

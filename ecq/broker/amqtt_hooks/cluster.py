@@ -15,14 +15,26 @@ session held by another broker is moved here before amqtt looks it up (:func:`ad
 from __future__ import annotations
 
 import contextvars
-from typing import Any
+from typing import Any, NamedTuple
 
 from amqtt.broker import Broker, BrokerContext, RetainedApplicationMessage
 from amqtt.mqtt.constants import QOS_1, QOS_2
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
+from ecq.broker.amqtt_hooks.mqtt5_messages import Subscription, subscriptions_of
+from ecq.broker.amqtt_hooks.session_owners import mark_owner_unknown
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic
+
+
+class PersistentSession(NamedTuple):
+    """What the cluster keeps of a persistent session beside its queued messages: ``username``, its owner's (the
+    username of the CONNECT that made it; None for none) and ``subscriptions`` ``[(filter, granted QoS, MQTT 5
+    options or None)]``."""
+
+    username: str | None
+    subscriptions: list[tuple[str, int, Subscription | None]]
+
 
 _FROM_CLUSTER: contextvars.ContextVar[bool] = contextvars.ContextVar("ecq_from_cluster", default=False)
 
@@ -82,9 +94,11 @@ def adopt_sessions_from_the_cluster() -> None:
     """Before amqtt 0.12.1's ``Broker._initialize_client_session`` looks the CONNECT's clientid up in its own
     ``_sessions`` (session present, MQTT 3.1.1 section 3.2.2.2), the plugin claims the clientid from the cluster
     (:meth:`EcqHooksTarget.claim_session`): another broker's connection is closed and a persistent session it
-    held, with its subscriptions and queued messages, is installed here as an offline session, which amqtt then
-    resumes. A CleanSession=1 CONNECT has the other broker discard it (section 3.1.2.4). amqtt alone found only
-    sessions of its own process: a client reconnecting to another broker lost its session."""
+    held, with its owner's username, its subscriptions (an MQTT 5 one's options and identifiers with them) and
+    its queued messages, is installed here as an offline session, which amqtt then resumes when its owner
+    connects (``session_owners``). A CleanSession=1 CONNECT has the other broker discard it (section 3.1.2.4).
+    amqtt alone found only sessions of its own process: a client reconnecting to another broker lost its
+    session."""
     original = BrokerProtocolHandler.init_from_connect
 
     async def init_from_connect(cls: type, reader: Any, writer: Any, plugins_manager: Any,
@@ -94,47 +108,56 @@ def adopt_sessions_from_the_cluster() -> None:
         if plugin is not None and session.client_id:
             state = await plugin.claim_session(session.client_id, bool(session.clean_session))
             if state is not None and state.present and not session.clean_session:
-                _install_session(plugin.context._broker_instance, session.client_id, state.subscriptions,
-                                 state.messages)
+                _install_session(plugin.context._broker_instance, session.client_id, state)
         return handler, session
 
     BrokerProtocolHandler.init_from_connect = classmethod(init_from_connect)
 
 
-def _install_session(broker: Broker, clientid: str, subscriptions: list[tuple[str, int]],
-                     messages: list[tuple[str, int, bytes]]) -> None:
-    """An offline persistent session of ``clientid`` in ``broker``, unless it holds one already."""
+def _install_session(broker: Broker, clientid: str, state: Any) -> None:
+    """An offline persistent session of ``clientid`` in ``broker`` as the cluster's ``state`` (a
+    ``cluster_state.SessionState``) describes it, unless it holds one already."""
     if clientid in broker._sessions:
         return
     _handler, session = broker.create_offline_session(clientid)
     session.clean_session = False
-    for topic_filter, qos in subscriptions:
+    session.username = state.username
+    if not state.owner_known:
+        mark_owner_unknown(session)
+    options = subscriptions_of(session)
+    for topic_filter, qos, subscription in state.subscriptions:
         holders = broker._subscriptions.setdefault(topic_filter, [])
         holders[:] = [(s, q) for s, q in holders if s.client_id != clientid]
         holders.append((session, qos))
-    for topic, qos, data in messages:
+        if subscription is not None:
+            options[topic_filter] = subscription
+    for topic, qos, data in state.messages:
         session.retained_messages.put_nowait(RetainedApplicationMessage(None, topic, data, qos))
     broker._sessions[clientid] = (session, None)
 
 
-def persistent_subscriptions(context: BrokerContext, clientid: str) -> list[tuple[str, int]] | None:
-    """``[(filter, granted QoS)]`` of ``clientid``'s persistent session on this broker; None when it has none."""
+def persistent_session(context: BrokerContext, clientid: str) -> PersistentSession | None:
+    """``clientid``'s persistent session on this broker as the cluster keeps it (its owner's username and its
+    subscriptions with their MQTT 5 options); None when it has none."""
     session, _handler = context._broker_instance._sessions.get(clientid, (None, None))
     if session is None or session.clean_session is not False:
         return None
-    return [(topic_filter, qos) for topic_filter, holders in context.subscriptions.items()
-            for holder, qos in holders if holder is session]
+    options = subscriptions_of(session)
+    return PersistentSession(session.username, [
+        (topic_filter, qos, options.get(topic_filter)) for topic_filter, holders in context.subscriptions.items()
+        for holder, qos in holders if holder is session])
 
 
-async def hand_over_session(context: BrokerContext, clientid: str) -> tuple[list[tuple[str, int]],
+async def hand_over_session(context: BrokerContext, clientid: str) -> tuple[PersistentSession,
                                                                            list[tuple[str, int, bytes]]] | None:
-    """Remove ``clientid``'s persistent session from this broker (its connection closed already) and return its
-    subscriptions and the messages it has not received, oldest first: those sent but not acknowledged (MQTT 3.1.1
-    section 4.4; they go out again as new messages) then those queued while it was offline (QoS 1 and 2 only,
-    ``$ECQ/`` excluded: ECQ redelivers its queues itself). None, and nothing removed, when it has none here."""
+    """Remove ``clientid``'s persistent session from this broker (its connection closed already) and return it
+    (:func:`persistent_session`) with the messages it has not received, oldest first: those sent but not
+    acknowledged (MQTT 3.1.1 section 4.4; they go out again as new messages) then those queued while it was
+    offline (QoS 1 and 2 only, ``$ECQ/`` excluded: ECQ redelivers its queues itself). None, and nothing removed,
+    when it has none here."""
     broker = context._broker_instance
-    subscriptions = persistent_subscriptions(context, clientid)
-    if subscriptions is None:
+    held = persistent_session(context, clientid)
+    if held is None:
         if clientid in broker._sessions:
             await broker._cleanup_session(clientid)
         return None
@@ -146,7 +169,7 @@ async def hand_over_session(context: BrokerContext, clientid: str) -> tuple[list
         message = session.retained_messages.get_nowait()
         messages.append((message.topic, message.qos, bytes(message.data)))
     await broker._cleanup_session(clientid)
-    return subscriptions, messages
+    return held, messages
 
 
 async def discard_session(context: BrokerContext, clientid: str) -> None:

@@ -63,6 +63,10 @@ class EcqHooksTarget(Protocol):
         """Claim ``clientid`` from the cluster at its CONNECT (``clean``: its CleanSession flag): the persistent
         session another broker or the cluster's store held for it, or None (none, or no cluster)."""
 
+    def session_discarded(self, clientid: str) -> None:
+        """A persistent session was discarded at a CONNECT of another username, which did not resume it: forget it in
+        the cluster (no-op without one)."""
+
     def session_message_queued(self, clientid: str, topic: str, qos: int, data: bytes) -> None:
         """Store a message queued for an offline persistent session in the cluster (no-op without one)."""
 
