@@ -2,7 +2,9 @@
 clients: the properties (MQTT 5.0 section 3.3.2.3), RETAIN flag (for Retain As Published, 3.8.3.1) and Message Expiry
 (3.3.2.3.3) of a message stay with it when it is forwarded to the other node, retained in the cluster's KV, or queued
 for an offline session that resumes on the other node, also after the node that held the session died; a session
-that expired (3.1.2.11.2) is not resumed anywhere; a takeover from the other node is told 0x8E (3.14.2.1).
+that expired (3.1.2.11.2) is not resumed anywhere; a takeover from the other node is told 0x8E (3.14.2.1); a session
+resumed on the other node (taken over, or after its node died) keeps No Local, Retain As Published and its
+Subscription Identifiers (3.8.3.1, 3.8.2.1.2).
 
 Where a test shows that something is NOT delivered, a marker published after it must come first: no sleep decides
 the outcome."""
@@ -10,17 +12,19 @@ the outcome."""
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 import time
 
+import mqtt5
 import pytest
 
 from ecq.store.jsapi import token
 from tests.harness import wait_until
 from tests.test_cluster_state import PROPAGATION_BOUND_S, kv_value, started, stored_count
-from tests.test_mqtt5 import V5Client, v5  # noqa: F401  (v5 is a fixture)
+from tests.test_mqtt5 import V5Client, v5, v5_packet  # noqa: F401  (v5 is a fixture)
 from tests.test_mqtt5_routing import REQUEST_PROPERTIES, properties_of
-from tests.test_mqtt5_sessions import connect5, server_disconnect
+from tests.test_mqtt5_sessions import QOS_1, connect5, disconnect, server_disconnect
 
 SESSION = {"SessionExpiryInterval": 600}
 
@@ -124,6 +128,58 @@ def test_a_takeover_from_the_other_node_tells_the_old_v5_connection_0x8e(cluster
     assert server_disconnect(old) == [0x8E]  # MQTT 5.0 section 3.14.2.1: Session taken over
 
 
+def subscribe_with_options(client) -> None:
+    """On the raw v5 connection ``client``: ``opt/local/#`` with No Local, ``opt/rap/#`` with Retain As Published,
+    ``opt/id/#`` with Subscription Identifier 7 (MQTT 5.0 sections 3.8.3.1, 3.8.2.1.2)."""
+    client.send(mqtt5.SubscribePacket(1, [mqtt5.TopicFilter("opt/local/#", max_qos=QOS_1, no_local=True,
+                                                            retain_as_published=False),
+                                          mqtt5.TopicFilter("opt/rap/#", max_qos=QOS_1,
+                                                            retain_as_published=True)]).write())
+    assert v5_packet(client.next()).reason_codes == [1, 1]
+    client.send(mqtt5.SubscribePacket(2, [mqtt5.TopicFilter("opt/id/#", max_qos=QOS_1, retain_as_published=False)],
+                                      subscription_id=7).write())
+    assert v5_packet(client.next()).reason_codes == [1]
+
+
+def options_kept(v5, resumed_on: int, producer_on: int) -> None:
+    """The session of ``opts`` resumed on port ``resumed_on`` by paho without subscribing: its own PUBLISH to a No
+    Local filter does not come back, a retained PUBLISH (through ``producer_on``) keeps RETAIN=1 on the Retain As
+    Published filter, and the identified filter's message carries its identifier."""
+    moved = v5(resumed_on, "opts", clean_start=False, **SESSION)
+    assert moved.session_present
+    assert moved.publish("opt/local/self", b"not back to its publisher") == (0, None)
+    producer = v5(producer_on, "opts-producer")
+    for topic, retain in (("opt/local/other", False), ("opt/rap/r", True), ("opt/id/x", False)):
+        assert producer.publish(topic, topic.encode(), retain=retain) == (0, None)
+    local, rap, identified = moved.expect(3)
+    assert (local.topic, rap.topic, rap.retain, identified.topic) == ("opt/local/other", "opt/rap/r", True, "opt/id/x")
+    assert identified.properties.SubscriptionIdentifier == [7]
+    assert not hasattr(local.properties, "SubscriptionIdentifier")
+
+
+def test_a_v5_session_taken_over_from_the_other_node_keeps_its_subscription_options(cluster_nodes, v5):
+    node1, node2 = started(cluster_nodes())
+    old, _connack = connect5(node1.port, "opts", session_expiry_interval=600)
+    subscribe_with_options(old)
+    options_kept(v5, node2.port, node1.port)
+    assert server_disconnect(old) == [0x8E]
+
+
+def test_a_v5_session_of_a_dead_node_keeps_its_subscription_options(cluster_nodes, v5, jetstream_options,
+                                                                     nats_cluster):
+    node1, node2 = started(cluster_nodes())
+    old, _connack = connect5(node1.port, "opts", session_expiry_interval=600)
+    subscribe_with_options(old)
+    disconnect(old)
+    bucket = f"{jetstream_options['jetstream_namespace']}_sessions"
+    stored = lambda: asyncio.run(kv_value(nats_cluster.urls, bucket, token("opts")))  # noqa: E731
+    assert wait_until(lambda: stored() is not None, PROPAGATION_BOUND_S, 0.1)
+    assert {f: len(entry) for f, *entry in json.loads(stored())["subscriptions"]} == {
+        "opt/local/#": 2, "opt/rap/#": 2, "opt/id/#": 2}  # each with its options
+    node1.kill()
+    options_kept(v5, node2.port, node2.port)
+
+
 def test_a_session_that_expired_on_its_node_is_not_resumed_on_the_other_after_that_node_died(cluster_nodes,
                                                                                               jetstream_options,
                                                                                               nats_cluster):
@@ -165,3 +221,22 @@ def test_the_cluster_form_round_trips_reads_what_earlier_versions_stored_and_ref
             from_cluster_form(b"x", garbage)
     with pytest.raises(ValueError, match="announces"):
         retained_message(b"\x81\x00\x00\x01\x00short")
+
+
+def test_a_session_state_carries_its_owner_and_subscription_options_and_reads_what_earlier_versions_stored():
+    from ecq.broker.amqtt_hooks import Subscription
+    from ecq.broker.cluster_state import SessionState
+
+    subscriptions = [("plain/#", 1, None), ("opt/#", 1, Subscription(True, True, 2, 7))]
+    moved = SessionState.from_bytes(SessionState(True, subscriptions, [("t", 1, b"x")], "bob").to_bytes())
+    assert (moved.subscriptions, moved.messages, moved.username, moved.owner_known) == (
+        subscriptions, [("t", 1, b"x")], "bob", True)
+    stored = SessionState.from_kv(json.dumps({"username": None, "subscriptions": [["a/#", 2]]}).encode())
+    assert (stored.present, stored.subscriptions, stored.username, stored.owner_known) == (
+        True, [("a/#", 2, None)], None, True)
+    earlier_kv = SessionState.from_kv(b'[["a/#", 1]]')  # the subscriptions alone: no known owner
+    earlier_bus = SessionState.from_bytes(b'{"present": true, "subscriptions": [["a/#", 1]], "messages": []}')
+    for earlier in (earlier_kv, earlier_bus):
+        assert (earlier.subscriptions, earlier.owner_known) == ([("a/#", 1, None)], False)
+    with pytest.raises(TypeError):
+        SessionState.from_kv(b'{"username": 7, "subscriptions": []}')
