@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import struct
 
 import mqtt5
@@ -29,6 +30,7 @@ from tests.test_mqtt5 import V5Client, v5_packet
 from tests.test_transports import REPO
 
 USERS = ("alice", "bob", "backend")
+ACL_USERS = REPO / "docs/examples/acl-users.conf"
 SESSION = {"SessionExpiryInterval": 600}
 
 
@@ -40,25 +42,27 @@ def passwd(tmp_path_factory):
     return path
 
 
-def authenticated(node: BrokerProcess, passwd) -> BrokerProcess:
-    """``node`` (not started) with FileAuthPlugin on ``passwd`` instead of anonymous access, and the shipped
-    docs/examples/acl-users.conf."""
+def authenticated(node: BrokerProcess, passwd, acl=ACL_USERS) -> BrokerProcess:
+    """``node`` (not started) with FileAuthPlugin on ``passwd`` instead of anonymous access, and the ACL file ``acl``
+    (the shipped docs/examples/acl-users.conf by default)."""
     config = yaml.safe_load(node.config_path.read_text())
     plugins = config["plugins"]
     plugins.pop("amqtt.plugins.authentication.AnonymousAuthPlugin")
     plugins = {"amqtt.plugins.authentication.FileAuthPlugin": {"password_file": str(passwd)}, **plugins}
-    plugins["ecq.broker.plugin.EcqPlugin"]["acl_file"] = str(REPO / "docs/examples/acl-users.conf")
+    plugins["ecq.broker.plugin.EcqPlugin"]["acl_file"] = str(acl)
     config["plugins"] = plugins
     node.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     return node
 
 
-def persistent(protocol: str, port: int, clientid: str, user: str) -> Client | V5Client:
+def persistent(protocol: str, port: int, clientid: str, user: str, manual_ack: bool = False) -> Client | V5Client:
     """A paho client of ``user`` with client id ``clientid`` in a persistent session (3.1.1: CleanSession 0; 5:
-    Clean Start 0 and Session Expiry 600)."""
+    Clean Start 0 and Session Expiry 600); ``manual_ack``: it acknowledges nothing."""
     if protocol == "3.1.1":
-        return Client(port, clientid, clean_session=False, username=user, password=f"{user}-secret")
-    return V5Client(port, clientid, clean_start=False, username=user, password=f"{user}-secret", **SESSION)
+        return Client(port, clientid, clean_session=False, username=user, password=f"{user}-secret",
+                      manual_ack=manual_ack)
+    return V5Client(port, clientid, manual_ack=manual_ack, clean_start=False, username=user,
+                    password=f"{user}-secret", **SESSION)
 
 
 def granted(client: Client | V5Client, topic_filter: str) -> int:
@@ -177,5 +181,40 @@ def test_another_username_does_not_resume_a_session_from_the_other_node(cluster_
         if bob_is == "online":
             bob.until_closed()
         bob_gets_his_queue_back(protocol, node1.port if bob_is == "on a dead node" else node2.port)
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("protocol", ["3.1.1", "5"])
+def test_a_resumed_session_keeps_only_the_subscriptions_the_acl_grants_now(broker_process, passwd, tmp_path, protocol):
+    """bob resumes his own session after the ACL, reloaded meanwhile, stopped granting him ``news/#``: his queue's
+    subscription is resumed (its entry delivered without a SUBSCRIBE), ``news/#`` is dropped with the messages
+    queued and left unacknowledged for it."""
+    acl = tmp_path / "acl.conf"
+    acl.write_text(ACL_USERS.read_text())
+    broker = authenticated(broker_process(), passwd, acl).start()
+    backend = backend_of(broker.port)
+    try:
+        bob = persistent(protocol, broker.port, "bob", "bob", manual_ack=True)
+        assert granted(bob, "news/#") == 1
+        backend.publish("news/unacked", b"sent, never acknowledged")
+        assert next_topics(bob, 1) == [("news/unacked", b"sent, never acknowledged")]
+        assert granted(bob, "$ECQ/bob/#") == 1
+        bob.close()
+        write(backend, "bob", "secret", b"for bob only")
+        backend.publish("news/queued", b"queued while bob was offline")
+        acl.write_text('{deny, {user, "bob"}, subscribe, ["news/#"]}.\n' + ACL_USERS.read_text())
+        broker.proc.send_signal(signal.SIGHUP)
+        assert wait_until(lambda: "ACL reloaded" in broker.log(), 5)
+        bob = persistent(protocol, broker.port, "bob", "bob")
+        try:
+            assert bob.session_present
+            assert next_topics(bob, 1) == [("$ECQ/bob/secret", b"for bob only")]
+            assert granted(bob, "marker/#") == 1
+            backend.publish("news/live", b"after the reload")
+            backend.publish("marker/1", b"marker")
+            assert next_topics(bob, 1) == [("marker/1", b"marker")]
+        finally:
+            bob.close()
     finally:
         backend.close()
