@@ -66,12 +66,12 @@ from ecq.broker.amqtt_hooks.mqtt5_sessions import tell as send_disconnect
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 
 __all__ = ["EcqHooksTarget", "PersistentSession", "ProtocolViolation", "SERVER_SHUTTING_DOWN", "SESSION_TAKEN_OVER",
-           "Subscription", "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection", "close_listeners", "cluster_form",
-           "connection_is_open", "discard_session", "from_cluster_form", "hand_over_session", "install",
-           "listener_addresses", "live_connection", "open_connections", "persistent_session", "publish_qos1",
-           "qos2_receipts", "receive_maximum", "received_unread", "send_disconnect", "send_soon",
-           "set_listen_backlog", "set_retained_from_cluster", "set_session_expiry", "shorten_subscriptions_repr",
-           "stop_reading"]
+           "Subscription", "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection",
+           "close_listeners", "cluster_form", "connection_is_open", "discard_session", "from_cluster_form",
+           "hand_over_session", "install", "listener_addresses", "live_connection", "open_connections",
+           "persistent_session", "publish_qos1", "qos2_receipts", "receive_maximum", "received_unread",
+           "send_disconnect", "send_soon", "set_listen_backlog", "set_retained_from_cluster", "set_session_expiry",
+           "shorten_subscriptions_repr", "stop_reading"]
 
 
 def install(plugin_class: type[EcqHooksTarget]) -> None:
