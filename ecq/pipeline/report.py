@@ -41,6 +41,7 @@ from ecq.pipeline import PipelineError
 from ecq.pipeline.render import TABLE_ROWS, render_html, utc, write_html
 from ecq.pipeline.spark import (SPARK_ERRORS, check_lake, lake_bytes, read_events, spark_error_message,
                                 spark_session)
+from ecq.queue.topics import printable
 
 PERCENTILES = (0.5, 0.95, 0.99)
 PERCENTILE_ACCURACY = 10_000
@@ -293,7 +294,8 @@ def top_consumers(out: Path, limit: int) -> list[dict[str, Any]]:
 
 
 def summary(fleet: dict[str, Any], top_backlog: list[dict[str, Any]]) -> str:
-    """A few lines for the terminal: volumes, backlog, latency, the consumers with the largest backlog."""
+    """A few lines for the terminal: volumes, backlog, latency, the consumers with the largest backlog (their
+    clientids escaped by ecq.queue.topics.printable)."""
     ratio = "-" if fleet["compaction_ratio"] is None else f"{fleet['compaction_ratio']:.2f}"
     lines = [
         f"events {fleet['events']} from {utc(fleet['first_event_ms'])} to {utc(fleet['last_event_ms'])}",
@@ -307,7 +309,8 @@ def summary(fleet: dict[str, Any], top_backlog: list[dict[str, Any]]) -> str:
     ]
     backlogged = [c for c in top_backlog if c["backlog"]]
     if backlogged:
-        lines.append("largest backlog: " + ", ".join(f"{c['clientid']} {c['backlog']}" for c in backlogged[:5]))
+        lines.append("largest backlog: " + ", ".join(f"{printable(c['clientid'])} {c['backlog']}"
+                                                     for c in backlogged[:5]))
     return "\n".join(lines)
 
 
