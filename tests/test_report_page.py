@@ -224,10 +224,10 @@ document.body.appendChild(pre);
 
 @pytest.fixture(scope="module")
 def chromium() -> str:
-    """Debian's chromium, which scripts/setup installs (scripts/test runs it first); the test fails without it."""
+    """Debian's chromium, which scripts/setup test installs (scripts/test runs it first); the test fails without it."""
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
-        pytest.fail("chromium is not installed: run scripts/setup (it installs Debian's chromium)")
+        pytest.fail("chromium is not installed: run scripts/setup test (it installs Debian's chromium)")
     return path
 
 
