@@ -16,6 +16,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import ECQ, free_port, metrics_text, wait_until, write
+from tests.mqtt_wire import WireClient, subscribe_packet
 
 
 def ecq(*args: str, admin: int | None = None) -> subprocess.CompletedProcess:
@@ -122,6 +123,16 @@ def test_names_with_control_characters_are_shown_escaped_and_exact_in_json(broke
     missing = ecq("rewind", HOSTILE_ID + "x", "0", admin=broker.admin_port)
     assert missing.returncode == 1 and SHOWN_ID + "x" in missing.stderr
     assert not re.search("[\x00-\x09\x0b-\x1f\x7f-\x9f]", missing.stderr)
+
+
+def test_a_client_named_with_control_characters_is_logged_escaped(broker):
+    client, _ = WireClient.connected(broker.port, HOSTILE_ID)
+    client.send(subscribe_packet(1, (f"$ECQ/{HOSTILE_ID}/#", 0)))  # refused and logged: queues are read at QoS 1
+    assert client.next() is not None
+    assert wait_until(lambda: f"ECQ refused QoS 0 SUBSCRIBE of {SHOWN_ID}" in broker.log(), 10), broker.log()[-2000:]
+    log = broker.log()
+    assert not re.search("[\x00-\x09\x0b-\x1f\x7f-\x9f]", log)
+    assert not any(line.startswith("fake line") for line in log.splitlines())
 
 
 def test_inspect_unknown_queue_exits_1(broker):
