@@ -34,7 +34,7 @@ from ecq.ops.status import broker_status, queue_info
 from ecq.queue.clock import now_ms
 from ecq.queue.lag_reads import TOP_MAX, TOP_ORDERS, scan_lag, top_report
 from ecq.store.protocol import StoreError
-from ecq.queue.topics import BadWrite, parse_rewind_point
+from ecq.queue.topics import BadWrite, parse_rewind_point, printable
 from ecq.store.committed import describe as describe_missing
 from ecq.store.leveldb import LevelDbStore
 from ecq.store.leveldb_files import repair as repair_store
@@ -244,7 +244,7 @@ def delete(clientid: str, key: str, force: bool, admin: str, token: str | None, 
             f"?key={urllib.request.quote(key, safe='')}{'' if force else '&stored_only=1'}")
     status, data = call_admin(admin, path, token, method="POST")
     if status == 404:
-        click.echo(f"{data.get('error')}; --force writes the tombstone anyway", err=True)
+        click.echo(f"{printable(str(data.get('error')))}; --force writes the tombstone anyway", err=True)
         sys.exit(EXIT_NOT_FOUND)
     data = check_answer(status, data)
     emit(data, as_json, lambda d: f"deleted {d['key']} of {d['clientid']}: tombstone seqno {d['seqno']}")

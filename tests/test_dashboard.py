@@ -56,7 +56,7 @@ def browser(tmp_path):
     fixtures torn down after the test (jetstream_options) call asyncio.run; request them before this one."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
-        pytest.fail("chromium is not installed: run scripts/setup (it installs Debian's chromium)")
+        pytest.fail("chromium is not installed: run scripts/setup test (it installs Debian's chromium)")
     from playwright.sync_api import sync_playwright
     with sync_playwright() as playwright:
         context = playwright.chromium.launch_persistent_context(

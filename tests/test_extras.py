@@ -54,6 +54,6 @@ def test_pipeline_without_its_extra_says_what_to_install(tmp_path, package, comm
     result = subprocess.run([ECQ, "pipeline", command, *args], env=without(tmp_path, package),
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
-    assert "pip install 'ecq[pipeline]'" in result.stderr
+    assert "pip install 'ecq[pipeline]', or scripts/setup pipeline in a checkout" in result.stderr
     assert f"No module named '{package}'" in result.stderr
     assert "Traceback" not in result.stderr

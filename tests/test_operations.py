@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -15,6 +16,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import ECQ, free_port, metrics_text, wait_until, write
+from tests.mqtt_wire import WireClient, subscribe_packet
 
 
 def ecq(*args: str, admin: int | None = None) -> subprocess.CompletedProcess:
@@ -81,6 +83,56 @@ def test_bytes_stored_are_the_payload_bytes_of_the_stored_entries_on_either_back
     assert wait_until(lambda: figures() == (expected, expected), 10), figures()  # a cluster hears its notices
     text = ecq("status", admin=broker.admin_port).stdout
     assert "messages stored:   3\n" in text and "bytes stored:      43\n" in text
+
+
+def test_status_says_in_which_order_it_picked_its_two_index_entries(backend_broker, connect):
+    broker = backend_broker()
+    producer = connect(broker.port, "producer")
+    write(producer, "b-older", "k", "1")
+    write(producer, "a-newer", "k", "2")  # first by clientid, yet the newest entry
+    status = json.loads(ecq("status", "--json", admin=broker.admin_port).stdout)
+    text = ecq("status", admin=broker.admin_port).stdout
+    assert "first index entry" not in text and "last index entry" not in text
+    if status["index_order"] == "clientid":  # LevelDB: the key order, which says nothing of age
+        assert (status["first_index"]["clientid"], status["last_index"]["clientid"]) == ("a-newer", "b-older")
+        assert "index entries:     by clientid then seqno (key order, not age)\n  first:           a-newer" in text
+    else:
+        assert status["index_order"] == "time" and broker.options.get("backend") == "jetstream"
+        assert (status["first_index"]["clientid"], status["last_index"]["clientid"]) == ("b-older", "a-newer")
+        assert "oldest entry:      b-older seqno" in text and "newest entry:      a-newer seqno" in text
+
+
+# ESC sequences (clear the screen, set the window title), CR and newline (a faked line), BEL, DEL and a C1 CSI:
+# the topic grammar admits them in a clientid and a key
+HOSTILE_ID, HOSTILE_KEY = "evil\x1b[2J\r\nfake line\x07\x7f\x9b", "k\x1b]0;title\x07"
+SHOWN_ID, SHOWN_KEY = r"evil\x1b[2J\r\nfake line\x07\x7f\x9b", r"k\x1b]0;title\x07"
+
+
+def test_names_with_control_characters_are_shown_escaped_and_exact_in_json(broker, connect):
+    producer = connect(broker.port, "producer")
+    write(producer, HOSTILE_ID, HOSTILE_KEY, "v")
+    for command in (["status"], ["inspect", HOSTILE_ID], ["top"]):
+        shown = ecq(*command, admin=broker.admin_port)
+        assert shown.returncode == 0, shown.stderr
+        assert not re.search("[\x00-\x09\x0b-\x1f\x7f-\x9f]", shown.stdout), (command, shown.stdout)
+        assert SHOWN_ID in shown.stdout, (command, shown.stdout)
+        assert not any(line.startswith("fake line") for line in shown.stdout.splitlines())
+    assert SHOWN_KEY in ecq("status", admin=broker.admin_port).stdout
+    status = json.loads(ecq("status", "--json", admin=broker.admin_port).stdout)
+    assert (status["first_index"]["clientid"], status["first_index"]["key"]) == (HOSTILE_ID, HOSTILE_KEY)
+    missing = ecq("rewind", HOSTILE_ID + "x", "0", admin=broker.admin_port)
+    assert missing.returncode == 1 and SHOWN_ID + "x" in missing.stderr
+    assert not re.search("[\x00-\x09\x0b-\x1f\x7f-\x9f]", missing.stderr)
+
+
+def test_a_client_named_with_control_characters_is_logged_escaped(broker):
+    client, _ = WireClient.connected(broker.port, HOSTILE_ID)
+    client.send(subscribe_packet(1, (f"$ECQ/{HOSTILE_ID}/#", 0)))  # refused and logged: queues are read at QoS 1
+    assert client.next() is not None
+    assert wait_until(lambda: f"ECQ refused QoS 0 SUBSCRIBE of {SHOWN_ID}" in broker.log(), 10), broker.log()[-2000:]
+    log = broker.log()
+    assert not re.search("[\x00-\x09\x0b-\x1f\x7f-\x9f]", log)
+    assert not any(line.startswith("fake line") for line in log.splitlines())
 
 
 def test_inspect_unknown_queue_exits_1(broker):

@@ -16,7 +16,7 @@ from ecq.events.schema import COLUMNS
 from ecq.pipeline.report import read_table
 from ecq.pipeline.spark import spark_session
 from ecq.pipeline.cli import pipeline
-from tests.harness import wait_until
+from tests.harness import metrics_text, wait_until
 
 ACK_DELAY_S = 0.3
 # lake_file_age: files at once, the test reads the lake while the broker runs; 31: the acker's messages never wait
@@ -120,6 +120,42 @@ def test_report_matches_the_workload(spark, make_broker, connect, tmp_path):
     assert {r["reason"]: r["refused"] for r in read_table(out, "refused_reasons").to_pylist()} == {
         "not_a_write": 1, "empty_key": 1}
     assert "backlog 10 messages" in result.output and (out / "report.html").is_file()
+
+
+@pytest.mark.timeout(600)
+def test_a_queue_forgotten_by_state_gc_has_its_new_acks_counted_apart_from_the_old_ones(spark, make_broker, connect,
+                                                                                         tmp_path):
+    """State GC forgets a queue emptied by retention, so its next write is seqno 1 again: every ack counts."""
+    lake = tmp_path / "lake"
+    broker = make_broker(lake_dir=str(lake), data_retention="1s", state_retention="1s", gc_interval="200ms",
+                         **EVENTS)
+    producer = connect(broker.port, "producer")
+
+    def consume(count: int) -> None:  # then disconnect: state GC forgets no queue whose consumer is online
+        consumer = connect(broker.port, "client3")
+        assert consumer.subscribe("$ECQ/client3/#") == 1
+        assert len(consumer.expect(count)) == count
+        consumer.close()
+
+    producer.publish("$ECQ/w/client3/k1", b"old")
+    consume(1)
+    assert wait_until(lambda: "ecq_queues_forgotten_total 1.0" in metrics_text(broker), timeout=30)
+    producer.publish_many([("$ECQ/w/client3/k1", b"new"), ("$ECQ/w/client3/k2", b"new")])
+    consume(2)
+    assert wait_until(lambda: count(lake_events(lake), "acked", "client3") == 3, timeout=30)
+    assert broker.stop() == 0  # the lake stops growing (retention keeps expiring entries)
+    events = lake_events(lake)
+    assert sorted(e["seqno"] for e in events if e["type"] == "acked") == [1, 1, 2]
+
+    out = tmp_path / "report"
+    result = CliRunner().invoke(pipeline, ["report", "--lake", str(lake), "--out", str(out), "--master", "local[2]"])
+    assert result.exit_code == 0, result.output
+    (row,) = read_table(out, "consumers").to_pylist()
+    assert (row["appended"], row["delivered"], row["redeliveries"], row["acked"], row["backlog"]) == (3, 3, 0, 3, 0)
+    assert row["expired"] == count(events, "expired") >= 1
+    assert row["end_to_end_max_ms"] < 2000  # the new seqno 1 acked after its own write, not the old one's
+    over_time = read_table(out, "over_time").to_pylist()
+    assert sum(r["acks"] for r in over_time) == 3 and min(r["backlog"] for r in over_time) >= 0
 
 
 def test_the_lake_disappearing_mid_run_loses_and_duplicates_no_event(make_broker, connect, tmp_path):

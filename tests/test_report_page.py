@@ -27,7 +27,8 @@ from PIL import Image
 
 from ecq.events.schema import SCHEMA
 from ecq.pipeline.render import traffic_figure
-from ecq.pipeline.report import compute_report, read_table, run_report, time_bucket_s
+from ecq.pipeline.report import (compute_report, read_table, run_report, summary, time_bucket_s,
+                                 top_consumers)
 from ecq.pipeline.spark import (DRIVER_JAVA_OPTIONS, lake_bytes, read_events, shuffle_partitions,
                                 spark_session)
 
@@ -171,6 +172,27 @@ def test_the_time_bucket_follows_the_span_of_the_data(spark, tmp_path, span_ms, 
     assert over_time[-1]["backlog"] == 0
 
 
+def test_the_page_lists_consumers_by_backlog_then_clientid_in_natural_order(tmp_path):
+    names = ["client10", "client3", "client2", "client1", "client20", "c1x10", "c1x9", "client03"]
+    (tmp_path / "consumers").mkdir()
+    pq.write_table(pa.table({"clientid": names, "backlog": [0, 0, 0, 0, 5, 0, 0, 0],
+                             "end_to_end_p99_ms": pa.array([None] * 8, pa.int64())}),
+                   tmp_path / "consumers" / "part-0.parquet")
+    assert [row["clientid"] for row in top_consumers(tmp_path, 50)] == [
+        "client20", "c1x9", "c1x10", "client1", "client2", "client03", "client3", "client10"]
+    assert [row["clientid"] for row in top_consumers(tmp_path, 3)] == ["client20", "c1x9", "c1x10"]
+
+
+def test_the_printed_summary_escapes_control_characters_in_clientids():
+    fleet = {"compaction_ratio": None, "events": 1, "first_event_ms": T, "last_event_ms": T, "consumers": 1,
+             "consumers_with_backlog": 1, "backlog": 1, "appended": 1, "compacted": 0, "delivered": 0,
+             "redeliveries": 0, "acked": 0, "expired": 0, "refused": 0,
+             **{f"{name}_{stat}_ms": None for name in ("delivery", "end_to_end")
+                for stat in ("p50", "p95", "p99", "max")}}
+    text = summary(fleet, [{"clientid": "evil\x1b[2J\r\nfake", "backlog": 1}])
+    assert r"largest backlog: evil\x1b[2J\r\nfake 1" in text and "\x1b" not in text and "\r" not in text
+
+
 def test_time_bucket_thresholds():
     assert time_bucket_s(T, T + 1799 * SECOND) == 1  # 1,800 seconds
     assert time_bucket_s(T, T + 1800 * SECOND) == 60
@@ -224,10 +246,10 @@ document.body.appendChild(pre);
 
 @pytest.fixture(scope="module")
 def chromium() -> str:
-    """Debian's chromium, which scripts/setup installs (scripts/test runs it first); the test fails without it."""
+    """Debian's chromium, which scripts/setup test installs (scripts/test runs it first); the test fails without it."""
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
-        pytest.fail("chromium is not installed: run scripts/setup (it installs Debian's chromium)")
+        pytest.fail("chromium is not installed: run scripts/setup test (it installs Debian's chromium)")
     return path
 
 

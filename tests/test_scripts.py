@@ -1,5 +1,6 @@
-"""scripts/pub and scripts/sub against a real broker, as a new user would run them; scripts/setup repairing a
-broken venv."""
+"""scripts/pub and scripts/sub against a real broker, as a new user would run them; scripts/setup installing what
+each role needs and nothing more, and repairing a broken venv; scripts/run-broker and the helper scripts asking
+scripts/setup for their role."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -58,7 +60,7 @@ from pathlib import Path
 def prepare_metadata_for_build_editable(metadata_directory, config_settings=None):
     info = Path(metadata_directory, "probe-0.dist-info")
     info.mkdir()
-    extras = "".join(f"Provides-Extra: {name}\\n" for name in ("test", "pipeline", "bench"))
+    extras = "".join(f"Provides-Extra: {name}\\n" for name in ("test", "pipeline", "bench", "cluster"))
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\\nName: probe\\nVersion: 0\\n{extras}")
     return info.name
 
@@ -87,20 +89,136 @@ def break_by_a_failing_python(venv: Path) -> None:
     (venv / "bin" / "python").chmod(0o755)
 
 
-@pytest.mark.skipif(not all(map(shutil.which, ("mosquitto_pub", "ss", "curl", "chromium", "node", "npm")))
-                    or java_major() < 17,
-                    reason="scripts/setup would install Debian packages here")
+# pip and npm offline and dry: what scripts/setup would install, nothing fetched
+DRY = {"PIP_NO_INDEX": "1", "PIP_DRY_RUN": "1", "npm_config_offline": "true", "npm_config_dry_run": "true"}
+TOOLS = ("mosquitto_pub", "ss", "curl", "chromium", "node", "npm", "java")  # what the test role adds
+
+
+def probe_checkout(base: Path) -> Path:
+    """A checkout of the probe project with this scripts/setup and tests/mqttjs (no node_modules)."""
+    (base / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPTS / "setup", base / "scripts" / "setup")
+    (base / "pyproject.toml").write_text(PROBE_PYPROJECT)
+    (base / "probe_backend.py").write_text(PROBE_BACKEND)
+    shutil.copytree(SCRIPTS.parent / "tests" / "mqttjs", base / "tests" / "mqttjs",
+                    ignore=shutil.ignore_patterns("node_modules"))
+    return base
+
+
+def setup(checkout: Path, *roles: str, path: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **DRY, **({"PATH": path} if path else {})}
+    return subprocess.run([checkout / "scripts" / "setup", *roles], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def bare_machine(base: Path) -> tuple[str, Path]:
+    """(PATH, file of apt-get calls): this machine's commands but none that a role installs, and an apt-get that
+    writes down what it was asked, reads the package lists (offering openjdk-17-jre-headless) and installs nothing
+    (exit 100, as when apt-get fails)."""
+    bin_dir, calls = base / "bin", base / "apt-get-calls"
+    bin_dir.mkdir()
+    hidden = {*TOOLS, "apt-get", "apt-cache", "sudo"}
+    for directory in os.environ["PATH"].split(os.pathsep)[::-1]:  # the first on PATH wins, as it would
+        for command in Path(directory).glob("*") if Path(directory).is_dir() else []:
+            if command.name not in hidden and os.access(command, os.X_OK):
+                (bin_dir / command.name).unlink(missing_ok=True)
+                (bin_dir / command.name).symlink_to(command)
+    fakes = {"apt-get": f'echo "$*" >> {calls}\n[ "$1" = update ]',
+             "apt-cache": "printf 'openjdk-17-jre-headless:\\n  Installed: (none)\\n  Candidate: 17.0.15\\n'",
+             "sudo": 'exec "$@"'}
+    for name, body in fakes.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return str(bin_dir), calls
+
+
+def test_setup_installs_what_each_role_needs_and_nothing_more(tmp_path):
+    checkout = probe_checkout(tmp_path / "checkout")
+    path, apt_calls = bare_machine(tmp_path)
+    stamp = checkout / ".venv" / ".ecq-installed"
+
+    broker = setup(checkout, path=path)  # the broker, the default role: no Debian package, no extra, no MQTT.js
+    assert broker.returncode == 0, broker.stderr
+    assert not apt_calls.exists(), apt_calls.read_text()
+    assert "installing ecq into .venv" in broker.stderr and "about 255 MB" in broker.stderr
+    assert "Would install probe-0" in broker.stdout and stamp.read_text() == "\n"
+    assert not (checkout / "tests" / "mqttjs" / "node_modules").exists()
+    assert (setup(checkout, "broker", path=path).returncode, setup(checkout, "broker", path=path).stderr) == (0, "")
+
+    cluster = setup(checkout, "cluster", path=path)
+    assert cluster.returncode == 0 and not apt_calls.exists()
+    assert "installing ecq[cluster] into .venv" in cluster.stderr and "about 20 MB" in cluster.stderr
+    assert "255 MB" not in cluster.stderr and stamp.read_text() == "cluster\n"
+
+    pipeline = setup(checkout, "pipeline", path=path)  # needs Java from apt, which installs nothing here
+    assert pipeline.returncode != 0 and "openjdk-17-jre-headless" in pipeline.stderr
+    assert apt_calls.read_text().splitlines() == [
+        "update -q", "install -y -q --no-install-recommends openjdk-17-jre-headless"]
+    apt_calls.unlink()
+
+    assert setup(checkout, "test", path=path).returncode != 0
+    assert apt_calls.read_text().splitlines()[-1] == ("install -y -q --no-install-recommends mosquitto-clients iproute2 "
+                                                       "curl chromium nodejs npm openjdk-17-jre-headless")
+    assert stamp.read_text() == "cluster\n"  # nothing installed by the runs that failed
+
+    unknown = setup(checkout, "everything", path=path)
+    assert unknown.returncode == 2 and "unknown role 'everything'" in unknown.stderr
+
+
+@pytest.mark.skipif(not all(map(shutil.which, TOOLS)) or java_major() < 17,
+                    reason="scripts/setup test would install Debian packages here")
+def test_setup_of_the_test_role_installs_every_extra_and_mqttjs(tmp_path):
+    checkout = probe_checkout(tmp_path)
+    first = setup(checkout, "test")
+    assert first.returncode == 0, first.stderr
+    assert "installing ecq[bench,cluster,pipeline,test] into .venv" in first.stderr
+    assert "installing MQTT.js into tests/mqttjs/node_modules" in first.stderr
+    assert (checkout / ".venv" / ".ecq-installed").read_text() == "bench,cluster,pipeline,test\n"
+    assert (setup(checkout, "broker").stderr, setup(checkout, "test").stderr) == ("", "")
+
+
+@pytest.mark.parametrize("args, roles", [
+    ([], "broker"),
+    (["-c", "jetstream.yaml", "--bind", "127.0.0.1:1999"], "broker cluster"),
+    (["--config=leveldb.yaml"], "broker"),
+])
+def test_run_broker_sets_up_the_broker_and_the_cluster_extra_only_for_a_jetstream_config(tmp_path, args, roles):
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(SCRIPTS / "run-broker", tmp_path / "scripts" / "run-broker")
+    (tmp_path / "scripts" / "setup").write_text(f'#!/bin/sh\necho "$*" > {tmp_path}/roles\nexit 3\n')
+    (tmp_path / "scripts" / "setup").chmod(0o755)
+    (tmp_path / "jetstream.yaml").write_text("plugins:\n  ecq.broker.plugin.EcqPlugin:\n    backend: jetstream\n")
+    (tmp_path / "leveldb.yaml").write_text("plugins:\n  ecq.broker.plugin.EcqPlugin:\n    data_dir: x\n")
+    run_broker = subprocess.run([tmp_path / "scripts" / "run-broker", *args], capture_output=True, timeout=30)
+    assert run_broker.returncode == 3  # what setup exited with: the broker is not started without it
+    assert (tmp_path / "roles").read_text() == f"{roles}\n"
+
+
+@pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="needs an interpreter without the bench extra")
+def test_a_helper_script_has_scripts_setup_install_its_role_on_first_use(tmp_path):
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(SCRIPTS / "_venv.py", tmp_path / "scripts" / "_venv.py")
+    (tmp_path / "scripts" / "needs-bench").write_text(
+        "import sys\nfrom _venv import ensure_venv\n"
+        "ensure_venv('bench')\nimport aiomqtt\nprint('ran in', sys.prefix)\n")
+    site = f".venv/lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
+    (tmp_path / "scripts" / "setup").write_text(  # a venv seeing this interpreter's packages, aiomqtt among them
+        f'#!/bin/sh\necho "$*" >> {tmp_path}/roles\ncd {tmp_path}\n{sys.executable} -m venv --without-pip .venv\n'
+        f'echo {sysconfig.get_paths()["purelib"]} > {site}/this.pth\n')
+    (tmp_path / "scripts" / "setup").chmod(0o755)
+    script = [shutil.which("python3", path="/usr/bin"), str(tmp_path / "scripts" / "needs-bench")]
+    first = subprocess.run(script, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == f"ran in {tmp_path / '.venv'}\n" and (tmp_path / "roles").read_text() == "bench\n"
+    again = subprocess.run(script, capture_output=True, text=True, timeout=60)
+    assert again.stdout == first.stdout and (tmp_path / "roles").read_text() == "bench\n"  # set up once
+
+
 @pytest.mark.parametrize("breakage", [break_by_removing_pip, break_by_a_failing_python])
 def test_setup_rebuilds_a_broken_venv_then_does_nothing(tmp_path, breakage):
-    (tmp_path / "scripts").mkdir()
-    shutil.copy(SCRIPTS / "setup", tmp_path / "scripts" / "setup")
-    (tmp_path / "pyproject.toml").write_text(PROBE_PYPROJECT)
-    (tmp_path / "probe_backend.py").write_text(PROBE_BACKEND)
-    shutil.copytree(SCRIPTS.parent / "tests" / "mqttjs", tmp_path / "tests" / "mqttjs",
-                    ignore=shutil.ignore_patterns("node_modules"))
+    probe_checkout(tmp_path)
     breakage(tmp_path / ".venv")
-    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DRY_RUN": "1", "npm_config_offline": "true",
-           "npm_config_dry_run": "true"}
+    env = {**os.environ, **DRY}
     first = subprocess.run([tmp_path / "scripts" / "setup"], env=env, capture_output=True, text=True, timeout=60)
     assert first.returncode == 0, first.stderr
     assert "setup: rebuilding .venv: it is broken" in first.stderr

@@ -80,7 +80,7 @@ def paho(connect, certificate):
 def mqttjs(transport: str, port: int, certificate: tuple[str, str], timeout_s: float = 30, **spec) -> dict:
     """Run one MQTT.js session (tests/mqttjs/ecq_client.mjs, spec keys there) and return its JSON result."""
     if shutil.which("node") is None or not (MQTTJS / "node_modules" / "mqtt").is_dir():
-        pytest.fail("MQTT.js is not installed: run scripts/setup (it installs Node.js and runs npm ci in tests/mqttjs)")
+        pytest.fail("MQTT.js is not installed: run scripts/setup test (it installs Node.js and runs npm ci in tests/mqttjs)")
     spec = {"url": f"{URL_SCHEME[transport]}://127.0.0.1:{port}", "timeoutMs": int(timeout_s * 1000),
             "ca": certificate[0] if transport in ("tls", "wss") else None, **spec}
     done = subprocess.run(["node", "ecq_client.mjs"], cwd=MQTTJS, input=json.dumps(spec), capture_output=True,

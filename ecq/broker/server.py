@@ -20,6 +20,7 @@ from amqtt.broker import Broker
 
 from ecq.broker.acl import AclError
 from ecq.broker.plugin import EcqPlugin
+from ecq.queue.topics import printable
 
 GC_YOUNG_THRESHOLD = 50_000  # allocations between young collections of Python's cyclic GC (CPython: 700)
 GIL_SWITCH_INTERVAL_S = 0.0005  # how long a thread may hold the GIL while another waits (CPython: 0.005)
@@ -27,10 +28,22 @@ GIL_SWITCH_INTERVAL_S = 0.0005  # how long a thread may hold the GIL while anoth
 log = logging.getLogger("ecq")
 
 
+class EscapingFormatter(logging.Formatter):
+    """Log lines whose message has its control characters escaped (ecq.queue.topics.printable): client ids,
+    usernames and topics come from clients, and amqtt logs them raw; one holding a newline would fake a log line,
+    an ESC sequence act on the terminal showing the log. A traceback keeps its lines."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record = logging.makeLogRecord({**record.__dict__, "msg": printable(record.getMessage()), "args": None})
+        return super().format(record)
+
+
 def configure_logging(verbose: bool) -> None:
-    """Log to stderr: DEBUG with ``verbose``; otherwise INFO, with amqtt's per-connection INFO lines left out."""
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Log to stderr through :class:`EscapingFormatter`: DEBUG with ``verbose``; otherwise INFO, with amqtt's
+    per-connection INFO lines left out."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
     logging.getLogger("transitions").setLevel(logging.WARNING)
     if not verbose:
         logging.getLogger("amqtt").setLevel(logging.WARNING)

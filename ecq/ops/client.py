@@ -17,6 +17,7 @@ import yaml
 
 from ecq.broker.config_file import PLUGIN_PATH, ConfigError, load_broker_config, plugin_settings
 from ecq.config import COMPUTED_OPTIONS, split_host_port
+from ecq.queue.topics import printable
 
 EXIT_NOT_FOUND, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3  # ecq exit codes (see ecq.cli)
 DEFAULT_ADMIN = "127.0.0.1:18083"
@@ -89,20 +90,33 @@ def call_admin(admin: str, path: str, token: str | None, method: str = "GET",
 
 
 def emit(data: Any, as_json: bool, render) -> None:
-    """Print ``data`` as JSON or through ``render(data) -> str``."""
-    click.echo(json.dumps(data, indent=2) if as_json else render(data))
+    """Print ``data`` as JSON (exact: ``json.dumps`` escapes control characters) or through ``render(data) -> str``,
+    handed ``data`` with every string escaped by ecq.queue.topics.printable, keys too (a queue named with an ESC
+    sequence or a newline is shown escaped, never acted on by the terminal)."""
+    click.echo(json.dumps(data, indent=2) if as_json else render(_printable(data)))
+
+
+def _printable(data: Any) -> Any:
+    if isinstance(data, str):
+        return printable(data)
+    if isinstance(data, dict):
+        return {_printable(key): _printable(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [_printable(value) for value in data]
+    return data
 
 
 def check_answer(status: int, body: Any) -> Any:
     """The decoded body of a successful answer; exits 1 on 404 (printing why), raises Refused on 401 and
-    ClickException on any other error status."""
+    ClickException on any other error status (the error escaped by ecq.queue.topics.printable)."""
+    error = printable(str(body.get("error", f"admin API answered HTTP {status}")))
     if status == 401:
-        raise Refused(f"admin API refused the request: {body.get('error')}")
+        raise Refused(f"admin API refused the request: {error}")
     if status == 404:
-        click.echo(body.get("error", "not found"), err=True)
+        click.echo(error, err=True)
         sys.exit(EXIT_NOT_FOUND)
     if status >= 400:
-        raise click.ClickException(body.get("error", f"admin API answered HTTP {status}"))
+        raise click.ClickException(error)
     return body
 
 
@@ -124,8 +138,7 @@ def render_status(d: dict[str, Any]) -> str:
     """Human-readable `ecq status`."""
     lines = [f"queues:            {d['queues']}", f"messages stored:   {d['messages']}",
              f"bytes stored:      {d['bytes']}", f"consumers online:  {d['consumers_online']}",
-             f"first index entry: {_index_line(d['first_index'])}",
-             f"last index entry:  {_index_line(d['last_index'])}"]
+             *_edge_lines(d)]
     if d.get("events"):
         e = d["events"]
         lines.append(f"events:            {e.get('recorded', 0)} recorded, {e.get('dropped_items', 0)} dropped, "
@@ -181,6 +194,15 @@ def render_top(d: dict[str, Any]) -> str:
 
 def _age(seconds: float | None) -> str:
     return "none" if seconds is None else f"{seconds:.1f} s old"
+
+
+def _edge_lines(d: dict[str, Any]) -> list[str]:
+    """The two index entries of `ecq status`, labelled by what picked them (see ecq.ops.status.broker_status)."""
+    first, last = _index_line(d["first_index"]), _index_line(d["last_index"])
+    if d.get("index_order", "clientid") == "time":
+        return [f"oldest entry:      {first}", f"newest entry:      {last}"]
+    return ["index entries:     by clientid then seqno (key order, not age)",
+            f"  first:           {first}", f"  last:            {last}"]
 
 
 def _index_line(entry: dict[str, Any] | None) -> str:

@@ -63,6 +63,10 @@ def queue_info(store: QueueStore, clientid: str, consumer: ConsumerSnapshot | No
 def broker_status(store: QueueStore, snapshot: EngineSnapshot | None = None) -> dict[str, Any]:
     """Fleet view: queue and entry counts, payload bytes, first/last index entries, consumer states.
 
+    ``first_index`` and ``last_index`` are two stored entries (clientid, seqno, key, ts) picked in the order
+    ``index_order`` names (the store's ``edge_order``): ``clientid`` (the lowest and the highest by clientid, then
+    seqno: LevelDB's key order, which says nothing of their age) or ``time`` (the oldest and the newest).
+
     ``snapshot`` is the running broker's engine snapshot, whose consumers and (entries, payload bytes)
     counts are used; None when reading a data dir directly (then the store is scanned). A shared store
     (a cluster) is always asked for its counts, so that every broker reports the same figures.
@@ -90,6 +94,7 @@ def broker_status(store: QueueStore, snapshot: EngineSnapshot | None = None) -> 
         "consumers_online": sum(1 for c in consumers.values() if c.online),
         "first_index": _entry(first),
         "last_index": _entry(last),
+        "index_order": store.edge_order,
         "consumers_total": total,
         "consumers": states,
     }

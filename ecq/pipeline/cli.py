@@ -41,7 +41,8 @@ def pipeline_extra() -> Iterator[None]:
         yield
     except ImportError as exc:
         click.echo("Error: ecq pipeline needs the optional 'pipeline' dependencies (PySpark, matplotlib): "
-                   f"pip install 'ecq[pipeline]' (import failed: {exc})", err=True)
+                   f"pip install 'ecq[pipeline]', or scripts/setup pipeline in a checkout (import failed: {exc})",
+                   err=True)
         raise click.exceptions.Exit(2) from exc
 
 

@@ -2,12 +2,16 @@
 
 Definitions (times in ms since the epoch, latencies in ms, per clientid = per consumer queue):
 
+- a message is (clientid, seqno, publish_ts_ms), not (clientid, seqno): a queue that state GC forgot starts
+  again at seqno 1 (docs/topics.md), so one seqno can name several messages of a queue over the lake's life.
+  A ``compacted`` event names the message it removed by ``replaced_seqno`` only: it removes the latest message
+  of that seqno appended at or before it.
 - backlog: messages appended and not yet removed, where removed means acked, expired, evicted by a queue
   quota, or deleted by compaction (the ``replaced_seqno`` of a ``compacted`` event). Only what the lake saw counts: a message
   appended before events were recorded, or whose event was dropped by the buffer, is not in the backlog.
-- acks: the first ``acked`` event of each (clientid, seqno); a repeated ack is not counted again.
+- acks: the first ``acked`` event of each message; a repeated ack (after a rewind) is not counted again.
 - delivery latency (``delivery_*_ms``): from the send that was acked to the ack: ``ack ts_ms`` minus the
-  ``ts_ms`` of the last ``delivered`` event of the same (clientid, seqno) at or before the ack. What the
+  ``ts_ms`` of the last ``delivered`` event of the same message at or before the ack. What the
   consumer and the network took; null for an ack whose send the lake did not see.
 - end-to-end latency (``end_to_end_*_ms``): from the append to the ack, ``ack ts_ms - publish_ts_ms``,
   including any time the consumer was offline or the message waited behind others.
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
@@ -41,6 +46,7 @@ from ecq.pipeline import PipelineError
 from ecq.pipeline.render import TABLE_ROWS, render_html, utc, write_html
 from ecq.pipeline.spark import (SPARK_ERRORS, check_lake, lake_bytes, read_events, spark_error_message,
                                 spark_session)
+from ecq.queue.topics import printable
 
 PERCENTILES = (0.5, 0.95, 0.99)
 PERCENTILE_ACCURACY = 10_000
@@ -51,6 +57,7 @@ LATENCY_EDGES_MS = (0, *(m * 10**e for e in range(12) for m in (1, 2, 5)), 10**1
 TIME_BUCKETS_S = (1, 60, 3600)
 MAX_TIME_BUCKETS = 1_800
 HTML_NAME = "report.html"
+MESSAGE = ("clientid", "seqno", "publish_ts_ms")  # what names one message in the lake (see the definitions above)
 
 
 @dataclass
@@ -132,25 +139,31 @@ def _count_if(condition: Column) -> Column:
 
 
 def _lifetimes(events: DataFrame) -> DataFrame:
-    """(clientid, seqno, appended_ms, removed_ms) per appended message; removed_ms null while queued."""
-    appended = events.where(_is("appended")).groupBy("clientid", "seqno").agg(F.min("ts_ms").alias("appended_ms"))
-    removals = (events.where(_is("acked") | _is("expired") | _is("evicted")).select("clientid", "seqno", "ts_ms")
-                .unionByName(events.where(_is("compacted"))
-                             .select("clientid", F.col("replaced_seqno").alias("seqno"), "ts_ms")))
-    removed = removals.groupBy("clientid", "seqno").agg(F.min("ts_ms").alias("removed_ms"))
-    return appended.join(removed, ["clientid", "seqno"], "left")
+    """(clientid, seqno, publish_ts_ms, appended_ms, removed_ms) per appended message; removed_ms null while
+    queued. A compaction removes the latest message of its ``replaced_seqno`` appended at or before it."""
+    appended = events.where(_is("appended")).groupBy(*MESSAGE).agg(F.min("ts_ms").alias("appended_ms"))
+    removed = (events.where(_is("acked") | _is("expired") | _is("evicted")).groupBy(*MESSAGE)
+               .agg(F.min("ts_ms").alias("removed_ms")))
+    compactions = events.where(_is("compacted")).select("clientid", F.col("replaced_seqno").alias("seqno"),
+                                                         F.col("ts_ms").alias("compacted_ms"))
+    latest_before = (compactions.join(appended, ["clientid", "seqno"])
+                     .where(F.col("appended_ms") <= F.col("compacted_ms"))
+                     .groupBy("clientid", "seqno", "compacted_ms")
+                     .agg(F.max_by("publish_ts_ms", "appended_ms").alias("publish_ts_ms")))
+    compacted = latest_before.groupBy(*MESSAGE).agg(F.min("compacted_ms").alias("compacted_ms"))
+    return (appended.join(removed, list(MESSAGE), "left").join(compacted, list(MESSAGE), "left")
+            .select(*MESSAGE, "appended_ms", F.least("removed_ms", "compacted_ms").alias("removed_ms")))
 
 
 def _acks(events: DataFrame) -> DataFrame:
-    """(clientid, seqno, ack_ms, delivery_ms, end_to_end_ms) for the first ack of each message; delivery_ms
-    is null when no send of it at or before the ack is in the lake."""
-    first = (events.where(_is("acked")).groupBy("clientid", "seqno")
-             .agg(F.min("ts_ms").alias("ack_ms"), F.min("publish_ts_ms").alias("publish_ts_ms")))
-    sends = events.where(_is("delivered")).select("clientid", "seqno", F.col("ts_ms").alias("sent_ms"))
-    acked_send = (first.join(sends, ["clientid", "seqno"]).where(F.col("sent_ms") <= F.col("ack_ms"))
-                  .groupBy("clientid", "seqno").agg(F.max("sent_ms").alias("sent_ms")))
-    return (first.join(acked_send, ["clientid", "seqno"], "left")
-            .select("clientid", "seqno", "ack_ms", (F.col("ack_ms") - F.col("sent_ms")).alias("delivery_ms"),
+    """(clientid, seqno, publish_ts_ms, ack_ms, delivery_ms, end_to_end_ms) for the first ack of each message;
+    delivery_ms is null when no send of it at or before the ack is in the lake."""
+    first = events.where(_is("acked")).groupBy(*MESSAGE).agg(F.min("ts_ms").alias("ack_ms"))
+    sends = events.where(_is("delivered")).select(*MESSAGE, F.col("ts_ms").alias("sent_ms"))
+    acked_send = (first.join(sends, list(MESSAGE)).where(F.col("sent_ms") <= F.col("ack_ms"))
+                  .groupBy(*MESSAGE).agg(F.max("sent_ms").alias("sent_ms")))
+    return (first.join(acked_send, list(MESSAGE), "left")
+            .select(*MESSAGE, "ack_ms", (F.col("ack_ms") - F.col("sent_ms")).alias("delivery_ms"),
                     (F.col("ack_ms") - F.col("publish_ts_ms")).alias("end_to_end_ms")))
 
 
@@ -285,15 +298,25 @@ def read_table(out: Path, name: str) -> pa.Table:
 
 
 def top_consumers(out: Path, limit: int) -> list[dict[str, Any]]:
-    """The ``limit`` consumers with the largest backlog (then the slowest end-to-end p99, then by
-    clientid), as dicts."""
-    consumers = read_table(out, "consumers").sort_by(
-        [("backlog", "descending"), ("end_to_end_p99_ms", "descending"), ("clientid", "ascending")])
-    return consumers.slice(0, limit).to_pylist()
+    """The ``limit`` consumers with the largest backlog (then the slowest end-to-end p99, then by clientid in
+    natural order: client3 before client10), as dicts."""
+    consumers = read_table(out, "consumers")
+    consumers = consumers.append_column("natural", natural_order_key(consumers["clientid"])).sort_by(
+        [("backlog", "descending"), ("end_to_end_p99_ms", "descending"), ("natural", "ascending"),
+         ("clientid", "ascending")])
+    return consumers.drop_columns("natural").slice(0, limit).to_pylist()
+
+
+def natural_order_key(names: pa.ChunkedArray) -> pa.ChunkedArray:
+    """Keys that sort ``names`` in natural order (client3 before client10): each run of digits padded with
+    zeros to 20 (longer runs kept as they are), so that comparing the keys as text compares the numbers."""
+    padded = pc.replace_substring_regex(names, r"(\d+)", "0" * 20 + r"\1")
+    return pc.replace_substring_regex(padded, r"0*(\d{20})", r"\1")
 
 
 def summary(fleet: dict[str, Any], top_backlog: list[dict[str, Any]]) -> str:
-    """A few lines for the terminal: volumes, backlog, latency, the consumers with the largest backlog."""
+    """A few lines for the terminal: volumes, backlog, latency, the consumers with the largest backlog (their
+    clientids escaped by ecq.queue.topics.printable)."""
     ratio = "-" if fleet["compaction_ratio"] is None else f"{fleet['compaction_ratio']:.2f}"
     lines = [
         f"events {fleet['events']} from {utc(fleet['first_event_ms'])} to {utc(fleet['last_event_ms'])}",
@@ -307,7 +330,8 @@ def summary(fleet: dict[str, Any], top_backlog: list[dict[str, Any]]) -> str:
     ]
     backlogged = [c for c in top_backlog if c["backlog"]]
     if backlogged:
-        lines.append("largest backlog: " + ", ".join(f"{c['clientid']} {c['backlog']}" for c in backlogged[:5]))
+        lines.append("largest backlog: " + ", ".join(f"{printable(c['clientid'])} {c['backlog']}"
+                                                     for c in backlogged[:5]))
     return "\n".join(lines)
 
 

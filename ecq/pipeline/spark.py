@@ -44,7 +44,7 @@ def check_java() -> str:
     if not java or not os.access(java, os.X_OK):
         where = f"JAVA_HOME={java_home} has no bin/java" if java_home else "no 'java' on PATH"
         raise PipelineError(f"PySpark needs a Java {MIN_JAVA}+ runtime and found none ({where}). Install one, "
-                            f"e.g. 'apt-get install {JAVA_PACKAGE}' (scripts/setup does), or set JAVA_HOME.")
+                            f"e.g. 'apt-get install {JAVA_PACKAGE}' (scripts/setup pipeline does), or set JAVA_HOME.")
     try:
         banner = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30).stderr
     except (OSError, subprocess.TimeoutExpired) as exc:

@@ -20,6 +20,7 @@ REWIND_COMMAND = "rewind"
 RESERVED_CLIENTIDS = frozenset({"w", "ctl"})  # $ECQ/w/... and $ECQ/ctl/... are not queues
 MAX_SEQNO = 2**63 - 1  # the largest seqno or time a rewind payload may name (the int64 event columns)
 _FORBIDDEN = ("+", "#", "\x00")
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # C0, DEL and C1: Unicode's control characters (Cc)
 _REWIND_PAYLOAD = re.compile(r"(?:(?P<seqno>[0-9]{1,19})|(?P<word>earliest|latest)|since:(?P<since>[0-9]{1,19}))")
 
 
@@ -79,6 +80,17 @@ def parse_write(topic: str, payload_size: int, max_payload_bytes: int) -> Write:
             f"refused write to {topic!r}: payload of {payload_size} bytes exceeds max_payload_bytes={max_payload_bytes}",
         )
     return Write(clientid, key)
+
+
+def printable(text: str) -> str:
+    """``text`` for a terminal: each control character (C0, DEL, C1) written as its Python escape (``\\x1b``,
+    ``\\r``, ``\\n``, ``\\t``, ``\\x9b``), every other character as it is.
+
+    The grammar admits any character but ``+``, ``#``, NUL and ``/`` in a clientid, so any producer can name
+    a queue with an ESC sequence, a CR or a newline, which a terminal would act on (clearing the screen,
+    rewriting a line, faking one). Every human-readable output of names from the store or a client goes
+    through this; JSON output needs nothing (``json.dumps`` escapes them)."""
+    return _CONTROL.sub(lambda match: repr(match.group())[1:-1], text)
 
 
 def parse_target(topic: str) -> str | None:

@@ -73,6 +73,7 @@ class JetStreamStore(JetStreamWrites):
     """
 
     shared = True
+    edge_order = "time"  # each shard stream's first and last entry, in append order
 
     def __init__(self, settings: EcqSettings) -> None:
         self.write_error: str | None = None

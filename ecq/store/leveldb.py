@@ -46,6 +46,7 @@ class LevelDbStore(LevelDbReads):
     database while it is closed and opened again; :meth:`commit` takes care of itself."""
 
     shared = False  # one broker holds the LevelDB lock
+    edge_order = "clientid"  # the index table's key order; by time would read every index row
 
     def __init__(self, path: Path, sync: bool = False, quota: QueueQuota = QueueQuota(),
                  max_open_files: int | None = None, cache_bytes: int | None = None,

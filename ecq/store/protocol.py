@@ -206,6 +206,11 @@ class QueueStore(Protocol):
     through :meth:`watch` rather than from commit results, and stored totals are read from the store now and
     then, not only counted."""
 
+    edge_order: str
+    """How :meth:`edge_index_entries` picks its two entries: ``"clientid"`` (the lowest and the highest by
+    clientid, then seqno: the index's key order, not time) or ``"time"`` (the oldest and the newest by publish
+    time)."""
+
     def watch(self, listener: StoreListener) -> None:
         """For a shared store: tell ``listener`` of every change any broker made (see :class:`StoreListener`),
         from a thread of the store's own. Blocks until the store's view of what is stored is built."""
@@ -282,7 +287,7 @@ class QueueStore(Protocol):
         """(first seqno, last seqno, entry count) of the stored queue of ``clientid``, or None when empty."""
 
     def edge_index_entries(self) -> tuple[IndexEntry | None, IndexEntry | None]:
-        """The first and the last stored entry, by (clientid, seqno) order."""
+        """The first and the last stored entry in :attr:`edge_order`."""
 
     def stored_entries(self, clientid: str | None = None, after: int = 0) -> Iterator[tuple[str, int, int, int]]:
         """(clientid, seqno, publish ms, payload bytes) of every stored entry, each queue's in seqno order (the lag

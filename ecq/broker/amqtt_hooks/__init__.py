@@ -25,6 +25,8 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   and persistent sessions that follow the client across them;
 - :mod:`.session_owners`: a persistent session is resumed only by the username that owns it;
 - :mod:`.start_up`: start-up failures are reported, not hidden;
+- :mod:`.authentication`: a config without an authentication plugin is warned of, each refused CONNECT logged
+  with its reason (rate-limited);
 - :mod:`.framer`: the packet reader (``fast_path``): buffered framing, ECQ writes and PUBACKs without amqtt's
   packet objects and tasks;
 - :mod:`.drain`: the listeners closed, the connections listed and their reading stopped, to drain a node;
@@ -43,13 +45,13 @@ docstring names the amqtt behaviour it replaces. One module per concern:
 Several corrections wrap the same amqtt method (``init_from_connect``, ``_reader_loop``, ``handle_puback``,
 ``_handle_message_delivery``, ``_broadcast_message``, ``add_subscription``, ``_handle_client_session``,
 ``_client_connected``, ``_publish_session_retained_messages``, ``_initialize_client_session``, ``_delete_session``,
-``_handle_disconnect``, ``handle_read_timeout``): the order of :func:`install` is the order of wrapping.
+``_handle_disconnect``, ``handle_read_timeout``, ``_start_listeners``): the order of :func:`install` is the order of wrapping.
 """
 
 from __future__ import annotations
 
-from ecq.broker.amqtt_hooks import (acks, bad_clients, cluster, conformance, ecq_guards, ecq_paths, framer,
-                                    mqtt5_edge, mqtt5_framer, mqtt5_routing, mqtt5_sessions, session_owners,
+from ecq.broker.amqtt_hooks import (acks, authentication, bad_clients, cluster, conformance, ecq_guards, ecq_paths,
+                                    framer, mqtt5_edge, mqtt5_framer, mqtt5_routing, mqtt5_sessions, session_owners,
                                     shared_subscriptions, start_up, target, websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import (PersistentSession, broadcast_from_cluster, discard_session,
@@ -116,6 +118,8 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     mqtt5_edge.translate_level_5_connects()  # outside adopt_sessions: every CONNECT wrapper sees a 3.1.1 CONNECT
     mqtt5_edge.send_mqtt5_packets()  # what amqtt sends (CONNACK, SUBACK, UNSUBACK, PUBLISH) encoded as v5
     mqtt5_routing.deliver_as_mqtt5_clients_ask()  # expiry, No Local, Retain As Published, ids, size, window
+    authentication.warn_when_no_authentication_plugin()  # inside raise_pre_start_failure: a failed start warns not
+    authentication.log_refused_connects()
     start_up.raise_pre_start_failure()
     start_up.quiet_start_failure_traceback()
     framer.read_with_the_framer()
