@@ -252,6 +252,29 @@ def test_a_bad_v5_packet_gets_disconnect_and_the_connection_closes(broker, v5, b
     assert bystander.publish("$ECQ/w/bq/k", "still served") == (0, None)
 
 
+def test_pubrecs_and_pubacks_of_ecq_and_plain_publishes_keep_arrival_order(make_broker, v5):
+    """MQTT-4.6.0-2/3: an ``$ECQ/`` write commits after a plain PUBLISH behind it is routed, yet each PUBACK and PUBREC
+    leaves in arrival order. Two rounds of ``receive_maximum`` PUBLISHes: the second is refused (0x93) unless each
+    PUBCOMP of the first ended its PUBLISH's count."""
+    broker = make_broker(receive_maximum=100)
+    watcher = v5(broker.port, "order5-watcher")
+    assert watcher.subscribe("plain/#") == [1]
+    client = wire(broker.port, "order5")
+    kinds = [("$ECQ/w/o5/k", 2), ("plain/q2-", 2), ("$ECQ/w/o5/j", 1), ("plain/q1-", 1)]
+    for first_id in (1, 101):
+        sent = [(f"{topic}{n}", qos, n) for n in range(first_id, first_id + 100)
+                for topic, qos in [kinds[(n - 1) % len(kinds)]]]
+        client.send(b"".join(mqtt5.PublishPacket(topic, b"p", qos=mqtt5.QoS(qos), packet_id=n).write()
+                             for topic, qos, n in sent))
+        answers = [v5_packet(client.next()) for _ in sent]
+        assert [(type(a).__name__, a.packet_id) for a in answers] == [
+            ("PubRecPacket" if qos == 2 else "PubAckPacket", n) for _, qos, n in sent]
+        released = [n for _, qos, n in sent if qos == 2]
+        client.send(b"".join(mqtt5.PubRelPacket(n).write() for n in released))
+        assert sorted(v5_packet(client.next()).packet_id for _ in released) == released
+    assert len(watcher.expect(100)) == 100  # the plain ones of both rounds, each once
+
+
 def test_disconnect_with_will_keeps_the_will_and_a_normal_disconnect_drops_it(broker, connect):
     watcher = connect(broker.port, "watcher")
     assert watcher.subscribe("wills/#") == 1

@@ -321,7 +321,8 @@ class EcqPlugin(BaseTopicPlugin):
         self.writes.take(handler, topic, qos, packet_id, payload, expiry_s)
 
     def hold_acknowledgement(self, handler: BrokerProtocolHandler) -> Callable[[Callable[[], None] | None], None]:
-        """A place in the connection's PUBACK order for a plain QoS 1 PUBLISH (see EcqWrites.hold_acknowledgement)."""
+        """A place in the connection's PUBACK/PUBREC order for a plain QoS 1 or 2 PUBLISH (see
+        EcqWrites.hold_acknowledgement)."""
         return self.writes.hold_acknowledgement(handler)
 
     def count_fast_path(self, publishes: int, pubacks: int) -> None:

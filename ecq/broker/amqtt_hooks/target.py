@@ -37,8 +37,8 @@ class EcqHooksTarget(Protocol):
         3.3.2.3.3)."""
 
     def hold_acknowledgement(self, handler: BrokerProtocolHandler) -> Callable[[Callable[[], None] | None], None]:
-        """A place in the connection's arrival order for a plain QoS 1 PUBLISH; the returned function takes what
-        sends its PUBACK (None: nothing) once the message was routed."""
+        """A place in the connection's arrival order for a plain QoS 1 or 2 PUBLISH; the returned function takes what
+        sends its PUBACK or PUBREC (None: nothing)."""
 
     def count_fast_path(self, publishes: int, pubacks: int) -> None:
         """Count packets the framer took on its fast path (``$ECQ/`` PUBLISHes, PUBACKs of ECQ deliveries)."""
