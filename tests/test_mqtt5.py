@@ -17,7 +17,11 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from tests import mqtt5_wire as raw5
 from tests.harness import free_port, topics_payloads, wait_until
+from tests.mqtt5_wire import (MAXIMUM_PACKET_SIZE, RECEIVE_MAXIMUM, REQUEST_PROBLEM_INFORMATION,
+                              REQUEST_RESPONSE_INFORMATION, SESSION_EXPIRY_INTERVAL, SUBSCRIPTION_IDENTIFIER,
+                              TOPIC_ALIAS, WILL_DELAY_INTERVAL, prop)
 from tests.mqtt_wire import DISCONNECT, PUBLISH, WireClient, split_packet
 from tests.test_acl_broker import acl_broker
 from tests.test_operations import scrape
@@ -273,6 +277,47 @@ def test_pubrecs_and_pubacks_of_ecq_and_plain_publishes_keep_arrival_order(make_
         client.send(b"".join(mqtt5.PubRelPacket(n).write() for n in released))
         assert sorted(v5_packet(client.next()).packet_id for _ in released) == released
     assert len(watcher.expect(100)) == 100  # the plain ones of both rounds, each once
+
+
+@pytest.mark.parametrize("properties, will_properties", [
+    (prop(SESSION_EXPIRY_INTERVAL, 1) + prop(SESSION_EXPIRY_INTERVAL, 2), None),  # section 3.1.2.11.2
+    (prop(RECEIVE_MAXIMUM, 5) + prop(RECEIVE_MAXIMUM, 6), None),  # section 3.1.2.11.3
+    (prop(RECEIVE_MAXIMUM, 0), None),
+    (prop(MAXIMUM_PACKET_SIZE, 0), None),  # section 3.1.2.11.4
+    (prop(REQUEST_PROBLEM_INFORMATION, 2), None),  # section 3.1.2.11.7
+    (prop(REQUEST_RESPONSE_INFORMATION, 2), None),  # section 3.1.2.11.6
+    (prop(TOPIC_ALIAS, 1), None),  # a property CONNECT may not carry (Mosquitto: Protocol Error)
+    (b"", prop(WILL_DELAY_INTERVAL, 1) + prop(WILL_DELAY_INTERVAL, 2)),  # section 3.1.3.2.2
+], ids=["session-expiry-twice", "receive-maximum-twice", "receive-maximum-0", "maximum-packet-size-0",
+        "problem-information-2", "response-information-2", "topic-alias", "will-delay-twice"])
+def test_a_connect_with_a_protocol_error_gets_connack_0x82_and_is_closed(broker, v5, properties, will_properties):
+    """MQTT 5.0 section 4.13: a Protocol Error in CONNECT is answered CONNACK 0x82, not 0x81 Malformed Packet."""
+    client = WireClient(broker.port)
+    client.send(raw5.connect("protocol-error", properties, will_properties))
+    connack = v5_packet(client.next())
+    assert isinstance(connack, mqtt5.ConnAckPacket) and connack.reason_code == 0x82
+    assert client.until_closed() == []
+    assert v5(broker.port, "after-protocol-error").publish("$ECQ/w/pe/k", "still served") == (0, None)
+
+
+@pytest.mark.parametrize("bad", [
+    raw5.subscribe("a/b", prop(SUBSCRIPTION_IDENTIFIER, 0)),  # section 3.8.2.1.2
+    raw5.subscribe("a/b", prop(SUBSCRIPTION_IDENTIFIER, 1) + prop(SUBSCRIPTION_IDENTIFIER, 2)),
+    raw5.subscribe("a/b", options=0x31),  # Retain Handling 3, section 3.8.3.1
+    raw5.publish("", qos=1),  # an empty topic and no Topic Alias, section 3.3.2.3.4
+    raw5.publish("$ECQ/w/pe/k", prop(SUBSCRIPTION_IDENTIFIER, 1)),  # from a client [MQTT-3.3.4-6]
+    raw5.publish("plain/t", prop(TOPIC_ALIAS, 1) + prop(TOPIC_ALIAS, 1)),
+    b"\xe0\x0c\x00\x0a" + prop(SESSION_EXPIRY_INTERVAL, 1) * 2,  # DISCONNECT, section 3.14.2.2.2
+], ids=["subscription-identifier-0", "subscription-identifier-twice", "retain-handling-3", "empty-topic",
+        "subscription-identifier-in-publish", "topic-alias-twice", "disconnect-session-expiry-twice"])
+def test_a_protocol_error_after_connect_gets_disconnect_0x82(broker, v5, bad):
+    """MQTT 5.0 section 4.13: DISCONNECT 0x82 Protocol Error, not 0x81 Malformed Packet, then the close."""
+    bystander = v5(broker.port, "bystander")
+    client = wire(broker.port, "protocol-error")
+    client.send(bad)
+    assert [(p.kind, p.body[:1]) for p in client.until_closed()] == [(DISCONNECT, b"\x82")]
+    assert stored(broker, "pe") == 0
+    assert bystander.publish("$ECQ/w/bq/k", "still served") == (0, None)
 
 
 def test_disconnect_with_will_keeps_the_will_and_a_normal_disconnect_drops_it(broker, connect):

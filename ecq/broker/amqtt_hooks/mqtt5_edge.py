@@ -176,8 +176,8 @@ async def _read_v5_connect(reader: ReaderAdapter, writer: WriterAdapter, peeked:
     """The rest of a level 5 CONNECT read and decoded (its fixed header checked before its body is read, as
     ``bad_clients.check_fixed_headers`` does for 3.1.1); the options ECQ keeps go to ``context``. A refusal is
     answered with its CONNACK and raises AMQTTError: a packet above ``max_packet_bytes`` (0x95), one that does not
-    decode (0x81, MQTT 5.0 section 4.13), an Authentication Method (0x8C: ECQ has no enhanced authentication,
-    section 4.12)."""
+    decode (0x81 Malformed Packet, or 0x82 Protocol Error: ``MalformedPacket.code``, MQTT 5.0 section 4.13), an
+    Authentication Method (0x8C: ECQ has no enhanced authentication, section 4.12)."""
     remaining, shift, index = 0, 0, 1
     while True:
         remaining |= (peeked[index] & 0x7F) << shift
@@ -197,7 +197,7 @@ async def _read_v5_connect(reader: ReaderAdapter, writer: WriterAdapter, peeked:
     try:
         connect = decode(peeked + rest)
     except MalformedPacket as exc:
-        await _refuse_connect(writer, MALFORMED_PACKET, f"MQTT 5 CONNECT that does not decode ({exc})", reader)
+        await _refuse_connect(writer, exc.code, f"MQTT 5 CONNECT that does not decode ({exc})", reader)
     if not isinstance(connect, mqtt5.ConnectPacket):
         await _refuse_connect(writer, MALFORMED_PACKET, "MQTT 5 CONNECT that decodes as another packet", reader)
     if connect.authentication_method is not None:

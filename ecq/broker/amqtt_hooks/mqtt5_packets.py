@@ -28,8 +28,33 @@ _PUBLISH_ACK_CODES = {1: mqtt5.PubAckReasonCode, 2: mqtt5.PubRecReasonCode}
 _CONTEXT = "_ecq_mqtt5"  # the attribute of amqtt's handler that holds the context
 
 
+# what the mqtt5 0.8.0 codec refuses to decode that MQTT 5.0 does not call a Malformed Packet: the start of its
+# error -> the reason code of the CONNACK or DISCONNECT that answers it (section 4.13)
+_DECODE_ERROR_CODES = {
+    "Duplicate value for unique property type": PROTOCOL_ERROR,  # every property but User Property at most once
+    "Receive maximum must be != 0": PROTOCOL_ERROR,  # section 3.1.2.11.3
+    "Maximum packet size must be != 0": PROTOCOL_ERROR,  # section 3.1.2.11.4
+    "Subscription ID must be != 0": PROTOCOL_ERROR,  # section 3.8.2.1.2
+    "Invalid boolean": PROTOCOL_ERROR,  # Request Problem / Response Information other than 0 or 1, 3.1.2.11.6-7
+    "Invalid RetainHandling value": PROTOCOL_ERROR,  # Retain Handling 3, section 3.8.3.1
+    "Topic alias must be set if topic is empty": PROTOCOL_ERROR,  # section 3.3.2.3.4
+    "Topic alias must be != 0": TOPIC_ALIAS_INVALID,  # section 3.3.2.3.4
+    # a property the packet may not carry (a Topic Alias in CONNECT): Mosquitto answers Protocol Error, as ECQ
+    # does; section 2.2.2.2 calls it malformed, and 0x82 still tells the client its packet was refused
+    "Invalid property type": PROTOCOL_ERROR,
+}
+
+
 class MalformedPacket(ValueError):
-    """Bytes the ``mqtt5`` codec cannot decode as one MQTT 5.0 packet (MQTT 5.0 section 4.13: Malformed Packet)."""
+    """Bytes the ``mqtt5`` codec cannot decode as one MQTT 5.0 packet; ``code`` is the reason code that answers
+    them (MQTT 5.0 section 4.13): 0x81 Malformed Packet, or 0x82 Protocol Error (a property given twice, a value 0
+    or 2 where the spec calls it a Protocol Error, a property the packet may not carry), 0x94 for a Topic Alias
+    of 0."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = next((code for start, code in _DECODE_ERROR_CODES.items() if message.startswith(start)),
+                         MALFORMED_PACKET)
 
 
 @dataclass
