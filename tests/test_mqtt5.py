@@ -246,6 +246,9 @@ def test_an_empty_client_id_gets_an_assigned_one(broker, v5):
     (mqtt5.PublishPacket("", b"v", topic_alias=3).write(), 0x82),  # an alias no PUBLISH of this connection set
     (b"\xf0\x00", 0x82),  # AUTH, with no Authentication Method in CONNECT: a Protocol Error
     (b"\x82\x04\x00\x00\x00\x00", 0x81),  # SUBSCRIBE with packet id 0 and no filter
+    (raw5.publish(b"$ECQ/w/bq/a\x00b"), 0x81),  # U+0000 in a topic: Malformed Packet [MQTT-1.5.4-2]
+    (raw5.publish(b"plain/a\x00b"), 0x81),
+    (raw5.subscribe("plain/a\x00b"), 0x81),
 ])
 def test_a_bad_v5_packet_gets_disconnect_and_the_connection_closes(broker, v5, bad, code):
     bystander = v5(broker.port, "bystander")
@@ -376,7 +379,9 @@ def test_a_v5_connect_cut_short_is_closed_after_connect_timeout(make_broker):
     (mqtt5.ConnectPacket("will5", clean_start=True, will=mqtt5.Will("$ECQ/victim/k", payload=b"x")), 0x87),
     (mqtt5.ConnectPacket("auth5", clean_start=True, authentication_method="SCRAM-SHA-1"), 0x8C),
     (b"\x10\x03\x00\x04MQTT\x05", 0x81),  # a remaining length shorter than what it announces
-], ids=["will-on-ecq", "enhanced-auth", "short-remaining-length"])
+    (raw5.connect("will5", will_properties=b"", will_topic=b"wills/a\x00b"), 0x81),  # U+0000 [MQTT-1.5.4-2]
+    (raw5.connect("nul\x00id"), 0x81),
+], ids=["will-on-ecq", "enhanced-auth", "short-remaining-length", "nul-in-will-topic", "nul-in-client-id"])
 def test_a_refused_v5_connect_gets_a_v5_connack(broker, connect, code):
     client = WireClient(broker.port)
     client.send(connect if isinstance(connect, bytes) else connect.write())

@@ -176,8 +176,8 @@ async def _read_v5_connect(reader: ReaderAdapter, writer: WriterAdapter, peeked:
     """The rest of a level 5 CONNECT read and decoded (its fixed header checked before its body is read, as
     ``bad_clients.check_fixed_headers`` does for 3.1.1); the options ECQ keeps go to ``context``. A refusal is
     answered with its CONNACK and raises AMQTTError: a packet above ``max_packet_bytes`` (0x95), one that does not
-    decode (0x81 Malformed Packet, or 0x82 Protocol Error: ``MalformedPacket.code``, MQTT 5.0 section 4.13), an
-    Authentication Method (0x8C: ECQ has no enhanced authentication, section 4.12)."""
+    decode (0x81 Malformed Packet, or 0x82 Protocol Error: ``MalformedPacket.code``, MQTT 5.0 section 4.13) or holds
+    U+0000 in a string amqtt reads (0x81), an Authentication Method (0x8C: ECQ has no enhanced authentication, section 4.12)."""
     remaining, shift, index = 0, 0, 1
     while True:
         remaining |= (peeked[index] & 0x7F) << shift
@@ -200,6 +200,9 @@ async def _read_v5_connect(reader: ReaderAdapter, writer: WriterAdapter, peeked:
         await _refuse_connect(writer, exc.code, f"MQTT 5 CONNECT that does not decode ({exc})", reader)
     if not isinstance(connect, mqtt5.ConnectPacket):
         await _refuse_connect(writer, MALFORMED_PACKET, "MQTT 5 CONNECT that decodes as another packet", reader)
+    if (what := _string_with_nul(connect)) is not None:
+        await _refuse_connect(writer, MALFORMED_PACKET, f"MQTT 5 CONNECT {what} contains U+0000 [MQTT-1.5.4-2]",
+                              reader)
     if connect.authentication_method is not None:
         await _refuse_connect(writer, BAD_AUTHENTICATION_METHOD,
                               f"MQTT 5 CONNECT with Authentication Method {connect.authentication_method!r}", None)
@@ -209,6 +212,16 @@ async def _read_v5_connect(reader: ReaderAdapter, writer: WriterAdapter, peeked:
     context.topic_alias_maximum = connect.topic_alias_max
     context.server_maximum_packet_size = connection.max_packet_bytes
     return connect
+
+
+def _string_with_nul(connect: Any) -> str | None:
+    """What in a v5 CONNECT holds U+0000 (its client id, Will topic or user name), None when none does: a Malformed
+    Packet (MQTT 5.0 section 1.5.4, MQTT-1.5.4-2), which the codec decodes."""
+    will_topic = connect.will.topic if connect.will is not None else None
+    for what, text in (("client id", connect.client_id), ("Will topic", will_topic), ("user name", connect.username)):
+        if text and "\x00" in text:
+            return what
+    return None
 
 
 async def _refuse_connect(writer: WriterAdapter, code: int, reason: str, reader: ReaderAdapter | None) -> None:

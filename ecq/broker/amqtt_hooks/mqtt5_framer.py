@@ -161,8 +161,6 @@ class Mqtt5Framer(Framer):
         self._check_topic(data, first, body, end)
         packet = self._decode(first, data[body:end])
         topic, qos = self._topic_of(packet), int(packet.qos)
-        if "\x00" in topic:
-            raise violation(self._packets, "PUBLISH topic with U+0000 [MQTT-1.5.4-2]")
         if packet.subscription_ids:
             self._refuse(PROTOCOL_ERROR)
             raise violation(self._packets, "PUBLISH from a client with a Subscription Identifier [MQTT-3.3.4-6]")
@@ -204,8 +202,8 @@ class Mqtt5Framer(Framer):
 
     def _check_topic(self, data: bytes, first: int, body: int, end: int) -> None:
         """bad_clients' rules on a PUBLISH's topic before the codec reads it (the topic comes first in both versions,
-        MQTT 5.0 section 3.3.2.1): a topic running past the packet, ill-formed UTF-8 (on which mqtt5 0.8.0 panics).
-        Raises ProtocolViolation."""
+        MQTT 5.0 section 3.3.2.1): a topic running past the packet, ill-formed UTF-8 (on which mqtt5 0.8.0 panics),
+        U+0000 (section 1.5.4). Raises ProtocolViolation."""
         topic_end = self._topic_end(data, first >> 1 & 0x03, body, end)
         utf8_or_violation(self._packets, data[body + 2:topic_end], "PUBLISH topic")
 
