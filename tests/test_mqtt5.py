@@ -212,6 +212,22 @@ def test_suback_says_why_a_filter_is_refused(broker, v5):
     assert client.subscribe("$ECQ/sub5/#", "$share/g/$ECQ/sub5/#", "plain/#") == [1, 0x9E, 1]
 
 
+def test_a_suback_refusal_carries_its_reason_string_unless_problem_information_is_off(broker):
+    """MQTT 5.0 section 3.9.2.1.2: the SUBACK's Reason String says why ECQ refused its ``$ECQ/`` filters, as a refused
+    write's PUBACK does; none for a client that set Request Problem Information 0 (section 3.1.2.11.7)."""
+    def subscribe(client, *filters: tuple[str, int]):
+        client.send(mqtt5.SubscribePacket(1, [mqtt5.TopicFilter(f, max_qos=mqtt5.QoS(qos), retain_as_published=False)
+                                              for f, qos in filters]).write())
+        return v5_packet(client.next())
+
+    suback = subscribe(wire(broker.port, "why5"), ("$ECQ/someone-else/#", 1), ("$ECQ/why5/#", 0), ("plain/#", 1))
+    assert suback.reason_codes == [0x87, 0x80, 1]
+    assert suback.reason_str == ("'$ECQ/someone-else/#' is another client's queue: a client may only read its own, "
+                                 "'$ECQ/why5/#'; QoS 0 refused on '$ECQ/why5/#': ECQ queues are read at QoS 1")
+    suback = subscribe(wire(broker.port, "quiet5", request_problem_info=False), ("$ECQ/someone-else/#", 1))
+    assert (suback.reason_codes, suback.reason_str) == ([0x87], None)
+
+
 def test_receive_maximum_bounds_the_deliveries_in_flight(broker, v5):
     producer = v5(broker.port, "rm-producer")
     for n in range(5):

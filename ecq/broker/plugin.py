@@ -349,6 +349,10 @@ class EcqPlugin(BaseTopicPlugin):
         """QoS to grant for a SUBSCRIBE to an ``$ECQ/`` filter, or None to refuse it (see AccessControl)."""
         return self.access.grant_subscription(clientid, topic_filter, qos)
 
+    def subscription_refusal(self, clientid: str, topic_filter: str, qos: int) -> str | None:
+        """Why a SUBSCRIBE to an ``$ECQ/`` filter is refused, None when granted (see AccessControl)."""
+        return self.access.subscription_refusal(clientid, topic_filter, qos)
+
     def will_refusal(self, session: Session) -> str | None:
         """Why a CONNECT carrying a Will must be refused (CONNACK 0x05), or None (see AccessControl)."""
         return self.access.will_refusal(session)

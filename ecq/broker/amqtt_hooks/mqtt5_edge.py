@@ -329,7 +329,8 @@ def _connack(context: Mqtt5Context, session_present: int, return_code: int) -> b
 def _suback(handler: BrokerProtocolHandler, context: Mqtt5Context, packet_id: int, granted: list[int]) -> bytes:
     """The v5 SUBACK of amqtt's (MQTT 5.0 section 3.9.3): the filters ECQ refused itself get their codes back in
     place (``context.subscribes``); amqtt's 0x80 becomes the code ECQ chose for that filter (0x87 for another
-    client's queue), else 0x80 Unspecified error."""
+    client's queue), else 0x80 Unspecified error; with the Reason String ECQ kept for it
+    (``context.subscribe_reasons``) when the packet still fits the client's Maximum Packet Size."""
     decided = context.subscribes.pop(packet_id, None) or [(True, UNSPECIFIED_ERROR)] * len(granted)
     amqtt_codes = iter(granted)
     codes = []
@@ -339,4 +340,9 @@ def _suback(handler: BrokerProtocolHandler, context: Mqtt5Context, packet_id: in
             continue
         answer = next(amqtt_codes, UNSPECIFIED_ERROR)
         codes.append(answer if answer < UNSPECIFIED_ERROR else code)
-    return mqtt5.SubAckPacket(packet_id, [mqtt5.SubAckReasonCode(code) for code in codes]).write()
+    reason_codes = [mqtt5.SubAckReasonCode(code) for code in codes]
+    if (reason := context.subscribe_reasons.pop(packet_id, None)) is not None:
+        packet = mqtt5.SubAckPacket(packet_id, reason_codes, reason_str=reason).write()
+        if context.fits(packet):
+            return packet
+    return mqtt5.SubAckPacket(packet_id, reason_codes).write()

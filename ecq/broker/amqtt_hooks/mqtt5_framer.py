@@ -248,9 +248,10 @@ class Mqtt5Framer(Framer):
 
     async def _subscribe(self, packet: Any) -> None:
         """A v5 SUBSCRIBE: the filters amqtt can carry go to it as a 3.1.1 SUBSCRIBE, their options and
-        Subscription Identifier kept for the deliveries (``mqtt5_routing``); the others are refused in the SUBACK
-        (MQTT 5.0 section 3.9.3), sent at once when no filter is left for amqtt."""
-        decided, kept = [], []
+        Subscription Identifier kept for the deliveries (``mqtt5_routing``), with why ECQ refuses an ``$ECQ/`` one
+        for the SUBACK's Reason String, unless the client asked for no problem information (section 3.9.2.1.2); the
+        others are refused in the SUBACK (MQTT 5.0 section 3.9.3), sent at once when no filter is left for amqtt."""
+        decided, kept, reasons = [], [], []
         for topic_filter in packet.topic_filters:
             if topic_filter.no_local and topic_filter.pattern.startswith("$share/"):
                 self._refuse(PROTOCOL_ERROR)
@@ -264,11 +265,16 @@ class Mqtt5Framer(Framer):
             own = topic_filter.pattern == queue_filter(client_id(self._handler) or "")
             foreign_queue = is_ecq_topic(topic_filter.pattern) and not own
             decided.append((True, NOT_AUTHORIZED if foreign_queue else UNSPECIFIED_ERROR))
+            if is_ecq_topic(topic_filter.pattern) and (reason := self._plugin.subscription_refusal(
+                    client_id(self._handler) or "", topic_filter.pattern, int(topic_filter.max_qos))):
+                reasons.append(reason)
         if not kept:
             codes = [mqtt5.SubAckReasonCode(code) for _, code in decided]
             send_soon(self._handler, mqtt5.SubAckPacket(packet.packet_id, codes).write())
             return
         self._context.subscribes[packet.packet_id] = decided
+        if reasons and self._context.problem_information:
+            self._context.subscribe_reasons[packet.packet_id] = "; ".join(reasons)
         await super()._hand_to_amqtt(0x82, packet.packet_id.to_bytes(2, "big") + b"".join(
             encode_data_with_length(f.pattern.encode()) + bytes((int(f.max_qos),)) for f in kept))
 

@@ -69,7 +69,8 @@ class Mqtt5Context:
     Keep Alive, Will); ``server_maximum_packet_size``: the broker's ``max_packet_bytes``, announced in CONNACK.
     ``subscribes``: per SUBSCRIBE packet id, one ``(handed to amqtt, code)`` per filter until amqtt's SUBACK:
     a filter ECQ refused itself with ``code``, or one amqtt answers whose refusal (0x80) becomes ``code``;
-    ``unsubscribes``: the UNSUBACK reason codes of each UNSUBSCRIBE until its UNSUBACK.
+    ``unsubscribes``: the UNSUBACK reason codes of each UNSUBSCRIBE until its UNSUBACK; ``subscribe_reasons``: per
+    SUBSCRIBE packet id, the Reason String of its SUBACK (why ECQ refuses its ``$ECQ/`` filters) until the SUBACK.
     ``topic_alias_maximum``: the aliases the client takes (section 3.1.2.11.5); ``aliases_out``: topic -> the
     alias ECQ gave it on this connection; ``aliases_in``: alias -> topic the client set (at most
     ``server_topic_alias_maximum``, the broker's ``topic_alias_maximum`` told in CONNACK, section 3.3.2.3.4).
@@ -88,6 +89,7 @@ class Mqtt5Context:
     server_maximum_packet_size: int | None = None
     subscribes: dict[int, list[tuple[bool, int]]] = field(default_factory=dict)
     unsubscribes: dict[int, list[int]] = field(default_factory=dict)
+    subscribe_reasons: dict[int, str] = field(default_factory=dict)
     topic_alias_maximum: int = 0
     aliases_out: dict[str, int] = field(default_factory=dict)
     aliases_in: dict[int, str] = field(default_factory=dict)

@@ -49,6 +49,9 @@ class EcqHooksTarget(Protocol):
     def grant_subscription(self, clientid: str, topic_filter: str, qos: int) -> int | None:
         """QoS to grant for a SUBSCRIBE to an ``$ECQ/`` filter, or None to refuse it (SUBACK 0x80)."""
 
+    def subscription_refusal(self, clientid: str, topic_filter: str, qos: int) -> str | None:
+        """Why :meth:`grant_subscription` refuses that SUBSCRIBE (an MQTT 5 SUBACK's Reason String), or None."""
+
     def will_refusal(self, session: Session) -> str | None:
         """Why a CONNECT carrying a Will must be refused with CONNACK 0x05, or None to accept it."""
 
