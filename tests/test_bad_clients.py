@@ -204,7 +204,8 @@ VIOLATIONS = {
     "packet_id_0": (0x32, lambda topic: publish_body(topic, b"v", 0), "with packet id 0 [MQTT-2.3.1-1]"),
     "bad_utf8": (0x32, lambda topic: publish_body(topic + b"\xff\xfe", b"v", 4),
                  "PUBLISH topic is not valid UTF-8 (invalid start byte at byte"),
-    "nul": (0x32, lambda topic: publish_body(topic + b"\x00x", b"v", 4), "PUBLISH topic contains U+0000 [MQTT-1.5.3-2]"),
+    "nul": (0x32, lambda topic: publish_body(topic + b"\x00x", b"v", 4),
+            "PUBLISH topic contains U+0000 [MQTT-1.5.3-2]"),
 }
 
 

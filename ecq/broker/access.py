@@ -62,7 +62,8 @@ class AccessControl:
             return (f"the clientids {' and '.join(sorted(RESERVED_CLIENTIDS))} cannot own an ECQ queue ($ECQ/w/ and "
                     "$ECQ/ctl/ are the write and control topics); connect with another clientid")
         if topic_filter != queue_filter(clientid):
-            return f"{topic_filter!r} is another client's queue: a client may only read its own, {queue_filter(clientid)!r}"
+            own = queue_filter(clientid)
+            return f"{topic_filter!r} is another client's queue: a client may only read its own, {own!r}"
         if qos == 0:
             return f"QoS 0 refused on {topic_filter!r}: ECQ queues are read at QoS 1"
         return None

@@ -202,8 +202,8 @@ class EcqWrites:
 class ArrivalOrder:
     """Per connection, its QoS 1/2 PUBLISHes in arrival order (``$ECQ/`` writes and plain QoS 1/2 PUBLISHes), so that
     a PUBACK or PUBREC leaves only after every earlier PUBLISH of that connection was acknowledged, refused or
-    failed (MQTT 3.1.1 section 4.6, MQTT-4.6.0-2 and -3), while writes of different connections, and the commits of one connection's
-    writes to different writer agents, still run side by side.
+    failed (MQTT 3.1.1 section 4.6, MQTT-4.6.0-2 and -3), while writes of different connections, and the commits
+    of one connection's writes to different writer agents, still run side by side.
 
     :meth:`enter` is called while the packet reader is on the PUBLISH, so the order of the slots is the arrival
     order. :meth:`done` sends, at once and in order, every acknowledgement at the head of the queue that is

@@ -38,6 +38,7 @@ from ecq.broker.amqtt_hooks.mqtt5_messages import publish_bytes
 from ecq.broker.amqtt_hooks.mqtt5_packets import (BAD_AUTHENTICATION_METHOD, MALFORMED_PACKET, PACKET_TOO_LARGE,
                                                   MalformedPacket, Mqtt5Context, context_of, decode, remaining_length,
                                                   set_context)
+from ecq.broker.amqtt_hooks.mqtt5_properties import PropertyBounds
 from ecq.broker.amqtt_hooks.mqtt5_sessions import connack_properties, session_options
 from ecq.broker.amqtt_hooks.target import find_target
 
@@ -116,7 +117,9 @@ def translate_level_5_connects() -> None:
             return await original(reader, writer, plugins_manager, loop)
         settings = find_target(plugins_manager).settings
         context = Mqtt5Context(server_receive_maximum=settings.receive_maximum,
-                               server_topic_alias_maximum=settings.topic_alias_maximum)
+                               server_topic_alias_maximum=settings.topic_alias_maximum,
+                               property_bounds=PropertyBounds(settings.max_properties_bytes,
+                                                              settings.max_user_properties))
         try:
             async with asyncio.timeout(connection.connect_timeout_s):
                 peeked, level = await _peek_level(reader)
@@ -176,8 +179,9 @@ async def _read_v5_connect(reader: ReaderAdapter, writer: WriterAdapter, peeked:
     """The rest of a level 5 CONNECT read and decoded (its fixed header checked before its body is read, as
     ``bad_clients.check_fixed_headers`` does for 3.1.1); the options ECQ keeps go to ``context``. A refusal is
     answered with its CONNACK and raises AMQTTError: a packet above ``max_packet_bytes`` (0x95), one that does not
-    decode (0x81 Malformed Packet, or 0x82 Protocol Error: ``MalformedPacket.code``, MQTT 5.0 section 4.13) or holds
-    U+0000 in a string amqtt reads (0x81), an Authentication Method (0x8C: ECQ has no enhanced authentication, section 4.12)."""
+    decode (0x81 Malformed Packet, 0x82 Protocol Error, 0x95 for properties beyond the broker's bounds:
+    ``MalformedPacket.code``, MQTT 5.0 section 4.13) or holds U+0000 in a string amqtt reads (0x81), an
+    Authentication Method (0x8C: ECQ has no enhanced authentication, section 4.12)."""
     remaining, shift, index = 0, 0, 1
     while True:
         remaining |= (peeked[index] & 0x7F) << shift
@@ -195,7 +199,7 @@ async def _read_v5_connect(reader: ReaderAdapter, writer: WriterAdapter, peeked:
     except asyncio.IncompleteReadError:
         raise AMQTTError(f"end of stream inside the CONNECT of {connection.peer}") from None
     try:
-        connect = decode(peeked + rest)
+        connect = decode(peeked + rest, context.property_bounds)
     except MalformedPacket as exc:
         await _refuse_connect(writer, exc.code, f"MQTT 5 CONNECT that does not decode ({exc})", reader)
     if not isinstance(connect, mqtt5.ConnectPacket):

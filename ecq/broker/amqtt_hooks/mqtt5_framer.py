@@ -18,8 +18,9 @@ equivalent 3.1.1 packet, which amqtt's decoders (and ``bad_clients``' checks) re
   with CONNACK 0x8C; section 4.12: an AUTH without one is a Protocol Error; 0x8C is no DISCONNECT reason code);
 - a packet that does not decode, or breaks a rule of ``bad_clients``: DISCONNECT 0x81 (0x95 for one above
   ``max_packet_bytes``, 0x94 for a Topic Alias of 0, 0x82 for what MQTT 5.0 calls a Protocol Error: a property
-  given twice, a Subscription Identifier of 0, ..., ``mqtt5_packets.MalformedPacket``), then close (section 4.13), after a linger that lets the
-  client read it (:meth:`_linger`).
+  given twice, a Subscription Identifier of 0, ..., ``mqtt5_packets.MalformedPacket``; 0x95 for properties beyond
+  ``max_properties_bytes`` or ``max_user_properties``, ``mqtt5_properties``), then close (section 4.13), after a
+  linger that lets the client read it (:meth:`_linger`).
 
 :func:`read_mqtt5_with_the_framer` picks this reader for every v5 connection, over TCP or WebSocket, whatever
 ``fast_path`` says: amqtt's own reader reads 3.1.1 only.
@@ -146,9 +147,10 @@ class Mqtt5Framer(Framer):
 
     def _decode(self, first: int, body: bytes) -> Any:
         """The mqtt5 packet of a fixed header's first byte and ``body``; ProtocolViolation after DISCONNECT with the
-        code of what is wrong with it (``MalformedPacket.code``: 0x81, 0x82 Protocol Error, 0x94)."""
+        code of what is wrong with it (``MalformedPacket.code``: 0x81, 0x82 Protocol Error, 0x94, 0x95 for properties
+        beyond the broker's bounds)."""
         try:
-            return decode(bytes((first,)) + remaining_length(len(body)) + body)
+            return decode(bytes((first,)) + remaining_length(len(body)) + body, self._context.property_bounds)
         except MalformedPacket as exc:
             self._refuse(exc.code)
             raise violation(self._packets, f"MQTT 5 packet that does not decode ({exc})") from None

@@ -14,6 +14,7 @@ from typing import Any
 
 import mqtt5
 
+from ecq.broker.amqtt_hooks.mqtt5_properties import PropertyBounds
 from ecq.queue.clock import now_ms
 from ecq.queue.refusal_codes import write_refusal_code
 
@@ -49,12 +50,12 @@ class MalformedPacket(ValueError):
     """Bytes the ``mqtt5`` codec cannot decode as one MQTT 5.0 packet; ``code`` is the reason code that answers
     them (MQTT 5.0 section 4.13): 0x81 Malformed Packet, or 0x82 Protocol Error (a property given twice, a value 0
     or 2 where the spec calls it a Protocol Error, a property the packet may not carry), 0x94 for a Topic Alias
-    of 0."""
+    of 0, 0x95 Packet too large for properties beyond the broker's bounds (``mqtt5_properties``)."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, code: int | None = None) -> None:
         super().__init__(message)
-        self.code = next((code for start, code in _DECODE_ERROR_CODES.items() if message.startswith(start)),
-                         MALFORMED_PACKET)
+        self.code = code or next((code for start, code in _DECODE_ERROR_CODES.items() if message.startswith(start)),
+                                 MALFORMED_PACKET)
 
 
 @dataclass
@@ -77,7 +78,8 @@ class Mqtt5Context:
     ``send_window``: bounds the QoS 1/2 PUBLISHes of ordinary topics in flight to ``receive_maximum``. ``retained_wanted``: per filter of the SUBSCRIBE being handled,
     whether its Retain Handling sends the retained messages. ``inbound``: the packet ids of the client's QoS 1/2
     PUBLISHes not yet acknowledged (PUBACK, PUBCOMP, or a PUBREC refusal), at most ``server_receive_maximum``
-    (the broker's ``receive_maximum``, told in CONNACK, section 3.2.2.3.3).
+    (the broker's ``receive_maximum``, told in CONNACK, section 3.2.2.3.3). ``property_bounds``: what one packet's
+    properties may cost (the broker's ``max_properties_bytes`` and ``max_user_properties``), None for no bound.
     """
 
     receive_maximum: int = 65535
@@ -98,6 +100,7 @@ class Mqtt5Context:
     inbound: set[int] = field(default_factory=set)
     server_receive_maximum: int = 65535
     server_topic_alias_maximum: int = 0
+    property_bounds: PropertyBounds | None = None
 
     def fits(self, packet: bytes) -> bool:
         """True when ``packet`` is within the client's Maximum Packet Size (MQTT 5.0 section 3.1.2.11.4)."""
@@ -139,11 +142,14 @@ def set_context(handler: Any, context: Mqtt5Context) -> None:
     setattr(handler, _CONTEXT, context)
 
 
-def decode(packet: bytes | memoryview) -> Any:
+def decode(packet: bytes | memoryview, bounds: PropertyBounds | None = None) -> Any:
     """One whole MQTT 5.0 packet (fixed header included) decoded by ``mqtt5.read``; returns the mqtt5 packet
     object. Raises MalformedPacket for bytes that do not decode or leave bytes over, including the
-    ``pyo3_runtime.PanicException`` (a BaseException) mqtt5 0.8.0 raises for ill-formed UTF-8 (section 1.5.4)."""
+    ``pyo3_runtime.PanicException`` (a BaseException) mqtt5 0.8.0 raises for ill-formed UTF-8 (section 1.5.4), and
+    (code 0x95) for properties beyond ``bounds``: their bytes are checked before they are decoded."""
     view = memoryview(packet)
+    if bounds is not None and (reason := bounds.bytes_violation(view)) is not None:
+        raise MalformedPacket(reason, PACKET_TOO_LARGE)
     try:
         decoded, used = mqtt5.read(view)
     except Exception as exc:
@@ -154,6 +160,8 @@ def decode(packet: bytes | memoryview) -> Any:
         raise MalformedPacket("a string that is not well-formed UTF-8 [MQTT-1.5.4-1]") from None
     if used != len(view):
         raise MalformedPacket(f"{len(view) - used} bytes left over after the packet")
+    if bounds is not None and (reason := bounds.count_violation(decoded)) is not None:
+        raise MalformedPacket(reason, PACKET_TOO_LARGE)
     return decoded
 
 
