@@ -222,7 +222,7 @@ def test_a_suback_refusal_carries_its_reason_string_unless_problem_information_i
 
     suback = subscribe(wire(broker.port, "why5"), ("$ECQ/someone-else/#", 1), ("$ECQ/why5/#", 0), ("plain/#", 1))
     assert suback.reason_codes == [0x87, 0x80, 1]
-    assert suback.reason_str == ("'$ECQ/someone-else/#' is another client's queue: a client may only read its own, "
+    assert suback.reason_str == ("'$ECQ/someone-else/#' is not this client's queue: a client may only read its own, "
                                  "'$ECQ/why5/#'; QoS 0 refused on '$ECQ/why5/#': ECQ queues are read at QoS 1")
     suback = subscribe(wire(broker.port, "quiet5", request_problem_info=False), ("$ECQ/someone-else/#", 1))
     assert (suback.reason_codes, suback.reason_str) == ([0x87], None)

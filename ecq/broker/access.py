@@ -63,7 +63,7 @@ class AccessControl:
                     "$ECQ/ctl/ are the write and control topics); connect with another clientid")
         if topic_filter != queue_filter(clientid):
             own = queue_filter(clientid)
-            return f"{topic_filter!r} is another client's queue: a client may only read its own, {own!r}"
+            return f"{topic_filter!r} is not this client's queue: a client may only read its own, {own!r}"
         if qos == 0:
             return f"QoS 0 refused on {topic_filter!r}: ECQ queues are read at QoS 1"
         return None
