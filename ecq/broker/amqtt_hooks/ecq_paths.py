@@ -33,7 +33,6 @@ from amqtt.mqtt.packet import MQTTVariableHeader
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
 from amqtt.mqtt.pubcomp import PubcompPacket
-from amqtt.mqtt.pubrec import PubrecPacket
 from amqtt.mqtt.pubrel import PubrelPacket
 from amqtt.session import IncomingApplicationMessage, OutgoingApplicationMessage
 
@@ -104,7 +103,6 @@ async def _route_qos2(handler: BrokerProtocolHandler, packet: PublishPacket,
     if (earlier := handler._pubrel_waiters.get(packet_id)) is not None:
         earlier.cancel()
     pubrel = handler._pubrel_waiters[packet_id] = asyncio.get_running_loop().create_future()
-    message.pubrec_packet = PubrecPacket.build(packet_id)
     acknowledged(functools.partial(acknowledge_soon, handler, QOS_2, packet_id))
     message.pubrel_packet = await pubrel
     del handler._pubrel_waiters[packet_id]

@@ -220,7 +220,7 @@ async def _read_v5_connect(reader: ReaderAdapter, writer: WriterAdapter, peeked:
 
 def _string_with_nul(connect: Any) -> str | None:
     """What in a v5 CONNECT holds U+0000 (its client id, Will topic or user name), None when none does: a Malformed
-    Packet (MQTT 5.0 section 1.5.4, MQTT-1.5.4-2), which the codec decodes."""
+    Packet (MQTT 5.0 section 1.5.4, MQTT-1.5.4-2) that the mqtt5 codec lets through."""
     will_topic = connect.will.topic if connect.will is not None else None
     for what, text in (("client id", connect.client_id), ("Will topic", will_topic), ("user name", connect.username)):
         if text and "\x00" in text:
