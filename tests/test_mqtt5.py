@@ -265,6 +265,7 @@ def test_an_empty_client_id_gets_an_assigned_one(broker, v5):
     (raw5.publish(b"$ECQ/w/bq/a\x00b"), 0x81),  # U+0000 in a topic: Malformed Packet [MQTT-1.5.4-2]
     (raw5.publish(b"plain/a\x00b"), 0x81),
     (raw5.subscribe("plain/a\x00b"), 0x81),
+    (raw5.publish("plain/t", bytes([0x7F, 1])), 0x81),  # an unknown property identifier: malformed, section 2.2.2.2
 ])
 def test_a_bad_v5_packet_gets_disconnect_and_the_connection_closes(broker, v5, bad, code):
     bystander = v5(broker.port, "bystander")
