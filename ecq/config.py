@@ -147,6 +147,13 @@ class EcqSettings(BaseModel):
     topic_alias_maximum: Int = Field(default=64, ge=0, le=65535,
                                      description="Topic Aliases an MQTT 5 client may set, told in CONNACK's Topic Alias "
                                      "Maximum; 0 = none; an alias above it gets DISCONNECT 0x94")
+    max_properties_bytes: Int = Field(default=128 * 1024, ge=0, le=MAX_REMAINING_LENGTH,
+                                      description="bytes of properties one MQTT 5 packet may carry (a CONNECT's and "
+                                      "its Will's together), checked before they are decoded; more gets DISCONNECT "
+                                      "0x95 (CONNACK 0x95)")
+    max_user_properties: Int = Field(default=1024, ge=0,
+                                     description="User Properties one MQTT 5 packet may carry; more gets DISCONNECT "
+                                     "0x95 (CONNACK 0x95)")
 
     backend: Literal["leveldb", "jetstream"] = Field(
         default="leveldb", description="queue storage: embedded LevelDB in data_dir, or a NATS JetStream cluster")

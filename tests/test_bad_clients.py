@@ -204,6 +204,8 @@ VIOLATIONS = {
     "packet_id_0": (0x32, lambda topic: publish_body(topic, b"v", 0), "with packet id 0 [MQTT-2.3.1-1]"),
     "bad_utf8": (0x32, lambda topic: publish_body(topic + b"\xff\xfe", b"v", 4),
                  "PUBLISH topic is not valid UTF-8 (invalid start byte at byte"),
+    "nul": (0x32, lambda topic: publish_body(topic + b"\x00x", b"v", 4),
+            "PUBLISH topic contains U+0000 [MQTT-1.5.3-2]"),
 }
 
 
@@ -232,7 +234,8 @@ def test_publish_protocol_violation_closes_the_connection_and_stores_nothing(bro
     (struct.pack(">HH", 3, 3) + b"a/\xff" + b"\x01", "SUBSCRIBE topic filter is not valid UTF-8"),
     (struct.pack(">HH", 3, 0) + b"\x01", "SUBSCRIBE with an empty topic filter [MQTT-4.7.3-1]"),
     (struct.pack(">HH", 3, 3) + b"a/b" + b"\x03", "SUBSCRIBE to 'a/b' with QoS byte 3 [MQTT-3.8.3-4]"),
-], ids=["no_filter", "bad_utf8", "empty_filter", "qos3"])
+    (struct.pack(">HH", 3, 3) + b"a\x00b" + b"\x01", "SUBSCRIBE topic filter contains U+0000 [MQTT-1.5.3-2]"),
+], ids=["no_filter", "bad_utf8", "empty_filter", "qos3", "nul"])
 def test_subscribe_protocol_violation_closes_the_connection(broker, connect, body, reason):
     raw = RawClient(broker.port, "badsub")
     try:
@@ -243,3 +246,29 @@ def test_subscribe_protocol_violation_closes_the_connection(broker, connect, bod
     assert "ECQ closing the connection of client 'badsub' (127.0.0.1:" in broker.log()
     assert reason in broker.log()
     pubsub_works(connect, broker.port, "after/badsub")
+
+
+def connect_with(client_id: bytes, will_topic: bytes | None = None) -> bytes:
+    """A 3.1.1 CONNECT (clean session), with a Will of payload ``gone`` on ``will_topic`` when given."""
+    flags = 0x02 | (0x04 if will_topic is not None else 0)
+    payload = struct.pack(">H", len(client_id)) + client_id
+    if will_topic is not None:
+        payload += struct.pack(">H", len(will_topic)) + will_topic + struct.pack(">H", 4) + b"gone"
+    body = b"\x00\x04MQTT\x04" + bytes([flags]) + b"\x00\x3c" + payload
+    return fixed_header(0x10, len(body)) + body
+
+
+@pytest.mark.parametrize(("packet", "reason"), [
+    (connect_with(b"nul\x00id"), "CONNECT client id contains U+0000 [MQTT-1.5.3-2]"),
+    (connect_with(b"nulwill", b"wills/a\x00b"), "CONNECT Will topic contains U+0000 [MQTT-1.5.3-2]"),
+], ids=["client_id", "will_topic"])
+def test_a_connect_with_u0000_is_closed_without_connack_nor_will(broker, connect, packet, reason):
+    """MQTT 3.1.1 section 1.5.3 (MQTT-1.5.3-2): the server closes the connection; no session, no Will."""
+    watcher = connect(broker.port, "will-watcher")
+    assert watcher.subscribe("wills/#") == 1
+    with socket.create_connection(("127.0.0.1", broker.port), timeout=5) as sock:
+        sock.sendall(packet)
+        assert sock.recv(16) == b""  # closed, no CONNACK
+    assert reason in broker.log()
+    assert watcher.quiet(0.5) == []
+    pubsub_works(connect, broker.port, "after/nul")

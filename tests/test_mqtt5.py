@@ -17,7 +17,11 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from tests import mqtt5_wire as raw5
 from tests.harness import free_port, topics_payloads, wait_until
+from tests.mqtt5_wire import (MAXIMUM_PACKET_SIZE, RECEIVE_MAXIMUM, REQUEST_PROBLEM_INFORMATION,
+                              REQUEST_RESPONSE_INFORMATION, SESSION_EXPIRY_INTERVAL, SUBSCRIPTION_IDENTIFIER,
+                              TOPIC_ALIAS, WILL_DELAY_INTERVAL, prop)
 from tests.mqtt_wire import DISCONNECT, PUBLISH, WireClient, split_packet
 from tests.test_acl_broker import acl_broker
 from tests.test_operations import scrape
@@ -214,6 +218,22 @@ def test_suback_says_why_a_filter_is_refused(broker, v5):
     assert client.subscribe("$ECQ/sub5/#", "$share/g/$ECQ/sub5/#", "plain/#") == [1, 0x9E, 1]
 
 
+def test_a_suback_refusal_carries_its_reason_string_unless_problem_information_is_off(broker):
+    """MQTT 5.0 section 3.9.2.1.2: the SUBACK's Reason String says why ECQ refused its ``$ECQ/`` filters, as a refused
+    write's PUBACK does; none for a client that set Request Problem Information 0 (section 3.1.2.11.7)."""
+    def subscribe(client, *filters: tuple[str, int]):
+        client.send(mqtt5.SubscribePacket(1, [mqtt5.TopicFilter(f, max_qos=mqtt5.QoS(qos), retain_as_published=False)
+                                              for f, qos in filters]).write())
+        return v5_packet(client.next())
+
+    suback = subscribe(wire(broker.port, "why5"), ("$ECQ/someone-else/#", 1), ("$ECQ/why5/#", 0), ("plain/#", 1))
+    assert suback.reason_codes == [0x87, 0x80, 1]
+    assert suback.reason_str == ("'$ECQ/someone-else/#' is not this client's queue: a client may only read its own, "
+                                 "'$ECQ/why5/#'; QoS 0 refused on '$ECQ/why5/#': ECQ queues are read at QoS 1")
+    suback = subscribe(wire(broker.port, "quiet5", request_problem_info=False), ("$ECQ/someone-else/#", 1))
+    assert (suback.reason_codes, suback.reason_str) == ([0x87], None)
+
+
 def test_receive_maximum_bounds_the_deliveries_in_flight(broker, v5):
     producer = v5(broker.port, "rm-producer")
     for n in range(5):
@@ -248,6 +268,10 @@ def test_an_empty_client_id_gets_an_assigned_one(broker, v5):
     (mqtt5.PublishPacket("", b"v", topic_alias=3).write(), 0x82),  # an alias no PUBLISH of this connection set
     (b"\xf0\x00", 0x82),  # AUTH, with no Authentication Method in CONNECT: a Protocol Error
     (b"\x82\x04\x00\x00\x00\x00", 0x81),  # SUBSCRIBE with packet id 0 and no filter
+    (raw5.publish(b"$ECQ/w/bq/a\x00b"), 0x81),  # U+0000 in a topic: Malformed Packet [MQTT-1.5.4-2]
+    (raw5.publish(b"plain/a\x00b"), 0x81),
+    (raw5.subscribe("plain/a\x00b"), 0x81),
+    (raw5.publish("plain/t", bytes([0x7F, 1])), 0x81),  # an unknown property identifier: malformed, section 2.2.2.2
 ])
 def test_a_bad_v5_packet_gets_disconnect_and_the_connection_closes(broker, v5, bad, code):
     bystander = v5(broker.port, "bystander")
@@ -255,6 +279,70 @@ def test_a_bad_v5_packet_gets_disconnect_and_the_connection_closes(broker, v5, b
     client.send(bad)
     packets = client.until_closed()
     assert [(p.kind, p.body[:1]) for p in packets] == [(DISCONNECT, bytes([code]))]
+    assert bystander.publish("$ECQ/w/bq/k", "still served") == (0, None)
+
+
+def test_pubrecs_and_pubacks_of_ecq_and_plain_publishes_keep_arrival_order(make_broker, v5):
+    """MQTT-4.6.0-2/3: an ``$ECQ/`` write commits after a plain PUBLISH behind it is routed, yet each PUBACK and PUBREC
+    leaves in arrival order. Two rounds of ``receive_maximum`` PUBLISHes: the second is refused (0x93) unless each
+    PUBCOMP of the first ended its PUBLISH's count."""
+    broker = make_broker(receive_maximum=100)
+    watcher = v5(broker.port, "order5-watcher")
+    assert watcher.subscribe("plain/#") == [1]
+    client = wire(broker.port, "order5")
+    kinds = [("$ECQ/w/o5/k", 2), ("plain/q2-", 2), ("$ECQ/w/o5/j", 1), ("plain/q1-", 1)]
+    for first_id in (1, 101):
+        sent = [(f"{topic}{n}", qos, n) for n in range(first_id, first_id + 100)
+                for topic, qos in [kinds[(n - 1) % len(kinds)]]]
+        client.send(b"".join(mqtt5.PublishPacket(topic, b"p", qos=mqtt5.QoS(qos), packet_id=n).write()
+                             for topic, qos, n in sent))
+        answers = [v5_packet(client.next()) for _ in sent]
+        assert [(type(a).__name__, a.packet_id) for a in answers] == [
+            ("PubRecPacket" if qos == 2 else "PubAckPacket", n) for _, qos, n in sent]
+        released = [n for _, qos, n in sent if qos == 2]
+        client.send(b"".join(mqtt5.PubRelPacket(n).write() for n in released))
+        assert sorted(v5_packet(client.next()).packet_id for _ in released) == released
+    assert len(watcher.expect(100)) == 100  # the plain ones of both rounds, each once
+
+
+@pytest.mark.parametrize("properties, will_properties", [
+    (prop(SESSION_EXPIRY_INTERVAL, 1) + prop(SESSION_EXPIRY_INTERVAL, 2), None),  # section 3.1.2.11.2
+    (prop(RECEIVE_MAXIMUM, 5) + prop(RECEIVE_MAXIMUM, 6), None),  # section 3.1.2.11.3
+    (prop(RECEIVE_MAXIMUM, 0), None),
+    (prop(MAXIMUM_PACKET_SIZE, 0), None),  # section 3.1.2.11.4
+    (prop(REQUEST_PROBLEM_INFORMATION, 2), None),  # section 3.1.2.11.7
+    (prop(REQUEST_RESPONSE_INFORMATION, 2), None),  # section 3.1.2.11.6
+    (prop(TOPIC_ALIAS, 1), None),  # a property CONNECT may not carry (Mosquitto: Protocol Error)
+    (b"", prop(WILL_DELAY_INTERVAL, 1) + prop(WILL_DELAY_INTERVAL, 2)),  # section 3.1.3.2.2
+], ids=["session-expiry-twice", "receive-maximum-twice", "receive-maximum-0", "maximum-packet-size-0",
+        "problem-information-2", "response-information-2", "topic-alias", "will-delay-twice"])
+def test_a_connect_with_a_protocol_error_gets_connack_0x82_and_is_closed(broker, v5, properties, will_properties):
+    """MQTT 5.0 section 4.13: a Protocol Error in CONNECT is answered CONNACK 0x82, not 0x81 Malformed Packet."""
+    client = WireClient(broker.port)
+    client.send(raw5.connect("protocol-error", properties, will_properties))
+    connack = v5_packet(client.next())
+    assert isinstance(connack, mqtt5.ConnAckPacket) and connack.reason_code == 0x82
+    assert client.until_closed() == []
+    assert v5(broker.port, "after-protocol-error").publish("$ECQ/w/pe/k", "still served") == (0, None)
+
+
+@pytest.mark.parametrize("bad", [
+    raw5.subscribe("a/b", prop(SUBSCRIPTION_IDENTIFIER, 0)),  # section 3.8.2.1.2
+    raw5.subscribe("a/b", prop(SUBSCRIPTION_IDENTIFIER, 1) + prop(SUBSCRIPTION_IDENTIFIER, 2)),
+    raw5.subscribe("a/b", options=0x31),  # Retain Handling 3, section 3.8.3.1
+    raw5.publish("", qos=1),  # an empty topic and no Topic Alias, section 3.3.2.3.4
+    raw5.publish("$ECQ/w/pe/k", prop(SUBSCRIPTION_IDENTIFIER, 1)),  # from a client [MQTT-3.3.4-6]
+    raw5.publish("plain/t", prop(TOPIC_ALIAS, 1) + prop(TOPIC_ALIAS, 1)),
+    b"\xe0\x0c\x00\x0a" + prop(SESSION_EXPIRY_INTERVAL, 1) * 2,  # DISCONNECT, section 3.14.2.2.2
+], ids=["subscription-identifier-0", "subscription-identifier-twice", "retain-handling-3", "empty-topic",
+        "subscription-identifier-in-publish", "topic-alias-twice", "disconnect-session-expiry-twice"])
+def test_a_protocol_error_after_connect_gets_disconnect_0x82(broker, v5, bad):
+    """MQTT 5.0 section 4.13: DISCONNECT 0x82 Protocol Error, not 0x81 Malformed Packet, then the close."""
+    bystander = v5(broker.port, "bystander")
+    client = wire(broker.port, "protocol-error")
+    client.send(bad)
+    assert [(p.kind, p.body[:1]) for p in client.until_closed()] == [(DISCONNECT, b"\x82")]
+    assert stored(broker, "pe") == 0
     assert bystander.publish("$ECQ/w/bq/k", "still served") == (0, None)
 
 
@@ -314,7 +402,9 @@ def test_a_v5_connect_cut_short_is_closed_after_connect_timeout(make_broker):
     (mqtt5.ConnectPacket("will5", clean_start=True, will=mqtt5.Will("$ECQ/victim/k", payload=b"x")), 0x87),
     (mqtt5.ConnectPacket("auth5", clean_start=True, authentication_method="SCRAM-SHA-1"), 0x8C),
     (b"\x10\x03\x00\x04MQTT\x05", 0x81),  # a remaining length shorter than what it announces
-], ids=["will-on-ecq", "enhanced-auth", "short-remaining-length"])
+    (raw5.connect("will5", will_properties=b"", will_topic=b"wills/a\x00b"), 0x81),  # U+0000 [MQTT-1.5.4-2]
+    (raw5.connect("nul\x00id"), 0x81),
+], ids=["will-on-ecq", "enhanced-auth", "short-remaining-length", "nul-in-will-topic", "nul-in-client-id"])
 def test_a_refused_v5_connect_gets_a_v5_connack(broker, connect, code):
     client = WireClient(broker.port)
     client.send(connect if isinstance(connect, bytes) else connect.write())

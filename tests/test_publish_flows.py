@@ -17,7 +17,7 @@ import pytest
 from tests.harness import RawClient, drain, fixed_header, metrics_text, wait_until
 from tests.mqtt_wire import DISCONNECT_PACKET, connect_packet, publish_packet, pubrel_packet
 
-PUBREC, PUBCOMP = 0x50, 0x70  # first bytes of the broker's answers
+PUBACK, PUBREC, PUBCOMP = 0x40, 0x50, 0x70  # first bytes of the broker's answers
 
 
 @pytest.fixture(params=[True, False], ids=["fast_path", "amqtt_reader"])
@@ -181,6 +181,39 @@ def test_pubacks_of_mixed_ecq_and_plain_publishes_keep_arrival_order(make_broker
     answers = [raw.receive() for _ in range(300)]
     raw.close()
     assert [(header, struct.unpack(">H", body)[0]) for header, body in answers] == [(0x40, n + 1) for n in range(300)]
+
+
+def mixed_qos2_publishes(count: int) -> tuple[bytes, list[tuple[int, int]], list[str]]:
+    """``count`` PUBLISHes in one buffer cycling through an ``$ECQ/`` QoS 2 write, a plain QoS 2 PUBLISH, an
+    ``$ECQ/`` QoS 1 write and a plain QoS 1 PUBLISH (packet ids 1..count): (the bytes, the (PUBACK/PUBREC first
+    byte, packet id) each must get, in arrival order, the topics of the plain ones)."""
+    kinds = [("$ECQ/w/mq2/k", 2), ("plain/q2-", 2), ("$ECQ/w/mq2/j", 1), ("plain/q1-", 1)]
+    packets, answers, plain = b"", [], []
+    for packet_id in range(1, count + 1):
+        topic, qos = kinds[(packet_id - 1) % len(kinds)]
+        packets += publish_packet(f"{topic}{packet_id}", b"p" * 64, qos, packet_id)
+        answers.append((PUBREC if qos == 2 else PUBACK, packet_id))
+        if topic.startswith("plain/"):
+            plain.append(f"{topic}{packet_id}")
+    return packets, answers, plain
+
+
+def test_pubrecs_of_mixed_ecq_and_plain_qos2_publishes_keep_arrival_order(make_broker, connect, fast_path):
+    broker = make_broker(fast_path=fast_path, sync_writes=True)  # each commit fsynced: ECQ writes lag behind
+    subscriber = connect(broker.port, "q2-watcher")
+    assert subscriber.subscribe("plain/#", qos=2) == 2
+    raw = RawClient(broker.port, "mixed2")
+    packets, expected, plain = mixed_qos2_publishes(200)
+    raw.send_raw(packets)  # one buffer: a plain PUBLISH is routed before the ECQ writes ahead of it commit
+    answers = [raw.receive() for _ in expected]
+    assert [(header, struct.unpack(">H", body)[0]) for header, body in answers] == expected
+    released = [packet_id for header, packet_id in expected if header == PUBREC]
+    raw.send_raw(b"".join(pubrel_packet(packet_id) for packet_id in released))
+    pubcomps = sorted(raw.receive() for _ in released)  # MQTT 3.1.1 section 4.6 orders no PUBCOMPs
+    assert pubcomps == [(PUBCOMP, struct.pack(">H", n)) for n in released]
+    raw.close()
+    assert sorted(m.topic for m in subscriber.expect(len(plain))) == sorted(plain)  # each once, QoS 2 after PUBREL
+    assert subscriber.quiet(0.5) == []
 
 
 # --- point 7: malformed packets close the connection ----------------------------------------------------------

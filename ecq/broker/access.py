@@ -44,25 +44,29 @@ class AccessControl:
 
     @staticmethod
     def grant_subscription(clientid: str, topic_filter: str, qos: int) -> int | None:
-        """QoS to grant for a SUBSCRIBE to an ``$ECQ/`` filter, or None to refuse it (SUBACK 0x80).
-
-        Only ``<clientid>`` may subscribe to ``$ECQ/<clientid>/#``; QoS 0 is refused, QoS 2 is granted as
-        QoS 1 (MQTT 3.1.1 section 3.9.3). Clients ``w`` and ``ctl`` own no queue: their filter would read the
-        writes or control topics of every queue.
-        """
-        if clientid in RESERVED_CLIENTIDS:
-            log.warning("ECQ refused SUBSCRIBE of %s to %r: the clientids %s cannot own an ECQ queue ($ECQ/w/ and "
-                        "$ECQ/ctl/ are the write and control topics); connect with another clientid",
-                        clientid, topic_filter, " and ".join(sorted(RESERVED_CLIENTIDS)))
-            return None
-        if topic_filter != queue_filter(clientid):
-            log.warning("ECQ refused SUBSCRIBE of %s to %r: a client may only read its own queue %r",
-                        clientid, topic_filter, queue_filter(clientid))
-            return None
-        if qos == 0:
-            log.warning("ECQ refused QoS 0 SUBSCRIBE of %s to %r: ECQ queues are read at QoS 1", clientid, topic_filter)
+        """QoS to grant for a SUBSCRIBE to an ``$ECQ/`` filter, or None to refuse it (SUBACK 0x80), logged with its
+        reason (:meth:`subscription_refusal`); QoS 2 is granted as QoS 1 (MQTT 3.1.1 section 3.9.3)."""
+        reason = AccessControl.subscription_refusal(clientid, topic_filter, qos)
+        if reason is not None:
+            log.warning("ECQ refused SUBSCRIBE of %s to %r: %s", clientid, topic_filter, reason)
             return None
         return 1
+
+    @staticmethod
+    def subscription_refusal(clientid: str, topic_filter: str, qos: int) -> str | None:
+        """Why a SUBSCRIBE of ``clientid`` to the ``$ECQ/`` filter ``topic_filter`` at ``qos`` is refused, None when
+        it is granted: only ``<clientid>`` may subscribe to ``$ECQ/<clientid>/#``, at QoS 1 or 2; clients ``w`` and
+        ``ctl`` own no queue (their filter would read the writes or control topics of every queue). The text is
+        logged, and told to an MQTT 5 client as the SUBACK's Reason String."""
+        if clientid in RESERVED_CLIENTIDS:
+            return (f"the clientids {' and '.join(sorted(RESERVED_CLIENTIDS))} cannot own an ECQ queue ($ECQ/w/ and "
+                    "$ECQ/ctl/ are the write and control topics); connect with another clientid")
+        if topic_filter != queue_filter(clientid):
+            own = queue_filter(clientid)
+            return f"{topic_filter!r} is not this client's queue: a client may only read its own, {own!r}"
+        if qos == 0:
+            return f"QoS 0 refused on {topic_filter!r}: ECQ queues are read at QoS 1"
+        return None
 
     def will_refusal(self, session: Session) -> str | None:
         """Why a CONNECT carrying a Will must be refused (CONNACK 0x05), or None to accept it.

@@ -331,7 +331,8 @@ class EcqPlugin(BaseTopicPlugin):
         self.writes.take(handler, topic, qos, packet_id, payload, expiry_s)
 
     def hold_acknowledgement(self, handler: BrokerProtocolHandler) -> Callable[[Callable[[], None] | None], None]:
-        """A place in the connection's PUBACK order for a plain QoS 1 PUBLISH (see EcqWrites.hold_acknowledgement)."""
+        """A place in the connection's PUBACK/PUBREC order for a plain QoS 1 or 2 PUBLISH (see
+        EcqWrites.hold_acknowledgement)."""
         return self.writes.hold_acknowledgement(handler)
 
     def count_fast_path(self, publishes: int, pubacks: int) -> None:
@@ -357,6 +358,10 @@ class EcqPlugin(BaseTopicPlugin):
     def grant_subscription(self, clientid: str, topic_filter: str, qos: int) -> int | None:
         """QoS to grant for a SUBSCRIBE to an ``$ECQ/`` filter, or None to refuse it (see AccessControl)."""
         return self.access.grant_subscription(clientid, topic_filter, qos)
+
+    def subscription_refusal(self, clientid: str, topic_filter: str, qos: int) -> str | None:
+        """Why a SUBSCRIBE to an ``$ECQ/`` filter is refused, None when granted (see AccessControl)."""
+        return self.access.subscription_refusal(clientid, topic_filter, qos)
 
     def will_refusal(self, session: Session) -> str | None:
         """Why a CONNECT carrying a Will must be refused (CONNACK 0x05), or None (see AccessControl)."""

@@ -97,8 +97,8 @@ class EcqWrites:
         return len(self._in_flight)
 
     def hold_acknowledgement(self, handler: BrokerProtocolHandler) -> Callable[[Callable[[], None] | None], None]:
-        """A place in the connection's arrival order for a PUBLISH ECQ does not store (a plain QoS 1 one); call
-        what is returned with what sends its PUBACK (None: none is due) once it was routed."""
+        """A place in the connection's arrival order for a PUBLISH ECQ does not store (a plain QoS 1 or 2 one);
+        call what is returned with what sends its PUBACK (once routed) or PUBREC (at once), None when none is due."""
         return functools.partial(self._order.done, handler, self._order.enter(handler))
 
     def _retransmitted(self, handler: BrokerProtocolHandler, packet_id: int, first: asyncio.Future) -> None:
@@ -200,10 +200,10 @@ class EcqWrites:
 
 
 class ArrivalOrder:
-    """Per connection, its QoS 1/2 PUBLISHes in arrival order (``$ECQ/`` writes and plain QoS 1 PUBLISHes), so that
-    a PUBACK (or PUBREC) leaves only after every earlier PUBLISH of that connection was acknowledged, refused or
-    failed (MQTT 3.1.1 section 4.6), while writes of different connections, and the commits of one connection's
-    writes to different writer agents, still run side by side.
+    """Per connection, its QoS 1/2 PUBLISHes in arrival order (``$ECQ/`` writes and plain QoS 1/2 PUBLISHes), so that
+    a PUBACK or PUBREC leaves only after every earlier PUBLISH of that connection was acknowledged, refused or
+    failed (MQTT 3.1.1 section 4.6, MQTT-4.6.0-2 and -3), while writes of different connections, and the commits
+    of one connection's writes to different writer agents, still run side by side.
 
     :meth:`enter` is called while the packet reader is on the PUBLISH, so the order of the slots is the arrival
     order. :meth:`done` sends, at once and in order, every acknowledgement at the head of the queue that is

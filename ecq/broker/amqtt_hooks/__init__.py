@@ -92,6 +92,7 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     bad_clients.close_abandoned_connections()
     bad_clients.time_limit_connect()
     bad_clients.check_fixed_headers()
+    bad_clients.close_on_nul_in_connect()
     bad_clients.check_publish_headers()
     bad_clients.check_subscribe_payloads()
     bad_clients.keep_serving_after_reserved_topics()

@@ -21,6 +21,7 @@ from amqtt.adapters import StreamWriterAdapter
 from amqtt.broker import Broker
 from amqtt.codecs_amqtt import decode_packet_id, read_or_raise
 from amqtt.errors import AMQTTError, MQTTError, NoDataError
+from amqtt.mqtt.connect import ConnectPayload
 from amqtt.mqtt.packet import (DISCONNECT, PINGREQ, PUBACK, PUBCOMP, PUBLISH, PUBREC, PUBREL, RESERVED_0, RESERVED_15,
                                SUBSCRIBE, UNSUBSCRIBE, MQTTFixedHeader)
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
@@ -131,11 +132,15 @@ def publish_overrun(remaining_length: int, topic_length: int | None, qos: int) -
 
 
 def utf8_or_violation(reader: Any, raw: bytes, what: str) -> str:
-    """``raw`` decoded as UTF-8; raises (and logs) ProtocolViolation when it is not valid UTF-8 (section 1.5.3)."""
+    """``raw`` decoded as UTF-8; raises (and logs) ProtocolViolation when it is not valid UTF-8 or holds U+0000
+    (section 1.5.3, MQTT-1.5.3-1 and -2: the receiver closes the connection)."""
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise violation(reader, f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start}) [MQTT-1.5.3-1]")
+    if "\x00" in text:
+        raise violation(reader, f"{what} contains U+0000 [MQTT-1.5.3-2]")
+    return text
 
 
 def publish_violation(topic: str, packet_id: int | None) -> str | None:
@@ -245,6 +250,26 @@ async def _read_utf8(reader: Any, what: str) -> str:
     """
     raw = await read_or_raise(reader, struct.unpack("!H", await read_or_raise(reader, 2))[0])
     return utf8_or_violation(reader, raw, what)
+
+
+def close_on_nul_in_connect() -> None:
+    """Correct amqtt 0.12.1 ``ConnectPayload.from_stream``, which takes a client id, Will topic or user name holding
+    U+0000 (a Will on ``a\x00b`` was published as such). MQTT 3.1.1 section 1.5.3 (MQTT-1.5.3-2): a receiver of a
+    UTF-8 string with U+0000 closes the network connection; the CONNECT is now refused so, without a CONNACK, with
+    its reason logged. (A v5 CONNECT is checked before its translation, ``mqtt5_edge``: CONNACK 0x81.)"""
+    original = ConnectPayload.from_stream.__func__
+
+    async def from_stream(cls: type[ConnectPayload], reader: Any, fixed_header: MQTTFixedHeader | None,
+                          variable_header: Any) -> ConnectPayload:
+        payload = await original(cls, reader, fixed_header, variable_header)
+        if reader in _connections:
+            for what, text in (("client id", payload.client_id), ("Will topic", payload.will_topic),
+                               ("user name", payload.username)):
+                if text and "\x00" in text:
+                    raise violation(reader, f"CONNECT {what} contains U+0000 [MQTT-1.5.3-2]")
+        return payload
+
+    ConnectPayload.from_stream = classmethod(from_stream)
 
 
 def check_publish_headers() -> None:

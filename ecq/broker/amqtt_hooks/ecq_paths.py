@@ -4,7 +4,7 @@ Plugin events cannot do what ECQ's queues need, because in stock amqtt:
 
 - ``ProtocolHandler.handle_publish`` PUBACKs a QoS 1 PUBLISH before anything is stored, so a PUBLISH under
   ``$ECQ/`` goes to the plugin's ``take_ecq_write`` as it is read, which stores, then acknowledges (MQTT 3.1.1
-  section 4.3.2), and plain QoS 1 PUBACKs wait their turn behind it: :func:`take_ecq_publishes`;
+  section 4.3.2), and plain QoS 1 PUBACKs and QoS 2 PUBRECs wait their turn behind it: :func:`take_ecq_publishes`;
 - a QoS 2 write's packet id is kept until its PUBREL (:func:`qos2_receipts`), so a retransmit is not stored
   again, and every PUBREL gets its PUBCOMP: :func:`release_ecq_qos2_writes`;
 - ``topic_filtering`` plugins do not see a SUBSCRIBE's QoS, so ``Broker.add_subscription`` asks the plugin
@@ -28,10 +28,11 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from amqtt.broker import Broker, BrokerContext
-from amqtt.mqtt.constants import QOS_1
+from amqtt.mqtt.constants import QOS_1, QOS_2
 from amqtt.mqtt.packet import MQTTVariableHeader
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.publish import PublishPacket, PublishVariableHeader
+from amqtt.mqtt.pubcomp import PubcompPacket
 from amqtt.mqtt.pubrel import PubrelPacket
 from amqtt.session import IncomingApplicationMessage, OutgoingApplicationMessage
 
@@ -47,8 +48,9 @@ _unsent: dict[BrokerProtocolHandler, list[bytes]] = {}  # packets queued by send
 
 def take_ecq_publishes() -> None:
     """Take every PUBLISH under ``$ECQ/`` from amqtt's ``BrokerProtocolHandler.handle_publish``, which PUBACKs
-    before anything is stored, and put the acknowledgement of a plain QoS 1 PUBLISH in the connection's arrival
-    order (MQTT 3.1.1 section 4.6: amqtt PUBACKs it at once, ahead of earlier ``$ECQ/`` writes still committing).
+    before anything is stored, and put the acknowledgement of a plain QoS 1 or 2 PUBLISH in the connection's arrival
+    order (MQTT 3.1.1 section 4.6, MQTT-4.6.0-2/3: amqtt PUBACKs or PUBRECs it at once, ahead of earlier ``$ECQ/``
+    writes still committing).
 
     Like ``acks.handle_puback_at_once`` this is not a coroutine function: it acts while the reader decodes the
     packet. amqtt's reader runs ``handle_publish`` in a task and cancels every pending one when the stream ends,
@@ -66,6 +68,8 @@ def take_ecq_publishes() -> None:
             return no_op()
         if packet.qos == QOS_1:
             return _route_qos1(handler, packet, plugin.hold_acknowledgement(handler))
+        if packet.qos == QOS_2 and packet.packet_id is not None:
+            return _route_qos2(handler, packet, plugin.hold_acknowledgement(handler))
         return original(handler, packet)
 
     BrokerProtocolHandler.handle_publish = handle_publish
@@ -74,7 +78,8 @@ def take_ecq_publishes() -> None:
 async def _route_qos1(handler: BrokerProtocolHandler, packet: PublishPacket,
                       acknowledged: Callable[[Callable[[], None] | None], None]) -> None:
     """amqtt's incoming QoS 1 flow (``_handle_qos1_message_flow``: the message to the broker's delivery queue,
-    then PUBACK), with the PUBACK handed to ``acknowledged`` to leave in arrival order."""
+    then PUBACK), with the PUBACK handed to ``acknowledged`` to leave in arrival order (on an MQTT 5 connection it
+    ends the PUBLISH's count against the server's Receive Maximum, ``acknowledge_soon``)."""
     message = IncomingApplicationMessage(packet.packet_id, packet.topic_name, QOS_1, packet.data, packet.retain_flag)
     message.publish_packet = packet
     try:
@@ -82,7 +87,30 @@ async def _route_qos1(handler: BrokerProtocolHandler, packet: PublishPacket,
     except BaseException:
         acknowledged(None)
         raise
-    acknowledged(functools.partial(send_soon, handler, _ACK.pack(0x40, 2, packet.packet_id)))
+    acknowledged(functools.partial(acknowledge_soon, handler, QOS_1, packet.packet_id))
+
+
+async def _route_qos2(handler: BrokerProtocolHandler, packet: PublishPacket,
+                      acknowledged: Callable[[Callable[[], None] | None], None]) -> None:
+    """amqtt's incoming QoS 2 flow (``_handle_qos2_message_flow``: the message kept in ``inflight_in``, PUBREC, then
+    on PUBREL the message to the broker's delivery queue and PUBCOMP), with the PUBREC handed to ``acknowledged`` to
+    leave in arrival order. As in amqtt's flow, a retransmit before the PUBREL replaces the earlier one's wait. On an
+    MQTT 5 connection the PUBCOMP ends the PUBLISH's count against the server's Receive Maximum."""
+    packet_id = packet.packet_id
+    message = IncomingApplicationMessage(packet_id, packet.topic_name, QOS_2, packet.data, packet.retain_flag)
+    message.publish_packet = packet
+    handler.session.inflight_in[packet_id] = message
+    if (earlier := handler._pubrel_waiters.get(packet_id)) is not None:
+        earlier.cancel()
+    pubrel = handler._pubrel_waiters[packet_id] = asyncio.get_running_loop().create_future()
+    acknowledged(functools.partial(acknowledge_soon, handler, QOS_2, packet_id))
+    message.pubrel_packet = await pubrel
+    del handler._pubrel_waiters[packet_id]
+    await handler.session.delivered_message_queue.put(message)
+    handler.session.inflight_in.pop(packet_id, None)
+    message.pubcomp_packet = PubcompPacket.build(packet_id)
+    release_inbound(handler, packet_id)
+    send_soon(handler, _ACK.pack(0x70, 2, packet_id))
 
 
 async def no_op() -> None:

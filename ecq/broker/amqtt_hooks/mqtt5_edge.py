@@ -38,6 +38,7 @@ from ecq.broker.amqtt_hooks.mqtt5_messages import publish_bytes
 from ecq.broker.amqtt_hooks.mqtt5_packets import (BAD_AUTHENTICATION_METHOD, MALFORMED_PACKET, PACKET_TOO_LARGE,
                                                   MalformedPacket, Mqtt5Context, context_of, decode, remaining_length,
                                                   set_context)
+from ecq.broker.amqtt_hooks.mqtt5_properties import PropertyBounds
 from ecq.broker.amqtt_hooks.mqtt5_sessions import connack_properties, session_options
 from ecq.broker.amqtt_hooks.target import find_target
 
@@ -116,7 +117,9 @@ def translate_level_5_connects() -> None:
             return await original(reader, writer, plugins_manager, loop)
         settings = find_target(plugins_manager).settings
         context = Mqtt5Context(server_receive_maximum=settings.receive_maximum,
-                               server_topic_alias_maximum=settings.topic_alias_maximum)
+                               server_topic_alias_maximum=settings.topic_alias_maximum,
+                               property_bounds=PropertyBounds(settings.max_properties_bytes,
+                                                              settings.max_user_properties))
         try:
             async with asyncio.timeout(connection.connect_timeout_s):
                 peeked, level = await _peek_level(reader)
@@ -176,8 +179,9 @@ async def _read_v5_connect(reader: ReaderAdapter, writer: WriterAdapter, peeked:
     """The rest of a level 5 CONNECT read and decoded (its fixed header checked before its body is read, as
     ``bad_clients.check_fixed_headers`` does for 3.1.1); the options ECQ keeps go to ``context``. A refusal is
     answered with its CONNACK and raises AMQTTError: a packet above ``max_packet_bytes`` (0x95), one that does not
-    decode (0x81, MQTT 5.0 section 4.13), an Authentication Method (0x8C: ECQ has no enhanced authentication,
-    section 4.12)."""
+    decode (0x81 Malformed Packet, 0x82 Protocol Error, 0x95 for properties beyond the broker's bounds:
+    ``MalformedPacket.code``, MQTT 5.0 section 4.13) or holds U+0000 in a string amqtt reads (0x81), an
+    Authentication Method (0x8C: ECQ has no enhanced authentication, section 4.12)."""
     remaining, shift, index = 0, 0, 1
     while True:
         remaining |= (peeked[index] & 0x7F) << shift
@@ -195,11 +199,14 @@ async def _read_v5_connect(reader: ReaderAdapter, writer: WriterAdapter, peeked:
     except asyncio.IncompleteReadError:
         raise AMQTTError(f"end of stream inside the CONNECT of {connection.peer}") from None
     try:
-        connect = decode(peeked + rest)
+        connect = decode(peeked + rest, context.property_bounds)
     except MalformedPacket as exc:
-        await _refuse_connect(writer, MALFORMED_PACKET, f"MQTT 5 CONNECT that does not decode ({exc})", reader)
+        await _refuse_connect(writer, exc.code, f"MQTT 5 CONNECT that does not decode ({exc})", reader)
     if not isinstance(connect, mqtt5.ConnectPacket):
         await _refuse_connect(writer, MALFORMED_PACKET, "MQTT 5 CONNECT that decodes as another packet", reader)
+    if (what := _string_with_nul(connect)) is not None:
+        await _refuse_connect(writer, MALFORMED_PACKET, f"MQTT 5 CONNECT {what} contains U+0000 [MQTT-1.5.4-2]",
+                              reader)
     if connect.authentication_method is not None:
         await _refuse_connect(writer, BAD_AUTHENTICATION_METHOD,
                               f"MQTT 5 CONNECT with Authentication Method {connect.authentication_method!r}", None)
@@ -209,6 +216,16 @@ async def _read_v5_connect(reader: ReaderAdapter, writer: WriterAdapter, peeked:
     context.topic_alias_maximum = connect.topic_alias_max
     context.server_maximum_packet_size = connection.max_packet_bytes
     return connect
+
+
+def _string_with_nul(connect: Any) -> str | None:
+    """What in a v5 CONNECT holds U+0000 (its client id, Will topic or user name), None when none does: a Malformed
+    Packet (MQTT 5.0 section 1.5.4, MQTT-1.5.4-2) that the mqtt5 codec lets through."""
+    will_topic = connect.will.topic if connect.will is not None else None
+    for what, text in (("client id", connect.client_id), ("Will topic", will_topic), ("user name", connect.username)):
+        if text and "\x00" in text:
+            return what
+    return None
 
 
 async def _refuse_connect(writer: WriterAdapter, code: int, reason: str, reader: ReaderAdapter | None) -> None:
@@ -316,7 +333,8 @@ def _connack(context: Mqtt5Context, session_present: int, return_code: int) -> b
 def _suback(handler: BrokerProtocolHandler, context: Mqtt5Context, packet_id: int, granted: list[int]) -> bytes:
     """The v5 SUBACK of amqtt's (MQTT 5.0 section 3.9.3): the filters ECQ refused itself get their codes back in
     place (``context.subscribes``); amqtt's 0x80 becomes the code ECQ chose for that filter (0x87 for another
-    client's queue), else 0x80 Unspecified error."""
+    client's queue), else 0x80 Unspecified error; with the Reason String ECQ kept for it
+    (``context.subscribe_reasons``) when the packet still fits the client's Maximum Packet Size."""
     decided = context.subscribes.pop(packet_id, None) or [(True, UNSPECIFIED_ERROR)] * len(granted)
     amqtt_codes = iter(granted)
     codes = []
@@ -326,4 +344,9 @@ def _suback(handler: BrokerProtocolHandler, context: Mqtt5Context, packet_id: in
             continue
         answer = next(amqtt_codes, UNSPECIFIED_ERROR)
         codes.append(answer if answer < UNSPECIFIED_ERROR else code)
-    return mqtt5.SubAckPacket(packet_id, [mqtt5.SubAckReasonCode(code) for code in codes]).write()
+    reason_codes = [mqtt5.SubAckReasonCode(code) for code in codes]
+    if (reason := context.subscribe_reasons.pop(packet_id, None)) is not None:
+        packet = mqtt5.SubAckPacket(packet_id, reason_codes, reason_str=reason).write()
+        if context.fits(packet):
+            return packet
+    return mqtt5.SubAckPacket(packet_id, reason_codes).write()

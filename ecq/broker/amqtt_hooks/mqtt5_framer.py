@@ -17,8 +17,10 @@ equivalent 3.1.1 packet, which amqtt's decoders (and ``bad_clients``' checks) re
 - AUTH: DISCONNECT 0x82 Protocol Error, then close (no CONNECT had an Authentication Method, which ECQ refuses
   with CONNACK 0x8C; section 4.12: an AUTH without one is a Protocol Error; 0x8C is no DISCONNECT reason code);
 - a packet that does not decode, or breaks a rule of ``bad_clients``: DISCONNECT 0x81 (0x95 for one above
-  ``max_packet_bytes``, 0x94 for a Topic Alias of 0), then close (section 4.13), after a linger that lets the
-  client read it (:meth:`_linger`).
+  ``max_packet_bytes``, 0x94 for a Topic Alias of 0, 0x82 for what MQTT 5.0 calls a Protocol Error: a property
+  given twice, a Subscription Identifier of 0, ..., ``mqtt5_packets.MalformedPacket``; 0x95 for properties beyond
+  ``max_properties_bytes`` or ``max_user_properties``, ``mqtt5_properties``), then close (section 4.13), after a
+  linger that lets the client read it (:meth:`_linger`).
 
 :func:`read_mqtt5_with_the_framer` picks this reader for every v5 connection, over TCP or WebSocket, whatever
 ``fast_path`` says: amqtt's own reader reads 3.1.1 only.
@@ -55,7 +57,6 @@ from ecq.queue.topics import is_ecq_topic, queue_filter
 
 _ACKS = (PUBACK, PUBREC, PUBREL, PUBCOMP)
 _WITH_WILL = 0x04
-_ALIAS_ZERO = "Topic alias must be != 0"  # mqtt5 0.8.0's error for a Topic Alias of 0, which it does not decode
 LINGER_S = 2.0  # how long a connection refused with DISCONNECT waits for the client to close (see _linger)
 LINGER_IDLE_S = 0.2  # ... or for the client to stop sending
 _lingering: set[asyncio.Task] = set()  # the tasks of _linger, kept from the garbage collector
@@ -145,24 +146,26 @@ class Mqtt5Framer(Framer):
         tell(self._handler, code)
 
     def _decode(self, first: int, body: bytes) -> Any:
-        """The mqtt5 packet of a fixed header's first byte and ``body``; ProtocolViolation when it is malformed."""
+        """The mqtt5 packet of a fixed header's first byte and ``body``; ProtocolViolation after DISCONNECT with the
+        code of what is wrong with it (``MalformedPacket.code``: 0x81, 0x82 Protocol Error, 0x94, 0x95 for properties
+        beyond the broker's bounds)."""
         try:
-            return decode(bytes((first,)) + remaining_length(len(body)) + body)
+            return decode(bytes((first,)) + remaining_length(len(body)) + body, self._context.property_bounds)
         except MalformedPacket as exc:
-            if _ALIAS_ZERO in str(exc):  # MQTT 5.0 section 3.3.2.3.4: 0x94 Topic Alias invalid, not Malformed Packet
-                self._refuse(TOPIC_ALIAS_INVALID)
+            self._refuse(exc.code)
             raise violation(self._packets, f"MQTT 5 packet that does not decode ({exc})") from None
 
     def _take_ecq_publish(self, data: bytes, first: int, body: int, end: int) -> bool:
         """Take a v5 PUBLISH under ``$ECQ/`` (as Framer does), with its Message Expiry Interval, which is stored with
         the entry (MQTT 5.0 section 3.3.2.3.3); any other is kept for :meth:`_hand_to_amqtt` (False).
-        Raises ProtocolViolation: malformed, a bad Topic Alias (:meth:`_topic_of`), bad_clients' PUBLISH rules
-        (topic length, UTF-8, NUL, wildcards, packet id 0)."""
+        Raises ProtocolViolation: malformed, a bad Topic Alias (:meth:`_topic_of`), a Subscription Identifier,
+        bad_clients' PUBLISH rules (topic length, UTF-8, NUL, wildcards, packet id 0)."""
         self._check_topic(data, first, body, end)
         packet = self._decode(first, data[body:end])
         topic, qos = self._topic_of(packet), int(packet.qos)
-        if "\x00" in topic:
-            raise violation(self._packets, "PUBLISH topic with U+0000 [MQTT-1.5.4-2]")
+        if packet.subscription_ids:
+            self._refuse(PROTOCOL_ERROR)
+            raise violation(self._packets, "PUBLISH from a client with a Subscription Identifier [MQTT-3.3.4-6]")
         if (reason := publish_violation(topic, packet.packet_id)) is not None:
             self._refuse(PROTOCOL_ERROR)
             raise violation(self._packets, reason)
@@ -201,8 +204,8 @@ class Mqtt5Framer(Framer):
 
     def _check_topic(self, data: bytes, first: int, body: int, end: int) -> None:
         """bad_clients' rules on a PUBLISH's topic before the codec reads it (the topic comes first in both versions,
-        MQTT 5.0 section 3.3.2.1): a topic running past the packet, ill-formed UTF-8 (on which mqtt5 0.8.0 panics).
-        Raises ProtocolViolation."""
+        MQTT 5.0 section 3.3.2.1): a topic running past the packet, ill-formed UTF-8 (on which mqtt5 0.8.0 panics),
+        U+0000 (section 1.5.4). Raises ProtocolViolation."""
         topic_end = self._topic_end(data, first >> 1 & 0x03, body, end)
         utf8_or_violation(self._packets, data[body + 2:topic_end], "PUBLISH topic")
 
@@ -247,9 +250,10 @@ class Mqtt5Framer(Framer):
 
     async def _subscribe(self, packet: Any) -> None:
         """A v5 SUBSCRIBE: the filters amqtt can carry go to it as a 3.1.1 SUBSCRIBE, their options and
-        Subscription Identifier kept for the deliveries (``mqtt5_routing``); the others are refused in the SUBACK
-        (MQTT 5.0 section 3.9.3), sent at once when no filter is left for amqtt."""
-        decided, kept = [], []
+        Subscription Identifier kept for the deliveries (``mqtt5_routing``), with why ECQ refuses an ``$ECQ/`` one
+        for the SUBACK's Reason String, unless the client asked for no problem information (section 3.9.2.1.2); the
+        others are refused in the SUBACK (MQTT 5.0 section 3.9.3), sent at once when no filter is left for amqtt."""
+        decided, kept, reasons = [], [], []
         for topic_filter in packet.topic_filters:
             if topic_filter.no_local and topic_filter.pattern.startswith("$share/"):
                 self._refuse(PROTOCOL_ERROR)
@@ -263,11 +267,16 @@ class Mqtt5Framer(Framer):
             own = topic_filter.pattern == queue_filter(client_id(self._handler) or "")
             foreign_queue = is_ecq_topic(topic_filter.pattern) and not own
             decided.append((True, NOT_AUTHORIZED if foreign_queue else UNSPECIFIED_ERROR))
+            if is_ecq_topic(topic_filter.pattern) and (reason := self._plugin.subscription_refusal(
+                    client_id(self._handler) or "", topic_filter.pattern, int(topic_filter.max_qos))):
+                reasons.append(reason)
         if not kept:
             codes = [mqtt5.SubAckReasonCode(code) for _, code in decided]
             send_soon(self._handler, mqtt5.SubAckPacket(packet.packet_id, codes).write())
             return
         self._context.subscribes[packet.packet_id] = decided
+        if reasons and self._context.problem_information:
+            self._context.subscribe_reasons[packet.packet_id] = "; ".join(reasons)
         await super()._hand_to_amqtt(0x82, packet.packet_id.to_bytes(2, "big") + b"".join(
             encode_data_with_length(f.pattern.encode()) + bytes((int(f.max_qos),)) for f in kept))
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import mqtt5
 
+from ecq.broker.amqtt_hooks.mqtt5_properties import PropertyBounds
 from ecq.queue.clock import now_ms
 from ecq.queue.refusal_codes import write_refusal_code
 
@@ -28,8 +29,33 @@ _PUBLISH_ACK_CODES = {1: mqtt5.PubAckReasonCode, 2: mqtt5.PubRecReasonCode}
 _CONTEXT = "_ecq_mqtt5"  # the attribute of amqtt's handler that holds the context
 
 
+# what the mqtt5 0.8.0 codec refuses to decode that MQTT 5.0 does not call a Malformed Packet: the start of its
+# error -> the reason code of the CONNACK or DISCONNECT that answers it (section 4.13)
+_DECODE_ERROR_CODES = {
+    "Duplicate value for unique property type": PROTOCOL_ERROR,  # every property but User Property at most once
+    "Receive maximum must be != 0": PROTOCOL_ERROR,  # section 3.1.2.11.3
+    "Maximum packet size must be != 0": PROTOCOL_ERROR,  # section 3.1.2.11.4
+    "Subscription ID must be != 0": PROTOCOL_ERROR,  # section 3.8.2.1.2
+    "Invalid boolean": PROTOCOL_ERROR,  # Request Problem / Response Information other than 0 or 1, 3.1.2.11.6-7
+    "Invalid RetainHandling value": PROTOCOL_ERROR,  # Retain Handling 3, section 3.8.3.1
+    "Topic alias must be set if topic is empty": PROTOCOL_ERROR,  # section 3.3.2.3.4
+    "Topic alias must be != 0": TOPIC_ALIAS_INVALID,  # section 3.3.2.3.4
+    # a property the packet may not carry (a Topic Alias in CONNECT): Mosquitto answers Protocol Error, as ECQ
+    # does; section 2.2.2.2 calls it malformed, and 0x82 still tells the client its packet was refused
+    "Invalid property type": PROTOCOL_ERROR,
+}
+
+
 class MalformedPacket(ValueError):
-    """Bytes the ``mqtt5`` codec cannot decode as one MQTT 5.0 packet (MQTT 5.0 section 4.13: Malformed Packet)."""
+    """Bytes the ``mqtt5`` codec cannot decode as one MQTT 5.0 packet; ``code`` is the reason code that answers
+    them (MQTT 5.0 section 4.13): 0x81 Malformed Packet, or 0x82 Protocol Error (a property given twice, a value 0
+    or 2 where the spec calls it a Protocol Error, a property the packet may not carry), 0x94 for a Topic Alias
+    of 0, 0x95 Packet too large for properties beyond the broker's bounds (``mqtt5_properties``)."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code or next((code for start, code in _DECODE_ERROR_CODES.items() if message.startswith(start)),
+                                 MALFORMED_PACKET)
 
 
 @dataclass
@@ -44,14 +70,16 @@ class Mqtt5Context:
     Keep Alive, Will); ``server_maximum_packet_size``: the broker's ``max_packet_bytes``, announced in CONNACK.
     ``subscribes``: per SUBSCRIBE packet id, one ``(handed to amqtt, code)`` per filter until amqtt's SUBACK:
     a filter ECQ refused itself with ``code``, or one amqtt answers whose refusal (0x80) becomes ``code``;
-    ``unsubscribes``: the UNSUBACK reason codes of each UNSUBSCRIBE until its UNSUBACK.
+    ``unsubscribes``: the UNSUBACK reason codes of each UNSUBSCRIBE until its UNSUBACK; ``subscribe_reasons``: per
+    SUBSCRIBE packet id, the Reason String of its SUBACK (why ECQ refuses its ``$ECQ/`` filters) until the SUBACK.
     ``topic_alias_maximum``: the aliases the client takes (section 3.1.2.11.5); ``aliases_out``: topic -> the
     alias ECQ gave it on this connection; ``aliases_in``: alias -> topic the client set (at most
     ``server_topic_alias_maximum``, the broker's ``topic_alias_maximum`` told in CONNACK, section 3.3.2.3.4).
     ``send_window``: bounds the QoS 1/2 PUBLISHes of ordinary topics in flight to ``receive_maximum``. ``retained_wanted``: per filter of the SUBSCRIBE being handled,
     whether its Retain Handling sends the retained messages. ``inbound``: the packet ids of the client's QoS 1/2
     PUBLISHes not yet acknowledged (PUBACK, PUBCOMP, or a PUBREC refusal), at most ``server_receive_maximum``
-    (the broker's ``receive_maximum``, told in CONNACK, section 3.2.2.3.3).
+    (the broker's ``receive_maximum``, told in CONNACK, section 3.2.2.3.3). ``property_bounds``: what one packet's
+    properties may cost (the broker's ``max_properties_bytes`` and ``max_user_properties``), None for no bound.
     """
 
     receive_maximum: int = 65535
@@ -63,6 +91,7 @@ class Mqtt5Context:
     server_maximum_packet_size: int | None = None
     subscribes: dict[int, list[tuple[bool, int]]] = field(default_factory=dict)
     unsubscribes: dict[int, list[int]] = field(default_factory=dict)
+    subscribe_reasons: dict[int, str] = field(default_factory=dict)
     topic_alias_maximum: int = 0
     aliases_out: dict[str, int] = field(default_factory=dict)
     aliases_in: dict[int, str] = field(default_factory=dict)
@@ -71,6 +100,7 @@ class Mqtt5Context:
     inbound: set[int] = field(default_factory=set)
     server_receive_maximum: int = 65535
     server_topic_alias_maximum: int = 0
+    property_bounds: PropertyBounds | None = None
 
     def fits(self, packet: bytes) -> bool:
         """True when ``packet`` is within the client's Maximum Packet Size (MQTT 5.0 section 3.1.2.11.4)."""
@@ -112,11 +142,14 @@ def set_context(handler: Any, context: Mqtt5Context) -> None:
     setattr(handler, _CONTEXT, context)
 
 
-def decode(packet: bytes | memoryview) -> Any:
+def decode(packet: bytes | memoryview, bounds: PropertyBounds | None = None) -> Any:
     """One whole MQTT 5.0 packet (fixed header included) decoded by ``mqtt5.read``; returns the mqtt5 packet
     object. Raises MalformedPacket for bytes that do not decode or leave bytes over, including the
-    ``pyo3_runtime.PanicException`` (a BaseException) mqtt5 0.8.0 raises for ill-formed UTF-8 (section 1.5.4)."""
+    ``pyo3_runtime.PanicException`` (a BaseException) mqtt5 0.8.0 raises for ill-formed UTF-8 (section 1.5.4), and
+    (code 0x95) for properties beyond ``bounds``: their bytes are checked before they are decoded."""
     view = memoryview(packet)
+    if bounds is not None and (reason := bounds.bytes_violation(view)) is not None:
+        raise MalformedPacket(reason, PACKET_TOO_LARGE)
     try:
         decoded, used = mqtt5.read(view)
     except Exception as exc:
@@ -127,6 +160,8 @@ def decode(packet: bytes | memoryview) -> Any:
         raise MalformedPacket("a string that is not well-formed UTF-8 [MQTT-1.5.4-1]") from None
     if used != len(view):
         raise MalformedPacket(f"{len(view) - used} bytes left over after the packet")
+    if bounds is not None and (reason := bounds.count_violation(decoded)) is not None:
+        raise MalformedPacket(reason, PACKET_TOO_LARGE)
     return decoded
 
 

@@ -37,8 +37,8 @@ class EcqHooksTarget(Protocol):
         3.3.2.3.3)."""
 
     def hold_acknowledgement(self, handler: BrokerProtocolHandler) -> Callable[[Callable[[], None] | None], None]:
-        """A place in the connection's arrival order for a plain QoS 1 PUBLISH; the returned function takes what
-        sends its PUBACK (None: nothing) once the message was routed."""
+        """A place in the connection's arrival order for a plain QoS 1 or 2 PUBLISH; the returned function takes what
+        sends its PUBACK or PUBREC (None: nothing)."""
 
     def count_fast_path(self, publishes: int, pubacks: int) -> None:
         """Count packets the framer took on its fast path (``$ECQ/`` PUBLISHes, PUBACKs of ECQ deliveries)."""
@@ -48,6 +48,9 @@ class EcqHooksTarget(Protocol):
 
     def grant_subscription(self, clientid: str, topic_filter: str, qos: int) -> int | None:
         """QoS to grant for a SUBSCRIBE to an ``$ECQ/`` filter, or None to refuse it (SUBACK 0x80)."""
+
+    def subscription_refusal(self, clientid: str, topic_filter: str, qos: int) -> str | None:
+        """Why :meth:`grant_subscription` refuses that SUBSCRIBE (an MQTT 5 SUBACK's Reason String), or None."""
 
     def will_refusal(self, session: Session) -> str | None:
         """Why a CONNECT carrying a Will must be refused with CONNACK 0x05, or None to accept it."""
