@@ -75,6 +75,19 @@ def test_an_entry_above_the_maximum_packet_size_is_skipped_counted_and_kept_for_
     assert queue_info(broker, "small")["pending"] == 0
 
 
+def test_a_skipped_entry_replaced_by_a_newer_value_of_its_key_holds_the_acked_position_back_no_more(broker):
+    consumer, _connack = connect5(broker.port, "gap", max_packet_size=200)
+    subscribe(consumer, "$ECQ/gap/#")
+    write(broker.port, "gap", ("k", b"x" * 600))
+    assert wait_until(lambda: scrape(broker)[SKIPPED] == 1, WAIT_S)
+    write(broker.port, "gap", ("k", b"small"))  # compaction deletes the skipped entry
+    [(newer, _size)] = deliveries5(consumer, 1)
+    assert (newer.payload, seqno(newer)) == (b"small", 2)
+    consumer.send(mqtt5.PubAckPacket(newer.packet_id).write())
+    assert wait_until(lambda: queue_info(broker, "gap")["acked"] == 2, WAIT_S), queue_info(broker, "gap")
+    assert queue_info(broker, "gap")["skipped_too_large"] == 0
+
+
 def test_deliveries_carry_the_subscription_identifier_of_the_queue_subscription(broker):
     write(broker.port, "sid", ("k1", b"1"))
     consumer = V5Client(broker.port, "sid")
