@@ -1,5 +1,5 @@
 """Queue deliveries as the consumer's connection sees them (issue 31), over TCP against real ``ecq broker`` processes,
-read with raw sockets and paho: an entry above an MQTT 5 consumer's Maximum Packet Size is skipped for that
+read with raw sockets and paho (the Maximum Packet Size on both storage backends): an entry above an MQTT 5 consumer's Maximum Packet Size is skipped for that
 connection, counted, shown by the admin API, and delivered to a later connection that takes it (MQTT-3.1.2-24); the
 Subscription Identifier of ``$ECQ/<clientid>/#`` on each delivery (MQTT-3.3.4-3); the entries left unacked when a
 persistent session's connection dropped come again with DUP=1 and their first packet ids (MQTT-4.4.0-1), and with
@@ -47,7 +47,9 @@ def seqno(publish: mqtt5.PublishPacket) -> int:
     return int(dict(publish.user_properties)["ecq-seqno"])
 
 
-def test_an_entry_above_the_maximum_packet_size_is_skipped_counted_and_kept_for_a_connection_that_takes_it(broker):
+def test_an_entry_above_the_maximum_packet_size_is_skipped_counted_and_kept_for_a_connection_that_takes_it(
+        backend_broker):
+    broker = backend_broker()
     write(broker.port, "small", ("k1", b"a"), ("big", b"x" * 600), ("k3", b"c"))
     consumer, _connack = connect5(broker.port, "small", max_packet_size=200)
     subscribe(consumer, "$ECQ/small/#")
@@ -57,12 +59,12 @@ def test_an_entry_above_the_maximum_packet_size_is_skipped_counted_and_kept_for_
     consumer.send(*(mqtt5.PubAckPacket(p.packet_id).write() for p, _size in sent))
     assert wait_until(lambda: queue_info(broker, "small")["skipped_too_large"] == 1, WAIT_S)
     assert wait_until(lambda: queue_info(broker, "small")["pending"] == 1, WAIT_S)  # k1 and k3 acked, big kept
-    assert scrape(broker)[SKIPPED] == 1
+    assert scrape(broker).get(SKIPPED) == 1
     consumer.close()
 
     again, _connack = connect5(broker.port, "small", max_packet_size=200)  # acked entries do not come again
     subscribe(again, "$ECQ/small/#")
-    assert wait_until(lambda: scrape(broker)[SKIPPED] == 2, WAIT_S)
+    assert wait_until(lambda: scrape(broker).get(SKIPPED) == 2, WAIT_S)
     assert again.available(0.5) == []
     again.close()
 
@@ -75,11 +77,12 @@ def test_an_entry_above_the_maximum_packet_size_is_skipped_counted_and_kept_for_
     assert queue_info(broker, "small")["pending"] == 0
 
 
-def test_a_skipped_entry_replaced_by_a_newer_value_of_its_key_holds_the_acked_position_back_no_more(broker):
+def test_a_skipped_entry_replaced_by_a_newer_value_of_its_key_holds_the_acked_position_back_no_more(backend_broker):
+    broker = backend_broker()
     consumer, _connack = connect5(broker.port, "gap", max_packet_size=200)
     subscribe(consumer, "$ECQ/gap/#")
     write(broker.port, "gap", ("k", b"x" * 600))
-    assert wait_until(lambda: scrape(broker)[SKIPPED] == 1, WAIT_S)
+    assert wait_until(lambda: scrape(broker).get(SKIPPED) == 1, WAIT_S)
     write(broker.port, "gap", ("k", b"small"))  # compaction deletes the skipped entry
     [(newer, _size)] = deliveries5(consumer, 1)
     assert (newer.payload, seqno(newer)) == (b"small", 2)
