@@ -1,9 +1,9 @@
 """Queue deliveries as the consumer's connection sees them (issue 31), over TCP against real ``ecq broker`` processes,
-read with raw sockets and paho (the Maximum Packet Size on both storage backends): an entry above an MQTT 5 consumer's Maximum Packet Size is skipped for that
-connection, counted, shown by the admin API, and delivered to a later connection that takes it (MQTT-3.1.2-24); the
-Subscription Identifier of ``$ECQ/<clientid>/#`` on each delivery (MQTT-3.3.4-3); the entries left unacked when a
-persistent session's connection dropped come again with DUP=1 and their first packet ids (MQTT-4.4.0-1), and with
-DUP=1 after a broker restart."""
+read with raw sockets and paho: an entry above an MQTT 5 consumer's Maximum Packet Size is skipped for that
+connection, counted, shown by the admin API, and delivered to a later connection that takes it (MQTT-3.1.2-24, on
+both storage backends); the Subscription Identifier of ``$ECQ/<clientid>/#`` on each delivery (MQTT-3.3.4-3); the
+entries left unacked when a persistent session's connection dropped come again with DUP=1 and their first packet
+ids (MQTT-4.4.0-1), and with DUP=1 after a broker restart."""
 
 from __future__ import annotations
 
