@@ -40,8 +40,8 @@ class FakeConnection:
 
 
 async def publish(connection: FakeConnection, topic: str, payload: bytes, seqno: int | None = None,
-                  ts_ms: int | None = None, expires_ms: int = 0) -> None:
-    """The ``publish`` coroutine function the engine and Consumer take (seqno, ts_ms and expires_ms are not
+                  ts_ms: int | None = None, expires_ms: int = 0, dup: bool = False) -> None:
+    """The ``publish`` coroutine function the engine and Consumer take (seqno, ts_ms, expires_ms and dup are not
     recorded)."""
     await connection.publish(topic, payload)
 

@@ -100,6 +100,9 @@ class QueueEvents:
         """A ``rewound`` event: ``seqno`` is the new acked seqno, ``reason`` the point as asked."""
         self.recorder.record("rewound", ts_ms=now_ms(), clientid=clientid, seqno=acked, reason=str(point))
 
+    def skipped(self, clientid: str, message: Message, reason: str) -> None:
+        """Not an event (the entry is delivered later, or never: the ``delivered`` events tell)."""
+
     def store_error(self, op: str, exc: Exception) -> None:
         """Not an event."""
 

@@ -116,4 +116,5 @@ class QueueSessions:
         # checked after the engine loaded the ack state: an UNSUBSCRIBE, disconnect or takeover may have happened
         await self._engine.attach(clientid, connection, lambda: (
             hooks.connection_is_open(connection) and connection is hooks.live_connection(self._context, clientid)
-            and self._holds_queue_subscription(clientid)), hooks.receive_maximum(connection))
+            and self._holds_queue_subscription(clientid)), hooks.receive_maximum(connection),
+            hooks.delivery_fits(connection))

@@ -175,7 +175,8 @@ def render_queue(d: dict[str, Any]) -> str:
                       f"last seqno:  {d['last_seqno']}", f"stored:      {d['stored']}",
                       f"pending:     {d['pending']} ({d['pending_bytes']} bytes, oldest "
                       f"{_age(d['oldest_pending_age_s'])})", f"inflight:    {d['inflight']}",
-                      f"online:      {'yes' if d['online'] else 'no'}"])
+                      f"online:      {'yes' if d['online'] else 'no'}",
+                      f"skipped:     {d['skipped_too_large']} (too large for the consumer's connection)"])
 
 
 def render_top(d: dict[str, Any]) -> str:

@@ -36,6 +36,9 @@ class EcqMetrics:
         self.redeliveries = Counter("ecq_redeliveries", "QoS 1 PUBLISHes sent again after the consumer reconnected",
                                     registry=r)
         self.acks = Counter("ecq_acks", "PUBACKs received from consumers", registry=r)
+        self.deliveries_skipped = Counter("ecq_deliveries_skipped", "queue entries not sent to a consumer's "
+                                          "connection and left pending, by reason (packet_too_large: above its "
+                                          "MQTT 5 Maximum Packet Size)", ["reason"], registry=r)
         self.session_dropped = Counter(
             "ecq_session_dropped", "messages of ordinary topics dropped from a persistent session: queue_full "
             "(session_max_queued), inflight_full (session_max_inflight)", ["reason"], registry=r)
@@ -189,6 +192,10 @@ class MetricsObserver:
         """Count a PUBACK and observe its round trip."""
         self._m.acks.inc()
         self._m.delivery_latency.observe(time.monotonic() - sent_monotonic)
+
+    def skipped(self, clientid: str, message: Message, reason: str) -> None:
+        """Count an entry skipped for a consumer's connection."""
+        self._m.deliveries_skipped.labels(reason).inc()
 
     def store_error(self, op: str, exc: Exception) -> None:
         """Count a failed store read or write."""

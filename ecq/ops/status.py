@@ -36,7 +36,8 @@ def queue_info(store: QueueStore, clientid: str, consumer: ConsumerSnapshot | No
 
     Keys: clientid, acked, last_ack_ts, last_seqno, range, stored, pending (stored and not acked),
     pending_bytes (their payload bytes), oldest_pending_age_s (seconds since the oldest of them was published,
-    null when none), inflight, online. Reads the whole queue: O(stored entries).
+    null when none), inflight, online, skipped_too_large (entries skipped as too large for the consumer's
+    connection, see ecq.queue.delivery). Reads the whole queue: O(stored entries).
     """
     state = consumer.ack_state() if consumer else store.ack_state(clientid)
     last_seqno = store.last_seqno(clientid)
@@ -57,6 +58,7 @@ def queue_info(store: QueueStore, clientid: str, consumer: ConsumerSnapshot | No
         "oldest_pending_age_s": round((now_ms() - min(m.ts_ms for m in pending)) / 1000, 3) if pending else None,
         "inflight": consumer.inflight if consumer else 0,
         "online": bool(consumer and consumer.online),
+        "skipped_too_large": consumer.skipped if consumer else 0,
     }
 
 

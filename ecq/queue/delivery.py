@@ -27,6 +27,19 @@ its ack is committed: an Expire op with reason ``tombstone_acked`` through the q
 
 A rewind (:meth:`Consumer.rewind`) sets ``acked`` to a chosen seqno and forgets everything in flight; its
 save queues behind the consumer's own save, so a late ack save cannot overwrite it.
+
+An entry whose PUBLISH would exceed what the attached connection takes (an MQTT 5 consumer's Maximum Packet Size,
+MQTT 5.0 section 3.1.2.11.4, MQTT-3.1.2-24: the ``fits`` given to :meth:`Consumer.attach`) is skipped for that
+connection: not sent, not acked, counted (:meth:`DeliveryObserver.skipped`). It stays in ``_handed`` as a gap that
+``acked`` does not pass, so the entries after it are acked out of order (``above``) and never sent again, while it
+stays pending in the store: the next connection reads from ``acked`` and gets it if its maximum is larger. The gap
+closes when compaction or GC deletes the entry (:meth:`Consumer.appended`, :meth:`Consumer.forget`). While it
+stays, ``above`` grows by one seqno per entry acked after it.
+
+A send again carries ``dup`` (MQTT 3.1.1 section 4.4, MQTT-4.4.0-1: DUP=1 "might be re-delivery"): an entry this
+consumer sent before, and up to one window of entries a consumer it does not know of may have sent without their
+PUBACK (before a broker restart, on another cluster node; :meth:`Consumer._maybe_sent_before`): which entries were
+sent is not stored.
 """
 
 from __future__ import annotations
@@ -50,8 +63,12 @@ _UNKNOWN = 2**64  # above every seqno: "the stored tail is not known"
 SAVE_RETRY_S = 1.0  # after a failed ack-state save (disk full, I/O error), try again this much later
 
 # publish(connection, topic, payload, seqno, ts_ms, expires_ms (publish and expiry time, Unix ms, expiry 0: none; for
-# MQTT 5's properties)) -> awaits the PUBACK; raises ConnectionError when the connection is gone.
-Publish = Callable[[Any, str, bytes, int, int, int], Awaitable[None]]
+# MQTT 5's properties), dup (True: a send again, DUP=1)) -> awaits the PUBACK; raises ConnectionError when the
+# connection is gone.
+Publish = Callable[[Any, str, bytes, int, int, int, bool], Awaitable[None]]
+# fits(topic, message) -> False when the PUBLISH of ``message`` would exceed what the connection takes (its size).
+Fits = Callable[[str, Message], bool]
+SKIPPED_TOO_LARGE = "packet_too_large"  # the reason of a skip: above the connection's Maximum Packet Size
 # read(func, *args) -> a future of the blocking store read func(*args), run off the event loop.
 Read = Callable[..., asyncio.Future]
 
@@ -65,13 +82,18 @@ class DeliveryObserver(Protocol):
     def acked(self, clientid: str, message: Message, sent_monotonic: float) -> None:
         """The PUBACK of ``message`` came; it was sent at ``sent_monotonic`` (time.monotonic seconds)."""
 
+    def skipped(self, clientid: str, message: Message, reason: str) -> None:
+        """``message`` was not sent to the attached connection, and stays pending; ``reason``: ``packet_too_large``."""
+
 
 class Consumer:
     """Delivery state of the queue of ``clientid``; at most one attached connection at a time."""
 
     def __init__(self, clientid: str, state: AckState, *, store: QueueStore, pool: WriterPool, publish: Publish,
                  observer: DeliveryObserver, read: Read, read_deadline: SharedDeadline, window: int,
-                 retention_s: float, tombstones: bool = False) -> None:
+                 retention_s: float, tombstones: bool = False, sent_before_ms: int = 0) -> None:
+        """``sent_before_ms``: entries stored at or before this time (Unix ms; 0: none) may have been sent by a
+        consumer of this queue that this one does not know of (see the module's docstring on ``dup``)."""
         self.clientid = clientid
         self.state = state
         self.connection: Any = None
@@ -98,16 +120,22 @@ class Consumer:
         self._unreadable = False            # a read found damaged data: delivery stops (StoreReadError)
         self._wake = asyncio.Event()
         self._pump_task: asyncio.Task | None = None
+        self._fits: Fits | None = None      # the attached connection's size bound (None: none)
+        self.skipped: dict[int, str] = {}   # seqno -> key of entries skipped for this connection: gaps in _handed
+        self._sent_before_ms = sent_before_ms
+        self._sent_before_left = window  # first sends that may still be sends again: at most a window was in flight
 
     @property
     def online(self) -> bool:
         """True while a connection is attached."""
         return self.connection is not None
 
-    def attach(self, connection: Any, receive_maximum: int | None = None) -> None:
+    def attach(self, connection: Any, receive_maximum: int | None = None, fits: Fits | None = None) -> None:
         """Start delivering to ``connection`` (detaching another one first), at most min(window, ``receive_maximum``)
-        in flight on it (MQTT 5.0 section 3.1.2.11.3; None: the window)."""
+        in flight on it (MQTT 5.0 section 3.1.2.11.3; None: the window); an entry ``fits`` refuses is skipped for
+        it (see the module's docstring; None: every entry fits)."""
         self._inflight_max = min(self._window, receive_maximum) if receive_maximum else self._window
+        self._fits = fits
         self._newest = self._told = _UNKNOWN  # appends made while detached were not told: read to a short read
         if connection is self.connection:
             self._sending = True
@@ -128,6 +156,7 @@ class Consumer:
         self.inflight.clear()
         self._handed.clear()
         self._ready.clear()
+        self.skipped.clear()
         self._read_cursor = self.state.acked
         self.connection, self._sending, self._unreadable = None, False, False
         self._pump_task = None
@@ -159,6 +188,7 @@ class Consumer:
         self.inflight.clear()
         self._handed.clear()
         self._ready.clear()
+        self.skipped.clear()
         self.attempts.clear()
         self.state = AckState(acked, self.state.last_ack_ms, set())
         self._read_cursor = acked
@@ -193,8 +223,9 @@ class Consumer:
 
     def forget(self, seqnos: set[int]) -> None:
         """Entries ``seqnos`` were deleted (purge, GC, quota eviction): drop them from the read-ahead so they are
-        not sent."""
+        not sent; an entry skipped for this connection no longer holds ``acked`` back."""
         self._ready = deque(m for m in self._ready if m.seqno not in seqnos)
+        self._close_gaps([seqno for seqno in self.skipped if seqno in seqnos])
 
     def appended(self, seqno: int, key: str, message: Message | None = None) -> None:
         """Message ``seqno`` was just committed to this queue under ``key``, replacing its older values
@@ -206,12 +237,22 @@ class Consumer:
         """
         if self._ready:
             self._ready = deque(m for m in self._ready if m.key != key or m.seqno >= seqno)
+        self._close_gaps([gap for gap, gap_key in self.skipped.items() if gap_key == key and gap < seqno])
         if message is not None and self._takes_from_commit(seqno):
             self._ready.append(message)
             self._read_cursor = seqno
         self._newest = max(self._newest, seqno)
         self._told = max(self._told, seqno)
         self._wake.set()
+
+    def _close_gaps(self, seqnos: list[int]) -> None:
+        """Skipped entries ``seqnos`` were deleted: nothing is left to deliver, so ``acked`` may pass them (marked as
+        acked out of order, which the next fold turns into ``acked``)."""
+        for seqno in seqnos:
+            del self.skipped[seqno]
+            self.state.above.add(seqno)
+        if seqnos:
+            self._wake.set()
 
     def _takes_from_commit(self, seqno: int) -> bool:
         """True when entry ``seqno``, just committed, is the next one this connection would read: everything
@@ -284,18 +325,42 @@ class Consumer:
 
     def _hand_out(self, message: Message) -> None:
         self._handed.append(message.seqno)
-        if message.seqno not in self.state.above:
-            task = asyncio.create_task(self._deliver(message), name=f"ecq-send-{self.clientid}-{message.seqno}")
-            self.inflight[message.seqno] = task
-
-    async def _deliver(self, message: Message) -> None:
+        if message.seqno in self.state.above:
+            return
         topic = delivery_topic(self.clientid, message.key)
+        if self._fits is not None and not self._fits(topic, message):
+            self._skip(message)
+            return
+        task = asyncio.create_task(self._deliver(topic, message), name=f"ecq-send-{self.clientid}-{message.seqno}")
+        self.inflight[message.seqno] = task
+
+    def _skip(self, message: Message) -> None:
+        """Leave ``message`` pending, a gap in what this connection is handed (see the module's docstring)."""
+        if not self.skipped:
+            log.info("ECQ entry %d of %s skipped: its PUBLISH is above the Maximum Packet Size of the consumer's "
+                     "connection; later entries go on, it stays stored for a connection that takes it",
+                     message.seqno, self.clientid)
+        self.skipped[message.seqno] = message.key
+        self._observer.skipped(self.clientid, message, SKIPPED_TOO_LARGE)
+
+    def _maybe_sent_before(self, message: Message) -> bool:
+        """True when a consumer of this queue that this one does not know of (before a restart, on another node)
+        may have sent ``message`` without its PUBACK: one of the first window of first sends, of an entry stored by
+        ``sent_before_ms`` (MQTT 3.1.1 section 4.4 allows DUP=1 on a send that might be a re-delivery)."""
+        if self._sent_before_left and message.ts_ms <= self._sent_before_ms:
+            self._sent_before_left -= 1
+            return True
+        return False
+
+    async def _deliver(self, topic: str, message: Message) -> None:
         connection = self.connection
-        self.attempts[message.seqno] = self.attempts.get(message.seqno, 0) + 1
-        self._observer.delivered(self.clientid, message, self.attempts[message.seqno])
+        attempt = self.attempts[message.seqno] = self.attempts.get(message.seqno, 0) + 1
+        dup = attempt > 1 or self._maybe_sent_before(message)
+        self._observer.delivered(self.clientid, message, attempt)
         sent = time.monotonic()
         try:
-            await self._publish(connection, topic, message.payload, message.seqno, message.ts_ms, message.expires_ms)
+            await self._publish(connection, topic, message.payload, message.seqno, message.ts_ms, message.expires_ms,
+                                dup)
         except ConnectionError as exc:
             log.info("ECQ delivery to %s stopped: %s", self.clientid, exc)
             self.inflight.pop(message.seqno, None)

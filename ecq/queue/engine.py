@@ -19,7 +19,7 @@ from typing import Any
 from ecq.config import EcqSettings
 from ecq.queue.clock import now_ms
 from ecq.queue.deadlines import SharedDeadline
-from ecq.queue.delivery import Consumer, Publish
+from ecq.queue.delivery import Consumer, Fits, Publish
 from ecq.queue.lag import LagIndex
 from ecq.queue.notices import ClusterNotices
 from ecq.queue.observer import QueueObserver
@@ -63,6 +63,10 @@ class QueueEngine:
         self.traffic = 0  # appends and PUBACKs so far: GC paces itself slower while it grows
         self.gc_lock = asyncio.Lock()
         self.loading: dict[str, int] = {}  # clientid -> ack-state loads under way
+        # entries stored by then may have been sent by an earlier broker process, unacked (DUP=1 when sent again);
+        # later ones only by this broker's consumers, which forget a queue only once nothing is unacked (heartbeat).
+        # On a shared store any broker may have sent any entry: a consumer there takes the time it was made.
+        self._started_ms = now_ms()
         self.forgetting: dict[str, asyncio.Future] = {}  # clientid -> its ForgetQueue, until committed
         self._tasks: list[asyncio.Task] = []
         self.closing = False
@@ -216,9 +220,10 @@ class QueueEngine:
     # --- consumers ----------------------------------------------------------------------------------
 
     async def attach(self, clientid: str, connection: Any, still_current: Callable[[], bool] = lambda: True,
-                     receive_maximum: int | None = None) -> None:
+                     receive_maximum: int | None = None, fits: Fits | None = None) -> None:
         """Deliver the queue of ``clientid`` to ``connection`` (loading its ack state first), at most
-        min(``reader_batch_size``, ``receive_maximum``) deliveries in flight (None: ``reader_batch_size``).
+        min(``reader_batch_size``, ``receive_maximum``) deliveries in flight (None: ``reader_batch_size``); an
+        entry ``fits`` refuses (too large for the connection) is skipped for it (see ``Consumer.attach``).
 
         ``still_current()`` is asked after that load: an unsubscribe, disconnect or takeover may have
         happened meanwhile, and then nothing is attached. A connection already attached is detached first.
@@ -234,7 +239,7 @@ class QueueEngine:
                 return
             self._consumer(clientid, state)
         if not self.closing and still_current():
-            self.consumers[clientid].attach(connection, receive_maximum)
+            self.consumers[clientid].attach(connection, receive_maximum, fits)
 
     def _consumer(self, clientid: str, state: AckState) -> Consumer:
         """The consumer of ``clientid``; a new one from ``state`` unless one was made meanwhile (an attach and a
@@ -242,7 +247,8 @@ class QueueEngine:
         return self.consumers.setdefault(clientid, Consumer(
             clientid, state, store=self.store, pool=self.pool, publish=self._publish, observer=self,
             read=self._read_soon, window=self.settings.reader_batch_size, read_deadline=self._read_deadline,
-            retention_s=self.settings.data_retention, tombstones=self.settings.tombstones))
+            retention_s=self.settings.data_retention, tombstones=self.settings.tombstones,
+            sent_before_ms=now_ms() if self.store.shared else self._started_ms))
 
     async def rewind(self, clientid: str, point: RewindPoint, *, must_exist: bool = False) -> int:
         """Rewind the queue of ``clientid`` to ``point``; returns the new acked seqno once it is stored.
@@ -329,6 +335,11 @@ class QueueEngine:
         self.traffic += 1
         for observer in self.observers:
             observer.acked(clientid, message, sent_monotonic)
+
+    def skipped(self, clientid: str, message: Message, reason: str) -> None:
+        """Delivery observer: an entry not sent to the attached connection, passed on to the observers."""
+        for observer in self.observers:
+            observer.skipped(clientid, message, reason)
 
     async def heartbeat(self) -> None:
         """Wake idle online consumers that may have unread appends (a lost wake-up delays, never loses)

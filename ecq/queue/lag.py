@@ -266,6 +266,9 @@ class LagIndex:
     def delivered(self, clientid: str, message: Message, attempt: int) -> None:
         """Nothing to do: a send changes no lag."""
 
+    def skipped(self, clientid: str, message: Message, reason: str) -> None:
+        """Nothing to do: a skipped entry stays pending."""
+
     def store_error(self, op: str, exc: Exception) -> None:
         """Nothing to do."""
 

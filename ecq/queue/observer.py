@@ -25,6 +25,10 @@ class QueueObserver(Protocol):
     def acked(self, clientid: str, message: Message, sent_monotonic: float) -> None:
         """The PUBACK of ``message`` came; it was sent at ``sent_monotonic`` (time.monotonic seconds)."""
 
+    def skipped(self, clientid: str, message: Message, reason: str) -> None:
+        """``message`` was not sent to the consumer's connection and stays pending; ``reason``: ``packet_too_large``
+        (above the connection's Maximum Packet Size, MQTT 5.0 section 3.1.2.11.4)."""
+
     def store_error(self, op: str, exc: Exception) -> None:
         """A store ``op`` failed: ``"write"`` (a commit) or ``"read"`` (a damaged block)."""
 

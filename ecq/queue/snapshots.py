@@ -26,7 +26,8 @@ class Totals:
 @dataclass(frozen=True, slots=True)
 class ConsumerSnapshot:
     """One consumer: every seqno <= ``acked`` is acked, ``above`` were acked out of order, last PUBACK at
-    ``last_ack_ms`` (ms since the epoch, 0 = never); ``inflight`` PUBLISHes await their PUBACK."""
+    ``last_ack_ms`` (ms since the epoch, 0 = never); ``inflight`` PUBLISHes await their PUBACK; ``skipped``
+    entries were too large for the attached connection (MQTT 5 Maximum Packet Size) and stay pending."""
 
     clientid: str
     acked: int
@@ -34,6 +35,7 @@ class ConsumerSnapshot:
     above: frozenset[int]
     inflight: int
     online: bool
+    skipped: int = 0
 
     def ack_state(self) -> AckState:
         """The same progress as a (mutable, fresh) :class:`AckState`."""
@@ -55,4 +57,4 @@ def consumer_snapshot(consumer: Consumer) -> ConsumerSnapshot:
     """Copy the state of ``consumer`` (on the event loop that drives it)."""
     state = consumer.state
     return ConsumerSnapshot(consumer.clientid, state.acked, state.last_ack_ms, frozenset(state.above),
-                            len(consumer.inflight), consumer.online)
+                            len(consumer.inflight), consumer.online, len(consumer.skipped))

@@ -59,8 +59,8 @@ from ecq.broker.amqtt_hooks.cluster import (PersistentSession, broadcast_from_cl
 from ecq.broker.amqtt_hooks.drain import close_listeners, open_connections, received_unread, stop_reading
 from ecq.broker.amqtt_hooks.conformance import set_session_expiry
 from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge_soon, client_id, close_connection, connection_is_open,
-                                              listener_addresses, live_connection, publish_qos1, qos2_receipts, send_soon,
-                                              set_listen_backlog, shorten_subscriptions_repr)
+                                              delivery_fits, listener_addresses, live_connection, publish_qos1,
+                                              qos2_receipts, send_soon, set_listen_backlog, shorten_subscriptions_repr)
 from ecq.broker.amqtt_hooks.mqtt5_messages import Subscription, cluster_form, from_cluster_form
 from ecq.broker.amqtt_hooks.mqtt5_packets import receive_maximum
 from ecq.broker.amqtt_hooks.mqtt5_sessions import SERVER_SHUTTING_DOWN, SESSION_TAKEN_OVER
@@ -69,11 +69,11 @@ from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 
 __all__ = ["EcqHooksTarget", "PersistentSession", "ProtocolViolation", "SERVER_SHUTTING_DOWN", "SESSION_TAKEN_OVER",
            "Subscription", "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection",
-           "close_listeners", "cluster_form", "connection_is_open", "discard_session", "from_cluster_form",
-           "hand_over_session", "install", "listener_addresses", "live_connection", "open_connections",
-           "persistent_session", "publish_qos1", "qos2_receipts", "receive_maximum", "received_unread",
-           "send_disconnect", "send_soon", "set_listen_backlog", "set_retained_from_cluster", "set_session_expiry",
-           "shorten_subscriptions_repr", "stop_reading"]
+           "close_listeners", "cluster_form", "connection_is_open", "delivery_fits", "discard_session",
+           "from_cluster_form", "hand_over_session", "install", "listener_addresses", "live_connection",
+           "open_connections", "persistent_session", "publish_qos1", "qos2_receipts", "receive_maximum",
+           "received_unread", "send_disconnect", "send_soon", "set_listen_backlog", "set_retained_from_cluster",
+           "set_session_expiry", "shorten_subscriptions_repr", "stop_reading"]
 
 
 def install(plugin_class: type[EcqHooksTarget]) -> None:

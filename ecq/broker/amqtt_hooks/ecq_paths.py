@@ -36,14 +36,18 @@ from amqtt.mqtt.pubcomp import PubcompPacket
 from amqtt.mqtt.pubrel import PubrelPacket
 from amqtt.session import IncomingApplicationMessage, OutgoingApplicationMessage
 
+from ecq.broker.amqtt_hooks.mqtt5_messages import subscriptions_of
 from ecq.broker.amqtt_hooks.mqtt5_packets import context_of, delivery, publish_acknowledgement, release_inbound
 from ecq.broker.amqtt_hooks.target import find_target
-from ecq.queue.topics import is_ecq_topic
+from ecq.queue.topics import is_ecq_topic, queue_filter
+from ecq.store.protocol import Message
 
 SUBACK_FAILURE = 0x80
 _ACK = struct.Struct(">BBH")  # PUBACK, PUBREC, PUBCOMP: first byte, remaining length 2, packet id (section 3.4-3.7)
 _ACK_TYPES = {1: 0x40, 2: 0x50}  # the acknowledgement of an incoming PUBLISH by QoS: PUBACK, PUBREC
 _unsent: dict[BrokerProtocolHandler, list[bytes]] = {}  # packets queued by send_soon, per connection
+_SENT_PACKET_IDS = "_ecq_sent_packet_ids"  # the attribute of amqtt's Session: seqno -> packet id, not yet acked
+REMEMBERED_PACKET_IDS = 1024  # per session; at most reader_batch_size (31) are in flight when a connection drops
 
 
 def take_ecq_publishes() -> None:
@@ -223,11 +227,13 @@ def acknowledge_soon(handler: BrokerProtocolHandler, qos: int, packet_id: int | 
 
 
 async def publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: bytes, seqno: int | None = None,
-                       ts_ms: int | None = None, expires_ms: int = 0) -> None:
+                       ts_ms: int | None = None, expires_ms: int = 0, dup: bool = False) -> None:
     """Send a QoS 1 PUBLISH on ``handler`` and wait for its PUBACK for as long as the connection lives. On an
     MQTT 5 connection it carries the User Properties ``ecq-seqno`` and ``ecq-ts`` (the message's seqno and
-    publish time in Unix ms, when given) and, for an entry that expires at ``expires_ms`` (Unix ms, 0: never),
-    the Message Expiry Interval left (MQTT 5.0 section 3.3.2.3.3).
+    publish time in Unix ms, when given), for an entry that expires at ``expires_ms`` (Unix ms, 0: never)
+    the Message Expiry Interval left (MQTT 5.0 section 3.3.2.3.3), and the Subscription Identifier of the
+    queue's subscription (section 3.3.4). DUP is 1 when ``dup`` or when this session sent entry ``seqno`` before,
+    whose packet id it then reuses (:func:`_delivery_packet_id`).
 
     amqtt's own ``mqtt_publish`` gives up after a fixed 5 s and forgets the packet id, so under load a
     late PUBACK was lost and the resend added more load. MQTT 3.1.1 section 4.4 resends unacknowledged
@@ -237,24 +243,79 @@ async def publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: byte
     if not connection_is_open(handler):
         raise ConnectionError("connection closed")
     session = handler.session
-    packet_id = session.next_packet_id
+    packet_id, sent_before = _delivery_packet_id(session, seqno)
+    dup = dup or sent_before
     message = OutgoingApplicationMessage(packet_id, topic, QOS_1, payload, False)
     puback = asyncio.get_running_loop().create_future()
     session.inflight_out[packet_id] = message  # keeps the packet id taken until the PUBACK
     handler._puback_waiters[packet_id] = puback  # amqtt's handle_puback resolves it; stop() cancels it
     try:
         if context_of(handler) is None:
-            send_soon(handler, message.build_publish_packet().to_bytes())
+            send_soon(handler, message.build_publish_packet(dup=dup).to_bytes())
         else:
-            send_soon(handler, delivery(packet_id, topic, payload, seqno, ts_ms, expires_ms))
+            send_soon(handler, _mqtt5_delivery(session, packet_id, topic, payload, seqno, ts_ms, expires_ms, dup))
         await puback
+        _sent_packet_ids(session).pop(seqno, None)
     except asyncio.CancelledError:
         if asyncio.current_task().cancelling():
+            if connection_is_open(handler):  # the consumer forgot this send (a rewind): the client still holds its id
+                _sent_packet_ids(session).pop(seqno, None)
             raise
         raise ConnectionError("connection closed while waiting for PUBACK") from None
     finally:
         handler._puback_waiters.pop(packet_id, None)
-        session.inflight_out.pop(packet_id, None)
+        if session.inflight_out.get(packet_id) is message:  # a resend on a newer connection may hold the id now
+            del session.inflight_out[packet_id]
+
+
+def delivery_fits(handler: BrokerProtocolHandler) -> Callable[[str, Message], bool] | None:
+    """For an MQTT 5 connection that announced a Maximum Packet Size, a test of whether the delivery PUBLISH of a
+    queue entry to a topic stays within it (its exact encoding, as :func:`publish_qos1` sends it; MQTT 5.0 section
+    3.1.2.11.4, MQTT-3.1.2-24: a larger packet is not sent); None when every delivery fits (3.1.1: no limit)."""
+    context = context_of(handler)
+    if context is None or context.maximum_packet_size is None:
+        return None
+    session = handler.session
+    return lambda topic, entry: context.fits(_mqtt5_delivery(session, 1, topic, entry.payload, entry.seqno,
+                                                             entry.ts_ms, entry.expires_ms, False))
+
+
+def _mqtt5_delivery(session: Any, packet_id: int, topic: str, payload: bytes, seqno: int | None, ts_ms: int | None,
+                    expires_ms: int, dup: bool) -> bytes:
+    """The v5 PUBLISH of a delivery, with the Subscription Identifier of the session's ``$ECQ/<clientid>/#``."""
+    subscription = subscriptions_of(session).get(queue_filter(session.client_id))
+    ids = (subscription.subscription_id,) if subscription and subscription.subscription_id else ()
+    return delivery(packet_id, topic, payload, seqno, ts_ms, expires_ms, dup, ids)
+
+
+def _sent_packet_ids(session: Any) -> dict[int, int]:
+    """Seqno -> packet id of the deliveries ``session`` sent and got no PUBACK for, oldest first (made empty)."""
+    sent = getattr(session, _SENT_PACKET_IDS, None)
+    if sent is None:
+        sent = {}
+        setattr(session, _SENT_PACKET_IDS, sent)
+    return sent
+
+
+def _delivery_packet_id(session: Any, seqno: int | None) -> tuple[int, bool]:
+    """(the packet id of a delivery of entry ``seqno`` on amqtt's ``session``, True when the session sent it before).
+
+    A resend keeps the packet id of the first send (MQTT 3.1.1 section 4.4, MQTT-4.4.0-1) while amqtt's Session
+    lives: a persistent session on this broker. A clean session, a broker restart or another cluster node has
+    none to remember: a new id (DUP still comes from the consumer, ``ecq.queue.delivery``). An id another message
+    took meanwhile is not reused, nor one whose send the consumer forgot while the connection was open (a rewind:
+    the client still holds that id). At most REMEMBERED_PACKET_IDS are kept (the oldest forgotten): entries never
+    sent again (compacted, expired, rewound past) would otherwise stay forever."""
+    sent = _sent_packet_ids(session)
+    packet_id = sent.pop(seqno, None)
+    sent_before = packet_id is not None
+    if packet_id is None or packet_id in session.inflight_out or packet_id in session.inflight_in:
+        packet_id = session.next_packet_id
+    if seqno is not None:
+        sent[seqno] = packet_id
+        if len(sent) > REMEMBERED_PACKET_IDS:
+            del sent[next(iter(sent))]
+    return packet_id, sent_before
 
 
 def send_soon(handler: BrokerProtocolHandler, packet: bytes) -> None:

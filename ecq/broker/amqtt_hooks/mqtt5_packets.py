@@ -179,13 +179,14 @@ def publish_acknowledgement(context: Mqtt5Context, qos: int, packet_id: int, rea
 
 
 def delivery(packet_id: int, topic: str, payload: bytes, seqno: int | None, ts_ms: int | None,
-             expires_ms: int = 0) -> bytes:
+             expires_ms: int = 0, dup: bool = False, subscription_ids: tuple[int, ...] = ()) -> bytes:
     """A QoS 1 PUBLISH of an ECQ delivery with the User Properties ``ecq-seqno`` (decimal seqno) and ``ecq-ts``
-    (the write's publish time, Unix ms), when known (MQTT 5.0 section 3.3.2.3.7), and for an entry that expires
-    at ``expires_ms`` (Unix ms; 0: never) the Message Expiry Interval left (section 3.3.2.3.3)."""
+    (the write's publish time, Unix ms), when known (MQTT 5.0 section 3.3.2.3.7), for an entry that expires
+    at ``expires_ms`` (Unix ms; 0: never) the Message Expiry Interval left (section 3.3.2.3.3), DUP=1 when ``dup``
+    (section 3.3.1.1) and the Subscription Identifiers of the queue's subscription (section 3.3.4, MQTT-3.3.4-3)."""
     properties = [] if seqno is None else [("ecq-seqno", str(seqno)), ("ecq-ts", str(ts_ms))]
-    return mqtt5.PublishPacket(topic, payload, qos=mqtt5.QoS.AT_LEAST_ONCE, packet_id=packet_id,
-                               user_properties=properties,
+    return mqtt5.PublishPacket(topic, payload, qos=mqtt5.QoS.AT_LEAST_ONCE, packet_id=packet_id, duplicate=dup,
+                               user_properties=properties, subscription_ids=list(subscription_ids),
                                message_expiry_interval=remaining_expiry_s(expires_ms, now_ms())).write()
 
 
