@@ -222,10 +222,8 @@ class EcqPlugin(BaseTopicPlugin):
         log.info("ECQ ready: %s", self.settings.describe(hooks.listener_addresses(self.context)))
 
     async def on_broker_pre_shutdown(self) -> None:
-        """Stop delivering and end a running GC pass; unacked messages stay stored for the next run. Connections
-        that do not read what was sent to them are aborted, so that amqtt's close does not wait for them."""
+        """Stop delivering and end a running GC pass; unacked messages stay stored for the next run."""
         self.engine.stop_delivering()
-        await hooks.abort_stuck_connections(self.context)
 
     async def close(self) -> None:
         """Stop the admin API, close the engine (queued writes committed), then flush events (amqtt calls this last)."""

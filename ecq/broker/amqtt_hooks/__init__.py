@@ -61,7 +61,7 @@ from ecq.broker.amqtt_hooks.conformance import set_session_expiry
 from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge_soon, client_id, close_connection, connection_is_open,
                                               listener_addresses, live_connection, publish_qos1, qos2_receipts, send_soon,
                                               set_listen_backlog, shorten_subscriptions_repr)
-from ecq.broker.amqtt_hooks.flow import abort_stuck_connections, count_routed_publishes
+from ecq.broker.amqtt_hooks.flow import count_routed_publishes
 from ecq.broker.amqtt_hooks.mqtt5_messages import cluster_form, from_cluster_form
 from ecq.broker.amqtt_hooks.mqtt5_packets import receive_maximum
 from ecq.broker.amqtt_hooks.mqtt5_sessions import SERVER_SHUTTING_DOWN, SESSION_TAKEN_OVER
@@ -69,7 +69,7 @@ from ecq.broker.amqtt_hooks.mqtt5_sessions import tell as send_disconnect
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 
 __all__ = ["EcqHooksTarget", "ProtocolViolation", "SERVER_SHUTTING_DOWN", "SESSION_TAKEN_OVER",
-           "abort_stuck_connections", "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection",
+           "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection",
            "close_listeners", "cluster_form", "connection_is_open", "count_routed_publishes", "discard_session",
            "from_cluster_form", "hand_over_session", "install", "listener_addresses", "live_connection",
            "open_connections", "persistent_subscriptions", "publish_qos1", "qos2_receipts", "receive_maximum",

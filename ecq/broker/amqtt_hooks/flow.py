@@ -8,10 +8,9 @@ incoming, corrected from amqtt 0.12.1.
   connection at ``max_queued_messages`` or ``max_queued_bytes`` is dropped and counted, whatever its QoS (Mosquitto's
   ``max_queued_messages``/``max_queued_bytes``, EMQX's ``max_mqueue_len``), and a connection that stays at the bound
   for ``stuck_subscriber_timeout`` is closed (v5: DISCONNECT 0x97 Quota exceeded first), its socket aborted.
-- Shutdown (:func:`abort_stuck_connections`): amqtt closes a connection by draining its writer, which never ends for a
-  client that reads nothing, and logged a traceback per send task it cancelled (74,000 of them on one SIGTERM). The
-  sends above are ECQ's tasks, ended quietly; at shutdown a write buffer that does not empty within
-  :data:`SHUTDOWN_FLUSH_S` is dropped with its connection.
+- Shutdown: amqtt's broadcast loop cancelled every send task still waiting at shutdown, waited for them up to 5 s,
+  and logged a traceback for each (74,000 on one SIGTERM with a stuck subscriber). The sends above are ECQ's
+  tasks, not the broadcast loop's: they end with their connection, quietly (:func:`_send`).
 - Incoming (:class:`Inbound`): amqtt and ECQ's framer read a connection as fast as it sends, whatever is still to be
   routed: 150,000 unpaced 2 KB QoS 0 PUBLISHes grew the broker by 390 MB. The PUBLISHes of ordinary topics read from
   a connection are counted until their fan-out is done; above ``inbound_max_messages`` or ``inbound_max_bytes`` the
@@ -41,7 +40,6 @@ from amqtt.mqtt.pingreq import PingReqPacket
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.publish import PublishPacket
 
-from ecq.broker.amqtt_hooks.drain import open_connections
 from ecq.broker.amqtt_hooks.ecq_paths import client_id
 from ecq.broker.amqtt_hooks.mqtt5_sessions import tell
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
@@ -51,8 +49,6 @@ from ecq.queue.topics import is_ecq_topic
 log = logging.getLogger(__name__)
 
 QUOTA_EXCEEDED = 0x97  # MQTT 5.0 section 3.14.2.1
-SHUTDOWN_FLUSH_S = 1.0  # at shutdown, how long write buffers may take to empty before their connections are aborted
-_FLUSH_POLL_S = 0.05
 _ROUTING_KEY = "_ecq_routing"  # a broadcast's entry: the _Routing of the PUBLISH it came from
 _send_failures = LogThrottle(10.0)
 _ROUTING: contextvars.ContextVar[_Routing | None] = contextvars.ContextVar("ecq_routing", default=None)
@@ -145,24 +141,6 @@ def _close_stuck(handler: BrokerProtocolHandler, transport: asyncio.Transport | 
     if (raw := transport.get_extra_info("socket")) is not None:  # a reset: the kernel's unsent bytes go too
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     transport.abort()
-
-
-async def abort_stuck_connections(context: BrokerContext) -> None:
-    """Before amqtt closes every connection at shutdown (``Broker.shutdown``, which drains each writer first and
-    so waited forever on a client that reads nothing): cancel ECQ's sends, give write buffers up to
-    :data:`SHUTDOWN_FLUSH_S` to empty, and abort the connections whose buffer did not."""
-    handlers = open_connections(context)
-    for handler in handlers:
-        _outbound(handler).cancel()
-    deadline = time.monotonic() + SHUTDOWN_FLUSH_S
-    while (waiting := [t for h in handlers if (t := _transport(h)) is not None and not t.is_closing()
-                       and t.get_write_buffer_size()]) and time.monotonic() < deadline:
-        await asyncio.sleep(_FLUSH_POLL_S)
-    for handler in handlers:
-        if (transport := _transport(handler)) in waiting:
-            log.info("ECQ aborted the connection of %s at shutdown: %d bytes it did not read",
-                     client_id(handler), transport.get_write_buffer_size())
-            _close_stuck(handler, transport)
 
 
 @dataclass
