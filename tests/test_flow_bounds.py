@@ -125,3 +125,14 @@ def test_sigterm_with_stuck_subscribers_stops_quickly_and_quietly(make_broker):
     assert len(log) < 20_000, log[-3000:]
     for subscriber in subscribers:
         subscriber.close()
+
+
+def test_acknowledgement_timeouts_of_a_stuck_qos1_subscriber_are_logged_in_aggregate(make_broker):
+    broker = make_broker()
+    subscriber = stuck_subscriber(broker.port, "acks/#", 1)
+    publish_batches(publisher(broker.port), "acks/t", 2, qos=1)  # 1,000 QoS 1, written to a socket nobody reads
+    assert wait_until(lambda: "Timeout waiting for PUBACK" in broker.log(), 15)  # amqtt's 5 s per message
+    time.sleep(1)  # the other timeouts come within this (their sends were written within ~0.5 s)
+    assert broker.log().count("Timeout waiting for PUBACK") == 1
+    assert "Traceback" not in broker.log()
+    subscriber.close()

@@ -21,7 +21,8 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   handler, retained messages, QoS of a fan-out, resend on reconnect, keepalive, with per-session bounds);
 - :mod:`.flow`: nothing unbounded in flow: a connection's outgoing sends bounded (drop, then close a stuck
   subscriber), a quick shutdown with stuck subscribers, a connection's PUBLISHes read ahead of their routing
-  bounded, PINGREQ answered after the PUBLISHes before it were routed;
+  bounded, PINGREQ answered after the PUBLISHes before it were routed, acknowledgement timeouts logged in
+  aggregate;
 - :mod:`.shared_subscriptions`: ``$share/<ShareName>/<filter>`` (MQTT 5.0 section 4.8.2): each message to one
   member of the group, malformed ones refused, the ACL judging the filter read;
 - :mod:`.cluster`: ordinary MQTT messages forwarded to and from the other brokers of a cluster, retained messages
@@ -89,6 +90,7 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     flow.count_publishes_read()  # outside take_ecq_publishes: sees every PUBLISH as it is read
     flow.pace_amqtt_readers()
     flow.answer_pings_after_routing()
+    flow.limit_ack_timeout_log()
     acks.resolve_pubacks_at_once()
     acks.read_to_the_end_after_a_reset()
     acks.keep_the_new_connection_on_persistent_takeover()

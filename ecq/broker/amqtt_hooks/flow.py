@@ -16,6 +16,8 @@ incoming, corrected from amqtt 0.12.1.
   a connection are counted until their fan-out is done; above ``inbound_max_messages`` or ``inbound_max_bytes`` the
   connection is not read until half of them are routed (the socket then fills, and TCP slows the sender); a PINGREQ
   is answered once the PUBLISHes read before it are routed (:func:`answer_pings_after_routing`).
+- Log floods: a failed send and amqtt's acknowledgement timeouts are logged at most once per 10 s, with a count
+  (:func:`limit_ack_timeout_log`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ log = logging.getLogger(__name__)
 
 QUOTA_EXCEEDED = 0x97  # MQTT 5.0 section 3.14.2.1
 _ROUTING_KEY = "_ecq_routing"  # a broadcast's entry: the _Routing of the PUBLISH it came from
-_send_failures = LogThrottle(10.0)
+LOG_INTERVAL_S = 10.0  # at most one line per this for a failed send, and one for acknowledgement timeouts
+_ACK_TIMEOUT = "Timeout waiting for PUB"  # amqtt's warning per outgoing QoS 1/2 message not acknowledged in 5 s
+_send_failures = LogThrottle(LOG_INTERVAL_S)
 _ROUTING: contextvars.ContextVar[_Routing | None] = contextvars.ContextVar("ecq_routing", default=None)
 
 
@@ -116,16 +120,17 @@ def send_or_drop(handler: BrokerProtocolHandler, plugin: EcqHooksTarget, topic: 
 
 
 async def _send(handler: BrokerProtocolHandler, topic: str, data: Any, qos: int) -> None:
-    """amqtt's ``mqtt_publish`` of one fan-out message; a send the connection's end cut short ends quietly (amqtt's
-    broadcast loop logged each with a traceback), any other failure is logged at most once per 10 s."""
+    """amqtt's ``mqtt_publish`` of one fan-out message; a send the connection's end cut short, or whose
+    acknowledgement timed out (amqtt's own warning, :func:`limit_ack_timeout_log`), ends quietly (amqtt's broadcast
+    loop logged each with a traceback); any other failure is logged at most once per :data:`LOG_INTERVAL_S`."""
     try:
         await handler.mqtt_publish(topic, data, qos, False)
-    except (AMQTTError, ProtocolHandlerError, ConnectionError):
-        log.debug("a send to %s on %r ended with its connection", client_id(handler), topic)
+    except (AMQTTError, ProtocolHandlerError, ConnectionError, TimeoutError) as exc:
+        log.debug("a send to %s on %r ended: %r", client_id(handler), topic, exc)
     except Exception as exc:
         if (held_back := _send_failures.due()) is not None:
             log.warning("ECQ could not send %r to %s (%d more such failures since the last report, reported at "
-                        "most every 10 s)", topic, client_id(handler), held_back, exc_info=exc)
+                        "most every %g s)", topic, client_id(handler), held_back, LOG_INTERVAL_S, exc_info=exc)
 
 
 def _close_stuck(handler: BrokerProtocolHandler, transport: asyncio.Transport | None) -> None:
@@ -311,3 +316,29 @@ async def _pong_after(handler: BrokerProtocolHandler, ping: PingReqPacket, origi
                       seq: int) -> None:
     await inbound.routed_up_to(seq)
     await original(handler, ping)
+
+
+class _AckTimeoutLogLimit(logging.Filter):
+    """Lets one of amqtt's "Timeout waiting for PUBACK/PUBREC/PUBCOMP" records through per :data:`LOG_INTERVAL_S`,
+    with the count of those held back; other records pass unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._throttle = LogThrottle(LOG_INTERVAL_S)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not isinstance(record.msg, str) or not record.msg.startswith(_ACK_TIMEOUT):
+            return True
+        if (held_back := self._throttle.due()) is None:
+            return False
+        record.msg = (f"{record.msg} ({held_back} more acknowledgement timeouts since the last report, reported at "
+                      f"most every {LOG_INTERVAL_S:g} s)")
+        return True
+
+
+def limit_ack_timeout_log() -> None:
+    """amqtt 0.12.1's ``ProtocolHandler._handle_qos1_message_flow`` (and QoS 2's) logs a WARNING for each outgoing
+    message not acknowledged within 5 s: a QoS 1 subscriber that stopped reading wrote one per message (with a
+    traceback from the broadcast loop each, 105 MB for ~100,000 messages). Now one line per
+    :data:`LOG_INTERVAL_S` says how many there were."""
+    logging.getLogger("amqtt.mqtt.protocol.handler").addFilter(_AckTimeoutLogLimit())
