@@ -60,12 +60,14 @@ _ROUTING: contextvars.ContextVar[_Routing | None] = contextvars.ContextVar("ecq_
 
 class Outbound:
     """What ECQ's fan-out has handed to one connection and is not done: send tasks and their bytes (topic and
-    payload); ``full_since``: when a send first found the connection at its bound (time.monotonic), None below it."""
+    payload); ``full_since``: when a send first found the connection at its bound (time.monotonic), None below it;
+    ``closed``: the connection was closed as stuck (nothing more is sent to it)."""
 
     def __init__(self) -> None:
         self.sends: dict[asyncio.Task, int] = {}
         self.bytes = 0
         self.full_since: float | None = None
+        self.closed = False
 
     def add(self, task: asyncio.Task, size: int) -> None:
         self.sends[task] = size
@@ -103,6 +105,8 @@ def send_or_drop(handler: BrokerProtocolHandler, plugin: EcqHooksTarget, topic: 
     write buffer: then the message is dropped and counted (``ecq_messages_dropped_total{reason="queue_full"}``), and a
     connection at its bound for ``stuck_subscriber_timeout`` seconds is closed (:func:`_close_stuck`)."""
     settings, outbound = plugin.settings, _outbound(handler)
+    if outbound.closed:
+        return
     transport = _transport(handler)
     buffered = transport.get_write_buffer_size() if transport is not None else 0
     if len(outbound.sends) < settings.max_queued_messages and outbound.bytes + buffered < settings.max_queued_bytes:
@@ -136,9 +140,12 @@ async def _send(handler: BrokerProtocolHandler, topic: str, data: Any, qos: int)
 def _close_stuck(handler: BrokerProtocolHandler, transport: asyncio.Transport | None) -> None:
     """Close a connection that stopped reading: DISCONNECT 0x97 on v5 (MQTT 5.0 section 3.14.2.1; a client that
     reads nothing will not see it), its sends cancelled and its socket aborted (a close would wait for the client
-    to read what is buffered) with a reset, which frees the kernel's send buffer too. Its reader then ends the connection as after a network failure (the Will is sent)."""
+    to read what is buffered) with a reset, which frees the kernel's send buffer too. Its reader then ends the
+    connection as after a network failure (the Will is sent)."""
     tell(handler, QUOTA_EXCEEDED)
-    _outbound(handler).cancel()
+    outbound = _outbound(handler)
+    outbound.closed = True
+    outbound.cancel()
     if transport is None:
         return
     if isinstance(handler.writer, StreamWriterAdapter):
