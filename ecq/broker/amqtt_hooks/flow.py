@@ -72,9 +72,10 @@ class Outbound:
     def add(self, task: asyncio.Task, size: int) -> None:
         self.sends[task] = size
         self.bytes += size
-        task.add_done_callback(self._done)
 
-    def _done(self, task: asyncio.Task) -> None:
+    def done(self, task: asyncio.Task) -> None:
+        """Forget the send ``task``: called by the task itself as it ends (a done callback would cost the event loop
+        one more callback per message)."""
         self.bytes -= self.sends.pop(task, 0)
 
     def cancel(self) -> None:
@@ -112,7 +113,7 @@ def send_or_drop(handler: BrokerProtocolHandler, plugin: EcqHooksTarget, topic: 
     if len(outbound.sends) < settings.max_queued_messages and outbound.bytes + buffered < settings.max_queued_bytes:
         outbound.full_since = None
         size = len(topic) + len(data or b"")
-        outbound.add(asyncio.ensure_future(_send(handler, topic, data, qos)), size)
+        outbound.add(asyncio.ensure_future(_send(handler, outbound, topic, data, qos)), size)
         return
     plugin.outgoing_message_dropped(client_id(handler), topic)
     now = time.monotonic()
@@ -123,7 +124,7 @@ def send_or_drop(handler: BrokerProtocolHandler, plugin: EcqHooksTarget, topic: 
         _close_stuck(handler, transport)
 
 
-async def _send(handler: BrokerProtocolHandler, topic: str, data: Any, qos: int) -> None:
+async def _send(handler: BrokerProtocolHandler, outbound: Outbound, topic: str, data: Any, qos: int) -> None:
     """amqtt's ``mqtt_publish`` of one fan-out message; a send the connection's end cut short, or whose
     acknowledgement timed out (amqtt's own warning, :func:`limit_ack_timeout_log`), ends quietly (amqtt's broadcast
     loop logged each with a traceback); any other failure is logged at most once per :data:`LOG_INTERVAL_S`."""
@@ -135,6 +136,8 @@ async def _send(handler: BrokerProtocolHandler, topic: str, data: Any, qos: int)
         if (held_back := _send_failures.due()) is not None:
             log.warning("ECQ could not send %r to %s (%d more such failures since the last report, reported at "
                         "most every %g s)", topic, client_id(handler), held_back, LOG_INTERVAL_S, exc_info=exc)
+    finally:
+        outbound.done(asyncio.current_task())
 
 
 def _close_stuck(handler: BrokerProtocolHandler, transport: asyncio.Transport | None) -> None:
