@@ -256,7 +256,7 @@ async def room_to_read(reader: Any) -> None:
 
 
 def routing_of(message: Any) -> _Routing | None:
-    """The routing of an amqtt ``IncomingApplicationMessage`` counted by :func:`count_read`, or None."""
+    """The routing of an amqtt ``IncomingApplicationMessage`` counted by :func:`count_publishes_read`, or None."""
     return getattr(message.publish_packet, "_ecq_routing", None) if message is not None else None
 
 
