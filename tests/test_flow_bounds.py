@@ -9,13 +9,14 @@ import re
 import socket
 import time
 
+import mqtt5
 import psutil
 import pytest
 
 from ecq.testing import free_port
 from tests.harness import metrics_text, wait_until
-from tests.mqtt_wire import (PINGREQ_PACKET, PINGRESP, PUBLISH, SUBACK, WireClient, connect_packet, publish_packet,
-                             subscribe_packet)
+from tests.mqtt_wire import (CONNACK, PINGREQ_PACKET, PINGRESP, PUBLISH, SUBACK, WireClient, connect_packet,
+                             publish_packet, subscribe_packet)
 
 PAYLOAD = bytes(2048)
 BATCH = 500  # PUBLISHes per write of a publisher
@@ -36,23 +37,33 @@ def stuck_subscriber(port: int, topic_filter: str, qos: int = 0, transport: str 
     return client
 
 
-def publisher(port: int, name: str = "pub") -> WireClient:
-    client = WireClient(port)
-    client.send(connect_packet(name))
-    client.read_connack()
+def publisher(port: int, name: str = "pub", transport: str = "tcp", v5: bool = False) -> WireClient:
+    """A raw publisher over ``transport``, MQTT 3.1.1 or (``v5``) MQTT 5.0."""
+    client = WireClient(port, transport)
+    if v5:
+        client.send(mqtt5.ConnectPacket(name, clean_start=True).write())
+        assert client.next().kind == CONNACK
+    else:
+        client.send(connect_packet(name))
+        client.read_connack()
     return client
 
 
-def publish_batches(client: WireClient, topic: str, batches: int, qos: int = 0, broker=None) -> int:
-    """Send ``batches`` x :data:`BATCH` 2 KB PUBLISHes, unpaced (QoS 1 packet ids cycle, their PUBACKs unread);
-    returns the peak RSS of ``broker`` sampled between writes (0 without one)."""
+def publish_batches(client: WireClient, topic: str, batches: int, qos: int = 0, broker=None, v5: bool = False) -> int:
+    """Send ``batches`` x :data:`BATCH` 2 KB PUBLISHes (MQTT 5.0 ones with ``v5``), unpaced (QoS 1 packet ids
+    cycle, their PUBACKs unread); returns the peak RSS of ``broker`` sampled between batches (0 without one)."""
     peak, packet_id = 0, 0
     for _ in range(batches):
         packets = []
         for _ in range(BATCH):
             packet_id = packet_id % 65535 + 1
-            packets.append(publish_packet(topic, PAYLOAD, qos, packet_id if qos else None))
-        client.send(*packets)
+            packets.append(mqtt5.PublishPacket(topic, PAYLOAD).write() if v5
+                           else publish_packet(topic, PAYLOAD, qos, packet_id if qos else None))
+        if client.transport_name == "ws":  # one WebSocket message per packet, as paho and MQTT.js send them
+            for packet in packets:
+                client.send(packet)
+        else:
+            client.send(*packets)
         if broker is not None:
             peak = max(peak, rss(broker))
     return peak
@@ -83,12 +94,15 @@ def test_a_subscriber_that_never_reads_holds_a_bounded_queue_then_is_closed(brok
     subscriber.until_closed(10)  # what the socket had, then the end: the broker closed it
 
 
-@pytest.mark.parametrize("fast_path", [True, False])
-def test_an_unpaced_publisher_is_read_as_fast_as_its_publishes_are_routed(make_broker, fast_path):
-    broker = make_broker(fast_path=fast_path)
-    sender = publisher(broker.port)
+@pytest.mark.parametrize("reader", ["framer", "amqtt", "amqtt-ws", "framer-v5"])
+def test_an_unpaced_publisher_is_read_as_fast_as_its_publishes_are_routed(broker_process, reader):
+    ws_port = free_port()
+    broker = broker_process(fast_path=reader == "framer",
+                            listeners={"ws": {"type": "ws", "bind": f"127.0.0.1:{ws_port}"}}).start()
+    v5 = reader.endswith("-v5")
+    sender = (publisher(ws_port, transport="ws") if reader.endswith("-ws") else publisher(broker.port, v5=v5))
     before = rss(broker)
-    peak = publish_batches(sender, "nobody/listens", 40, broker=broker)  # 20,000 x 2 KB: 40 MB
+    peak = publish_batches(sender, "nobody/listens", 40, broker=broker, v5=v5)  # 20,000 x 2 KB: 40 MB
     sender.send(PINGREQ_PACKET)
     assert sender.next(30).kind == PINGRESP
     assert max(peak, rss(broker)) - before < 15 * MiB, f"RSS grew by {(max(peak, rss(broker)) - before) / MiB:.0f} MB"
