@@ -136,6 +136,18 @@ class EcqSettings(BaseModel):
                                     description="QoS 1/2 messages kept per disconnected persistent session")
     session_max_inflight: Int = Field(default=100, ge=1,
                                       description="unacked QoS 1/2 messages kept per persistent session for resend")
+    max_queued_messages: Int = Field(default=1000, ge=1, description="messages of ordinary topics handed to one "
+                                     "connection and not done (not yet written, or QoS 1/2 not yet acknowledged); "
+                                     "beyond it a message to that connection is dropped")
+    max_queued_bytes: Int = Field(default=64 * 1024 * 1024, ge=1024, description="... or this many bytes of them "
+                                  "(topic and payload) with the connection's write buffer")
+    stuck_subscriber_timeout: Timer = Field(default=60.0, description="a connection at max_queued_messages or "
+                                            "max_queued_bytes for this long is closed")
+    inbound_max_messages: Int = Field(default=1000, ge=1, description="PUBLISHes of ordinary topics read from one "
+                                      "connection and not yet routed; beyond it the connection is not read until "
+                                      "half of them are")
+    inbound_max_bytes: Int = Field(default=16 * 1024 * 1024, ge=1024, description="... or this many bytes of them "
+                                   "(topic and payload)")
     session_expiry: Timer = Field(default=7200.0,
                                              description="a disconnected persistent session is forgotten after this")
     max_keepalive: Int | None = Field(default=None, ge=1, le=65535,

@@ -31,11 +31,13 @@ from ecq.config import EcqSettings, split_host_port
 from ecq.ops import admin
 from ecq.ops.metrics import EcqMetrics, MetricsObserver
 from ecq.queue.engine import QueueEngine
+from ecq.queue.throttle import LogThrottle
 from ecq.store.backends import open_store
 
 log = logging.getLogger(__name__)
 
 SECRET_OPTIONS = frozenset({"admin_token", "nats_password", "nats_token"})  # never shown by options(); pydantic's SecretStr hides them in inuse
+DROP_LOG_INTERVAL_S = 10.0  # at most one line per this for outgoing drops, and one for stuck subscribers closed
 REDACTED = "**********"                      # what pydantic's SecretStr shows
 
 
@@ -86,11 +88,13 @@ class EcqPlugin(BaseTopicPlugin):
         self.writes = EcqWrites(self.settings, self.engine, self.access, self.metrics, lambda: self.events)
         self._admin: Any = None
         self._session_dropped = 0
+        self._drop_log, self._stuck_log = LogThrottle(DROP_LOG_INTERVAL_S), LogThrottle(DROP_LOG_INTERVAL_S)
         self.draining = False  # set by drain(): the node takes no clients any more (readiness false)
         self._drain: asyncio.Future | None = None
         hooks.install(EcqPlugin)
         hooks.set_session_expiry(context, self.settings.session_expiry)
         hooks.shorten_subscriptions_repr(context)
+        hooks.count_routed_publishes(context)
         log.info("ECQ plugin: data_dir=%s, %d writer agents", self.settings.data_dir, self.settings.effective_pool_size())
 
     # --- lifecycle ----------------------------------------------------------------------------------
@@ -354,6 +358,25 @@ class EcqPlugin(BaseTopicPlugin):
         if self._session_dropped & (self._session_dropped - 1) == 0:
             log.warning("ECQ dropped a message to %r for session %s (%s; %d dropped since start)",
                         topic, clientid, reason, self._session_dropped)
+
+    def outgoing_message_dropped(self, clientid: str | None, topic: str) -> None:
+        """Count a message to a client whose connection is at ``max_queued_messages`` or ``max_queued_bytes``
+        (``ecq_messages_dropped_total{reason="queue_full"}``); logs at most one line per 10 s."""
+        self.metrics.messages_dropped.labels("queue_full").inc()
+        if (held_back := self._drop_log.due()) is not None:
+            log.warning("ECQ dropped a message to %r for %s: its connection is at max_queued_messages or "
+                        "max_queued_bytes (%d more such drops since the last report, reported at most every %g s)",
+                        topic, clientid, held_back, self._drop_log.interval_s)
+
+    def stuck_subscriber_closed(self, clientid: str | None, messages: int, queued_bytes: int) -> None:
+        """Count (``ecq_stuck_subscribers_closed_total``) and log (at most one line per 10 s) a connection closed
+        after ``stuck_subscriber_timeout`` at its outgoing bound."""
+        self.metrics.stuck_subscribers_closed.inc()
+        if (held_back := self._stuck_log.due()) is not None:
+            log.warning("ECQ closed the connection of %s: it read nothing for %g s with %d messages (%d bytes) queued "
+                        "(%d more such closes since the last report, reported at most every %g s)", clientid,
+                        self.settings.stuck_subscriber_timeout, messages, queued_bytes, held_back,
+                        self._stuck_log.interval_s)
 
     def grant_subscription(self, clientid: str, topic_filter: str, qos: int) -> int | None:
         """QoS to grant for a SUBSCRIBE to an ``$ECQ/`` filter, or None to refuse it (see AccessControl)."""

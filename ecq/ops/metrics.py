@@ -42,6 +42,12 @@ class EcqMetrics:
         self.session_dropped = Counter(
             "ecq_session_dropped", "messages of ordinary topics dropped from a persistent session: queue_full "
             "(session_max_queued), inflight_full (session_max_inflight)", ["reason"], registry=r)
+        self.messages_dropped = Counter(
+            "ecq_messages_dropped", "messages of ordinary topics not sent to a connected client: queue_full (its "
+            "connection at max_queued_messages or max_queued_bytes)", ["reason"], registry=r)
+        self.stuck_subscribers_closed = Counter(
+            "ecq_stuck_subscribers_closed", "connections closed after stuck_subscriber_timeout at their outgoing "
+            "bound (max_queued_messages, max_queued_bytes)", registry=r)
         fast_path = Counter("ecq_fast_path_packets", "packets read on the fast path (fast_path: true), by type: publish "
                             "(under $ECQ/), puback (of an ECQ delivery)", ["packet"], registry=r)
         self.fast_path_publishes, self.fast_path_pubacks = fast_path.labels("publish"), fast_path.labels("puback")

@@ -19,6 +19,10 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   retained messages);
 - :mod:`.conformance`: MQTT 3.1.1 for ordinary topics (what was read before a disconnect is routed, persistent sessions, without their dead connection's
   handler, retained messages, QoS of a fan-out, resend on reconnect, keepalive, with per-session bounds);
+- :mod:`.flow`: nothing unbounded in flow: a connection's outgoing sends bounded (drop, then close a stuck
+  subscriber), a quick shutdown with stuck subscribers, a connection's PUBLISHes read ahead of their routing
+  bounded, PINGREQ answered after the PUBLISHes before it were routed, acknowledgement timeouts logged in
+  aggregate;
 - :mod:`.shared_subscriptions`: ``$share/<ShareName>/<filter>`` (MQTT 5.0 section 4.8.2): each message to one
   member of the group, malformed ones refused, the ACL judging the filter read;
 - :mod:`.cluster`: ordinary MQTT messages forwarded to and from the other brokers of a cluster, retained messages
@@ -51,8 +55,8 @@ Several corrections wrap the same amqtt method (``init_from_connect``, ``_reader
 from __future__ import annotations
 
 from ecq.broker.amqtt_hooks import (acks, authentication, bad_clients, cluster, conformance, ecq_guards, ecq_paths,
-                                    framer, mqtt5_edge, mqtt5_framer, mqtt5_routing, mqtt5_sessions, session_owners,
-                                    shared_subscriptions, start_up, target, websocket)
+                                    flow, framer, mqtt5_edge, mqtt5_framer, mqtt5_routing, mqtt5_sessions,
+                                    session_owners, shared_subscriptions, start_up, target, websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import (PersistentSession, broadcast_from_cluster, discard_session,
                                            hand_over_session, persistent_session, set_retained_from_cluster)
@@ -61,6 +65,7 @@ from ecq.broker.amqtt_hooks.conformance import set_session_expiry
 from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge_soon, client_id, close_connection, connection_is_open,
                                               delivery_fits, listener_addresses, live_connection, publish_qos1,
                                               qos2_receipts, send_soon, set_listen_backlog, shorten_subscriptions_repr)
+from ecq.broker.amqtt_hooks.flow import count_routed_publishes
 from ecq.broker.amqtt_hooks.mqtt5_messages import Subscription, cluster_form, from_cluster_form
 from ecq.broker.amqtt_hooks.mqtt5_packets import receive_maximum
 from ecq.broker.amqtt_hooks.mqtt5_sessions import SERVER_SHUTTING_DOWN, SESSION_TAKEN_OVER
@@ -69,11 +74,11 @@ from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 
 __all__ = ["EcqHooksTarget", "PersistentSession", "ProtocolViolation", "SERVER_SHUTTING_DOWN", "SESSION_TAKEN_OVER",
            "Subscription", "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection",
-           "close_listeners", "cluster_form", "connection_is_open", "delivery_fits", "discard_session",
-           "from_cluster_form", "hand_over_session", "install", "listener_addresses", "live_connection",
-           "open_connections", "persistent_session", "publish_qos1", "qos2_receipts", "receive_maximum",
-           "received_unread", "send_disconnect", "send_soon", "set_listen_backlog", "set_retained_from_cluster",
-           "set_session_expiry", "shorten_subscriptions_repr", "stop_reading"]
+           "close_listeners", "cluster_form", "connection_is_open", "count_routed_publishes", "delivery_fits",
+           "discard_session", "from_cluster_form", "hand_over_session", "install", "listener_addresses",
+           "live_connection", "open_connections", "persistent_session", "publish_qos1", "qos2_receipts",
+           "receive_maximum", "received_unread", "send_disconnect", "send_soon", "set_listen_backlog",
+           "set_retained_from_cluster", "set_session_expiry", "shorten_subscriptions_repr", "stop_reading"]
 
 
 def install(plugin_class: type[EcqHooksTarget]) -> None:
@@ -85,6 +90,10 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     ecq_paths.release_ecq_qos2_writes()
     ecq_paths.grant_ecq_subscriptions()
     ecq_paths.accept_ecq_wildcards()
+    flow.count_publishes_read()  # outside take_ecq_publishes: sees every PUBLISH as it is read
+    flow.pace_amqtt_readers()
+    flow.answer_pings_after_routing()
+    flow.limit_ack_timeout_log()
     acks.resolve_pubacks_at_once()
     acks.read_to_the_end_after_a_reset()
     acks.keep_the_new_connection_on_persistent_takeover()

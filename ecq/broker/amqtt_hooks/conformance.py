@@ -26,6 +26,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.puback import PubackPacket
 from amqtt.session import OUTGOING
 
+from ecq.broker.amqtt_hooks import flow
 from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE, client_id, close_connection, no_op
 from ecq.broker.amqtt_hooks.mqtt5_routing import sends_retained
 from ecq.broker.amqtt_hooks.shared_subscriptions import receivers
@@ -239,7 +240,8 @@ def conformant_fan_out() -> None:
     keeps nothing for an anonymous session. MQTT 3.1.1 sections 3.3.5 and 3.8.4: one delivery per client at
     min(PUBLISH QoS, highest granted QoS of its matching subscriptions); a disconnected CleanSession=0 session
     gets its QoS 1 and 2 messages queued (section 3.1.2.4), within ``session_max_queued``, and so does a
-    reconnecting one until that queue is sent (:func:`offline_queue_first_on_reconnect`).
+    reconnecting one until that queue is sent (:func:`offline_queue_first_on_reconnect`). A connected client's
+    sends are ECQ's tasks, within its outgoing bounds (``flow.send_or_drop``), not amqtt's broadcast tasks.
 
     amqtt does not put the PUBLISH's QoS in its broadcast, so ``_handle_message_delivery`` records it for
     ``_broadcast_message`` (same task) in a context variable. A broadcast with a QoS (the Will, a plugin's)
@@ -252,9 +254,11 @@ def conformant_fan_out() -> None:
     async def handle_message_delivery(broker: Broker, session: Any, handler: Any, waiter: asyncio.Future) -> bool:
         message = waiter.result()
         token = _PUBLISH_QOS.set(message.qos if message is not None else None)
+        routing = flow.delivering(flow.routing_of(message))
         try:
             return await original_delivery(broker, session, handler, waiter)
         finally:
+            flow.delivered(routing)
             _PUBLISH_QOS.reset(token)
 
     async def broadcast_message(broker: Broker, session: Any, topic: str | None, data: Any,
@@ -267,7 +271,11 @@ def conformant_fan_out() -> None:
         plugin = find_target(broker.plugins_manager)
         if plugin is None:
             return await original_run(broker, running_tasks)
-        await _fan_out(broker, plugin, await broker._broadcast_queue.get(), running_tasks)
+        broadcast = await broker._broadcast_queue.get()
+        try:
+            await _fan_out(broker, plugin, broadcast)
+        finally:
+            flow.fanned_out(broadcast)
 
     Broker._handle_message_delivery = handle_message_delivery
     Broker._broadcast_message = broadcast_message
@@ -283,7 +291,7 @@ def _subscribers(broker: Broker, topic: str) -> dict[str, tuple[Any, int]]:
     return found
 
 
-async def _fan_out(broker: Broker, plugin: EcqHooksTarget, broadcast: dict[str, Any], running_tasks: Any) -> None:
+async def _fan_out(broker: Broker, plugin: EcqHooksTarget, broadcast: dict[str, Any]) -> None:
     topic, publish_qos = broadcast["topic"], broadcast.get("qos", 2)
     if publish_qos is None:
         publish_qos = 2
@@ -297,7 +305,7 @@ async def _fan_out(broker: Broker, plugin: EcqHooksTarget, broadcast: dict[str, 
                 await broker._retain_broadcast_message(broadcast, qos, session)
             continue
         if (handler := broker._get_handler(session)) is not None:
-            running_tasks.append(asyncio.ensure_future(handler.mqtt_publish(topic, broadcast["data"], qos, False)))
+            flow.send_or_drop(handler, plugin, topic, broadcast["data"], qos)
 
 
 def _make_room(queue: asyncio.Queue, plugin: EcqHooksTarget, clientid: str) -> None:

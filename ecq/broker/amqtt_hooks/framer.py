@@ -17,6 +17,8 @@ packets from those bytes:
 - every other packet is decoded from its bytes by amqtt's own classes (bad_clients' decode checks apply to
   them; one that does not decode closes the connection), fires PACKET_RECEIVED and goes to amqtt's handler
   method in a task, as amqtt's reader does;
+- the next bytes are read once the PUBLISHes of ordinary topics read and not yet routed are within
+  ``inbound_max_messages`` and ``inbound_max_bytes`` (``flow.Inbound``);
 - keepalive: when no whole packet came within ``session.keep_alive`` (which ``conformance.enforce_keepalive``
   makes 1.5 x the CONNECT's), the handler's ``handle_read_timeout`` is called (that correction closes the
   connection): one timer re-armed at most once per keepalive period, not a ``wait_for`` per packet;
@@ -49,6 +51,7 @@ from ecq.broker.amqtt_hooks.bad_clients import (PACKET_NAMES, ProtocolViolation,
                                                 checks_shared_with, fixed_header_violation, publish_overrun,
                                                 publish_violation, utf8_or_violation, violation)
 from ecq.broker.amqtt_hooks.ecq_paths import client_id
+from ecq.broker.amqtt_hooks.flow import room_to_read
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
 from ecq.queue.topics import PREFIX, is_ecq_topic
 
@@ -166,6 +169,7 @@ class Framer:
             if not chunk:
                 return
             pending = await self._cut(pending + chunk if pending else chunk)
+            await room_to_read(self._adapter)  # PUBLISHes read and not yet routed within their bounds
             while self._running and self._running[0][0].done():
                 self._running.popleft()
 

@@ -84,6 +84,14 @@ class EcqHooksTarget(Protocol):
         """Count a message of an ordinary topic dropped from a persistent session at a bound
         (``reason``: ``queue_full`` or ``inflight_full``)."""
 
+    def outgoing_message_dropped(self, clientid: str | None, topic: str) -> None:
+        """Count a message to a connected client dropped because its connection is at ``max_queued_messages`` or
+        ``max_queued_bytes``."""
+
+    def stuck_subscriber_closed(self, clientid: str | None, messages: int, queued_bytes: int) -> None:
+        """Count and log a connection closed after ``stuck_subscriber_timeout`` at its outgoing bound, with what it
+        held (sends not done, bytes with its write buffer)."""
+
 
 def register(target_class: type) -> bool:
     """Make ``target_class`` the plugin class :func:`find_target` looks for; False if one was registered
