@@ -19,7 +19,7 @@ from tests.harness import fixed_header, write
 from tests.mqtt_wire import CONNACK, PUBLISH, WireClient, puback_packet
 from tests.test_cluster_state import started
 from tests.test_mqtt5 import v5_packet
-from tests.test_session_owners import (authenticated, backend_of, leave_bob_offline, online_bob,  # noqa: F401
+from tests.test_session_owners import (authenticated, backend_of, granted, leave_bob_offline, online_bob,  # noqa: F401
                                        passwd, persistent)  # passwd: a fixture
 
 REFUSED = [("bob", True), ("bob", False), ("alice", True), ("alice", False)]  # (username, clean session) of each
@@ -44,11 +44,6 @@ def refused_connect(protocol: str, port: int, user: str, clean: bool) -> None:
         assert client.until_closed() == []
     finally:
         client.close()
-
-
-def refuse_every_kind(protocol: str, port: int) -> None:
-    for user, clean in REFUSED:
-        refused_connect(protocol, port, user, clean)
 
 
 def queue_for_bob(backend, tag: str) -> set[tuple[str, bytes]]:
@@ -80,16 +75,17 @@ def bob_resumes_everything(protocol: str, port: int, expected: set[tuple[str, by
         bob.close()
 
 
-def refused_connects_change_nothing(protocol: str, bob_is: str, bob_port: int, refusing_port: int,
-                                    backend) -> None:
-    """bob's session on ``bob_port`` (offline, or online on a raw socket) survives every refused CONNECT sent to
-    ``refusing_port``."""
+def refused_connects_change_nothing(protocol: str, bob_is: str, bob_port: int, refusing_port: int, backend,
+                                    refusals: list[tuple[str, bool]]) -> None:
+    """bob's session on ``bob_port`` (offline, or online on a raw socket) survives the refused CONNECTs
+    ``refusals`` ((username, clean session) each) sent to ``refusing_port``."""
     if bob_is == "online":
         bob = online_bob(protocol, bob_port)
         try:
             before = queue_for_bob(backend, "before")
             assert received_online(protocol, bob, 2) == before
-            refuse_every_kind(protocol, refusing_port)
+            for user, clean in refusals:
+                refused_connect(protocol, refusing_port, user, clean)
             after = queue_for_bob(backend, "after")
             assert received_online(protocol, bob, 2) == after
             assert not bob.available(0.2) and not bob.ended
@@ -97,18 +93,20 @@ def refused_connects_change_nothing(protocol: str, bob_is: str, bob_port: int, r
             bob.close()
     else:
         leave_bob_offline(protocol, bob_port, bob_port)
-        expected = queue_for_bob(backend, "queued")
-        refuse_every_kind(protocol, refusing_port)
-        bob_resumes_everything(protocol, bob_port, expected)
+        before = queue_for_bob(backend, "before")
+        for user, clean in refusals:
+            refused_connect(protocol, refusing_port, user, clean)
+        bob_resumes_everything(protocol, bob_port, before | queue_for_bob(backend, "after"))
 
 
 @pytest.mark.parametrize("protocol", ["3.1.1", "5"])
 @pytest.mark.parametrize("bob_is", ["offline", "online"])
-def test_a_refused_connect_changes_no_session(broker_process, passwd, protocol, bob_is):
+@pytest.mark.parametrize("refused", REFUSED, ids=[f"{user}-clean{int(clean)}" for user, clean in REFUSED])
+def test_a_refused_connect_changes_no_session(broker_process, passwd, protocol, bob_is, refused):
     broker = authenticated(broker_process(), passwd).start()
     backend = backend_of(broker.port)
     try:
-        refused_connects_change_nothing(protocol, bob_is, broker.port, broker.port, backend)
+        refused_connects_change_nothing(protocol, bob_is, broker.port, broker.port, backend, [refused])
     finally:
         backend.close()
     assert "refused (CONNACK 0x05, MQTT 5 0x87): refused by FileAuthPlugin" in broker.log()
@@ -118,10 +116,29 @@ def test_a_refused_connect_changes_no_session(broker_process, passwd, protocol, 
 @pytest.mark.parametrize("bob_is", ["offline", "online"])
 def test_a_refused_connect_on_another_node_claims_nothing(cluster_nodes, passwd, protocol, bob_is):
     """bob's session is held by node 2 (online: his connection there); the refused CONNECTs go to node 1, whose claim
-    would have taken the session and closed bob's connection on node 2."""
+    would have taken the session and closed bob's connection on node 2 (every kind of REFUSED, one after another)."""
     node1, node2 = started([authenticated(node, passwd) for node in cluster_nodes()])
     backend = backend_of(node1.port)
     try:
-        refused_connects_change_nothing(protocol, bob_is, node2.port, node1.port, backend)
+        refused_connects_change_nothing(protocol, bob_is, node2.port, node1.port, backend, REFUSED)
+    finally:
+        backend.close()
+
+
+def test_a_refused_connect_leaves_a_pending_will_pending(broker_process, passwd):
+    """MQTT 5: bob's connection ends with a Will delayed 2 s; a refused CONNECT as bob with Clean Start 0 within the
+    delay resumes nothing (MQTT 5.0 section 3.1.3.2.2 cancels the Will only for a resumption): the Will is published."""
+    broker = authenticated(broker_process(), passwd).start()
+    backend = backend_of(broker.port)
+    try:
+        assert granted(backend, "news/#") == 1
+        bob = WireClient(broker.port)
+        bob.send(mqtt5.ConnectPacket("bob", clean_start=True, session_expiry_interval=600, username="bob",
+                                     password=b"bob-secret",
+                                     will=mqtt5.Will("news/bob-gone", payload=b"gone", will_delay_interval=2)).write())
+        assert v5_packet(bob.next()).reason_code == 0
+        bob.close()
+        refused_connect("5", broker.port, "bob", False)
+        assert [(m.topic, m.payload) for m in backend.expect(1)] == [("news/bob-gone", b"gone")]
     finally:
         backend.close()
