@@ -101,7 +101,8 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     ecq_guards.keep_ecq_out_of_broadcasts()
     ecq_guards.keep_ecq_out_of_retained_store()
     cluster.forward_broadcasts_to_the_cluster()  # inside conformant_fan_out's wrapper: gets the PUBLISH's QoS
-    conformance.keep_persistent_sessions()
+    authentication.authenticate_before_the_session()  # inside adopt_sessions: a refused CONNECT reaches no session;
+    conformance.keep_persistent_sessions()  # ...outside its _authenticate: judges the session amqtt resumes or creates
     conformance.release_handlers_of_offline_sessions()
     conformance.retained_only_for_new_subscriptions()
     conformance.offline_messages_not_retained()
@@ -113,8 +114,7 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     conformance.resend_unacked_on_reconnect()
     conformance.enforce_keepalive()
     cluster.replicate_retained_messages()  # outside keep_ecq_out_of_retained_store: $ECQ/ never reaches it
-    authentication.authenticate_before_the_session()  # inside adopt_sessions: a refused CONNECT reaches no session
-    cluster.adopt_sessions_from_the_cluster()  # outside authenticate_before_the_session: a refused CONNECT claims nothing
+    cluster.adopt_sessions_from_the_cluster()  # outside authenticate_before_the_session's: refused, claims nothing
     session_owners.resume_sessions_only_for_their_owner()  # outside adopt_sessions: judges a handed-over session too
     cluster.store_offline_queues_in_the_cluster()  # outermost: sees the queue before it is taken
     mqtt5_edge.translate_level_5_connects()  # outside adopt_sessions: every CONNECT wrapper sees a 3.1.1 CONNECT

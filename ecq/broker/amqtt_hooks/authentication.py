@@ -40,12 +40,13 @@ def authenticate_before_the_session() -> None:
 
     MQTT 3.1.1 section 3.1.4 (MQTT 5.0 the same): the server authenticates first and, on refusal, sends a CONNACK
     with a non-zero return code and closes the connection; EMQX and Mosquitto authenticate before any session
-    takeover. So right after amqtt read the CONNECT, before any wrapper looks the session up, ``Broker._authenticate``
-    judges the CONNECT's own session (amqtt's rule and the plugins' answers, ``conformance`` and
-    :func:`log_refused_connects` with them); a refusal is answered as amqtt refuses a bad protocol level: CONNACK
-    0x05 with session present 0 (MQTT-3.2.2-4), close, MQTTError, which amqtt logs and which ends the connection
-    with nothing changed. An allowed CONNECT is not judged again: amqtt's later ``_authenticate`` of the session it
-    resumes or creates answers True, with the ``is_anonymous`` the plugins gave, and no plugin is asked twice.
+    takeover. So right after amqtt read the CONNECT, before any wrapper looks the session up, amqtt's
+    ``Broker._authenticate`` judges the CONNECT's own session (amqtt's rule and the plugins' answers, logged by
+    :func:`log_refused_connects`); a refusal is answered as amqtt refuses a bad protocol level: CONNACK 0x05 with
+    session present 0 (MQTT-3.2.2-4), close, MQTTError, which amqtt logs and which ends the connection with nothing
+    changed. An allowed CONNECT is not judged again: amqtt's later ``_authenticate`` of the session it resumes or
+    creates answers True with the ``is_anonymous`` the plugins gave, so no plugin is asked twice, and wrappers
+    outside this one (``conformance.keep_persistent_sessions``) still judge that final session.
     """
     original_init = BrokerProtocolHandler.init_from_connect
     original_initialize = Broker._initialize_client_session
@@ -58,7 +59,7 @@ def authenticate_before_the_session() -> None:
         plugin = find_target(plugins_manager)
         if plugin is None:
             return handler, session
-        if not await plugin.context._broker_instance._authenticate(session, None):
+        if not await original_authenticate(plugin.context._broker_instance, session, None):
             connack = ConnackPacket.build(0, NOT_AUTHORIZED)
             await plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack)
             await connack.to_stream(writer)
