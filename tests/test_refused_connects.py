@@ -115,7 +115,9 @@ def test_a_refused_connect_changes_no_session(broker_process, passwd, protocol, 
         refused_connects_change_nothing(protocol, bob_is, broker.port, broker.port, backend, [refused])
     finally:
         backend.close()
-    assert "refused (CONNACK 0x05, MQTT 5 0x87): refused by FileAuthPlugin" in broker.log()
+    log = broker.log()
+    assert "refused (CONNACK 0x05, MQTT 5 0x87): refused by FileAuthPlugin" in log  # once, rate-limited: not amqtt's
+    assert "refused with 0x05: not authorized" not in log and "Invalid connection from" not in log
 
 
 @pytest.mark.parametrize("protocol", ["3.1.1", "5"])

@@ -6,6 +6,7 @@ at all and so refuses every client of a broker that started and said ``ECQ ready
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from typing import Any
 
@@ -27,6 +28,20 @@ _refusal_log = LogThrottle(REFUSAL_LOG_INTERVAL_S, REFUSAL_LOG_BURST)
 _AUTHENTICATED = "ecq_authenticated"  # Session.attributes key: authenticated at CONNECT; value: its is_anonymous
 
 
+class _Refused(MQTTError):
+    """A CONNECT the authentication plugins refused, ended by :func:`authenticate_before_the_session`."""
+
+
+class _RefusalAlreadyLogged(logging.Filter):
+    """Drops amqtt's two WARNINGs for a connection that ended in :class:`_Refused` (``Invalid connection from ...``,
+    ``Failed to initialize client session: ...``, logged while handling it): :func:`log_refused_connects` said why,
+    rate-limited, so a client retrying a wrong password floods no log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        handled = sys.exc_info()[1]
+        return not (isinstance(handled, _Refused) or isinstance(getattr(handled, "__cause__", None), _Refused))
+
+
 def authenticate_before_the_session() -> None:
     """Correct amqtt 0.12.1's order of CONNECT handling: ``Broker._initialize_client_session`` acts on the session
     stored under the CONNECT's client id (a CleanSession=1 CONNECT deletes it, ``Broker._delete_session``: its
@@ -43,10 +58,11 @@ def authenticate_before_the_session() -> None:
     takeover. So right after amqtt read the CONNECT, before any wrapper looks the session up, amqtt's
     ``Broker._authenticate`` judges the CONNECT's own session (amqtt's rule and the plugins' answers, logged by
     :func:`log_refused_connects`); a refusal is answered as amqtt refuses a bad protocol level: CONNACK 0x05 with
-    session present 0 (MQTT-3.2.2-4), close, MQTTError, which amqtt logs and which ends the connection with nothing
-    changed. An allowed CONNECT is not judged again: amqtt's later ``_authenticate`` of the session it resumes or
-    creates answers True with the ``is_anonymous`` the plugins gave, so no plugin is asked twice, and wrappers
-    outside this one (``conformance.keep_persistent_sessions``) still judge that final session.
+    session present 0 (MQTT-3.2.2-4), close, MQTTError, which ends the connection with nothing changed (amqtt's
+    log lines for it dropped: :class:`_RefusalAlreadyLogged`). An allowed CONNECT is not judged again: amqtt's
+    later ``_authenticate`` of the session it resumes or creates answers True with the ``is_anonymous`` the
+    plugins gave, so no plugin is asked twice, and wrappers outside this one (``conformance.keep_persistent_sessions``)
+    still judge that final session.
     """
     original_init = BrokerProtocolHandler.init_from_connect
     original_initialize = Broker._initialize_client_session
@@ -64,7 +80,7 @@ def authenticate_before_the_session() -> None:
             await plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack)
             await connack.to_stream(writer)
             await writer.close()
-            raise MQTTError(f"CONNECT of client id {session.client_id!r} refused with 0x05: not authorized")
+            raise _Refused(f"CONNECT of client id {session.client_id!r} refused with 0x05: not authorized")
         allowed[handler] = session.is_anonymous
         return handler, session
 
@@ -84,6 +100,7 @@ def authenticate_before_the_session() -> None:
     BrokerProtocolHandler.init_from_connect = classmethod(init_from_connect)
     Broker._initialize_client_session = initialize_client_session
     Broker._authenticate = authenticate
+    logging.getLogger("amqtt.broker").addFilter(_RefusalAlreadyLogged())
 
 
 def warn_when_no_authentication_plugin() -> None:
