@@ -29,8 +29,8 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   and persistent sessions that follow the client across them;
 - :mod:`.session_owners`: a persistent session is resumed only by the username that owns it;
 - :mod:`.start_up`: start-up failures are reported, not hidden;
-- :mod:`.authentication`: a config without an authentication plugin is warned of, each refused CONNECT logged
-  with its reason (rate-limited);
+- :mod:`.authentication`: a CONNECT authenticated before its client id's session is touched, a config without an
+  authentication plugin warned of, each refused CONNECT logged with its reason (rate-limited);
 - :mod:`.framer`: the packet reader (``fast_path``): buffered framing, ECQ writes and PUBACKs without amqtt's
   packet objects and tasks;
 - :mod:`.drain`: the listeners closed, the connections listed and their reading stopped, to drain a node;
@@ -49,7 +49,8 @@ docstring names the amqtt behaviour it replaces. One module per concern:
 Several corrections wrap the same amqtt method (``init_from_connect``, ``_reader_loop``, ``handle_puback``,
 ``_handle_message_delivery``, ``_broadcast_message``, ``add_subscription``, ``_handle_client_session``,
 ``_client_connected``, ``_publish_session_retained_messages``, ``_initialize_client_session``, ``_delete_session``,
-``_handle_disconnect``, ``handle_read_timeout``, ``_start_listeners``): the order of :func:`install` is the order of wrapping.
+``_handle_disconnect``, ``handle_read_timeout``, ``_start_listeners``, ``_authenticate``): the order of :func:`install`
+is the order of wrapping.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     ecq_guards.keep_ecq_out_of_broadcasts()
     ecq_guards.keep_ecq_out_of_retained_store()
     cluster.forward_broadcasts_to_the_cluster()  # inside conformant_fan_out's wrapper: gets the PUBLISH's QoS
-    conformance.keep_persistent_sessions()
+    authentication.authenticate_before_the_session()  # inside adopt_sessions: a refused CONNECT reaches no session;
+    conformance.keep_persistent_sessions()  # ...outside its _authenticate: judges the session amqtt resumes or creates
     conformance.release_handlers_of_offline_sessions()
     conformance.retained_only_for_new_subscriptions()
     conformance.offline_messages_not_retained()
@@ -122,7 +124,7 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     conformance.resend_unacked_on_reconnect()
     conformance.enforce_keepalive()
     cluster.replicate_retained_messages()  # outside keep_ecq_out_of_retained_store: $ECQ/ never reaches it
-    cluster.adopt_sessions_from_the_cluster()  # outermost init_from_connect: a refused CONNECT claims nothing
+    cluster.adopt_sessions_from_the_cluster()  # outside authenticate_before_the_session's: refused, claims nothing
     session_owners.resume_sessions_only_for_their_owner()  # outside adopt_sessions: judges a handed-over session too
     cluster.store_offline_queues_in_the_cluster()  # outermost: sees the queue before it is taken
     mqtt5_edge.translate_level_5_connects()  # outside adopt_sessions: every CONNECT wrapper sees a 3.1.1 CONNECT

@@ -1,14 +1,20 @@
-"""Why a client cannot connect is said, not left to guess: amqtt 0.12.1 refuses a CONNECT that no authentication
-plugin allowed (CONNACK 0x05 Not authorized, 0x87 to an MQTT 5 client) without a line in its log, also when the
-config lists no authentication plugin at all and so refuses every client of a broker that started and said
-``ECQ ready``."""
+"""A CONNECT is authenticated before anything is done with its client id's session, and why a client cannot connect
+is said, not left to guess: amqtt 0.12.1 refuses a CONNECT that no authentication plugin allowed (CONNACK 0x05 Not
+authorized, 0x87 to an MQTT 5 client) without a line in its log, also when the config lists no authentication plugin
+at all and so refuses every client of a broker that started and said ``ECQ ready``."""
 
 from __future__ import annotations
 
 import logging
+import sys
+import weakref
 from typing import Any
 
 from amqtt.broker import Broker
+from amqtt.errors import MQTTError
+from amqtt.events import MQTTEvents
+from amqtt.mqtt.connack import NOT_AUTHORIZED, ConnackPacket
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.plugins.manager import PluginManager
 
 from ecq.broker.amqtt_hooks.target import find_target
@@ -19,6 +25,82 @@ log = logging.getLogger(__name__)
 REFUSAL_LOG_INTERVAL_S, REFUSAL_LOG_BURST = 10.0, 10  # as bad_clients' violations: a reconnect loop floods nothing
 ANONYMOUS_PLUGIN = "amqtt.plugins.authentication.AnonymousAuthPlugin"
 _refusal_log = LogThrottle(REFUSAL_LOG_INTERVAL_S, REFUSAL_LOG_BURST)
+_AUTHENTICATED = "ecq_authenticated"  # Session.attributes key: authenticated at CONNECT; value: its is_anonymous
+
+
+class _Refused(MQTTError):
+    """A CONNECT the authentication plugins refused, ended by :func:`authenticate_before_the_session`."""
+
+
+class _RefusalAlreadyLogged(logging.Filter):
+    """Drops amqtt's two WARNINGs for a connection that ended in :class:`_Refused` (``Invalid connection from ...``,
+    ``Failed to initialize client session: ...``, logged while handling it): :func:`log_refused_connects` said why,
+    rate-limited, so a client retrying a wrong password floods no log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        handled = sys.exc_info()[1]
+        return not (isinstance(handled, _Refused) or isinstance(getattr(handled, "__cause__", None), _Refused))
+
+
+def authenticate_before_the_session() -> None:
+    """Correct amqtt 0.12.1's order of CONNECT handling: ``Broker._initialize_client_session`` acts on the session
+    stored under the CONNECT's client id (a CleanSession=1 CONNECT deletes it, ``Broker._delete_session``: its
+    subscriptions and queued messages; a CleanSession=0 one takes it and gives it the CONNECT's username and
+    password) and ``Broker._handle_client_session`` takes over its live connection (closed) and registers the new
+    connection as the session's, all before ``Broker._authenticate`` asks the authentication plugins; a refused
+    CONNECT then got CONNACK 0x05 (with session present 1 for a resumed session) and was closed, too late. So a
+    CONNECT with a wrong password naming client id ``bob`` deleted bob's persistent session, or (another username,
+    ``session_owners``) discarded it, or closed bob's live connection; on a cluster, the claim of ``cluster``'s
+    ``adopt_sessions_from_the_cluster`` took bob's session and connection from the other brokers.
+
+    MQTT 3.1.1 section 3.1.4 (MQTT 5.0 the same): the server authenticates first and, on refusal, sends a CONNACK
+    with a non-zero return code and closes the connection; EMQX and Mosquitto authenticate before any session
+    takeover. So right after amqtt read the CONNECT, before any wrapper looks the session up, amqtt's
+    ``Broker._authenticate`` judges the CONNECT's own session (amqtt's rule and the plugins' answers, logged by
+    :func:`log_refused_connects`); a refusal is answered as amqtt refuses a bad protocol level: CONNACK 0x05 with
+    session present 0 (MQTT-3.2.2-4), close, MQTTError, which ends the connection with nothing changed (amqtt's
+    log lines for it dropped: :class:`_RefusalAlreadyLogged`). An allowed CONNECT is not judged again: amqtt's
+    later ``_authenticate`` of the session it resumes or creates answers True with the ``is_anonymous`` the
+    plugins gave, so no plugin is asked twice, and wrappers outside this one (``conformance.keep_persistent_sessions``)
+    still judge that final session.
+    """
+    original_init = BrokerProtocolHandler.init_from_connect
+    original_initialize = Broker._initialize_client_session
+    original_authenticate = Broker._authenticate
+    allowed: weakref.WeakKeyDictionary[BrokerProtocolHandler, bool] = weakref.WeakKeyDictionary()  # -> is_anonymous
+
+    async def init_from_connect(cls: type, reader: Any, writer: Any, plugins_manager: Any,
+                                loop: Any = None) -> tuple[BrokerProtocolHandler, Any]:
+        handler, session = await original_init(reader, writer, plugins_manager, loop)
+        plugin = find_target(plugins_manager)
+        if plugin is None:
+            return handler, session
+        if not await original_authenticate(plugin.context._broker_instance, session, None):
+            connack = ConnackPacket.build(0, NOT_AUTHORIZED)
+            await plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack)
+            await connack.to_stream(writer)
+            await writer.close()
+            raise _Refused(f"CONNECT of client id {session.client_id!r} refused with 0x05: not authorized")
+        allowed[handler] = session.is_anonymous
+        return handler, session
+
+    async def initialize_client_session(broker: Broker, *args: Any) -> tuple[BrokerProtocolHandler, Any]:
+        handler, session = await original_initialize(broker, *args)
+        if (anonymous := allowed.pop(handler, None)) is not None:
+            session.attributes[_AUTHENTICATED] = anonymous
+        return handler, session
+
+    async def authenticate(broker: Broker, session: Any, listener: Any) -> bool:
+        anonymous = session.attributes.pop(_AUTHENTICATED, None)
+        if anonymous is None:
+            return await original_authenticate(broker, session, listener)
+        session.is_anonymous = anonymous
+        return True
+
+    BrokerProtocolHandler.init_from_connect = classmethod(init_from_connect)
+    Broker._initialize_client_session = initialize_client_session
+    Broker._authenticate = authenticate
+    logging.getLogger("amqtt.broker").addFilter(_RefusalAlreadyLogged())
 
 
 def warn_when_no_authentication_plugin() -> None:
