@@ -10,6 +10,7 @@ import time
 import pytest
 
 from ecq.queue.deadlines import SharedDeadline
+from ecq.queue import delivery
 from ecq.queue.delivery import Consumer
 from ecq.store.leveldb import LevelDbStore
 from ecq.queue.readers import BatchedReader
@@ -25,6 +26,7 @@ class Seen:
     def __init__(self) -> None:
         self.sends: list[tuple[int, int]] = []
         self.acks: list[int] = []
+        self.skips: list[tuple[int, str]] = []
         self.reads = 0  # store reads the consumer made
 
     def delivered(self, clientid: str, message: Message, attempt: int) -> None:
@@ -32,6 +34,9 @@ class Seen:
 
     def acked(self, clientid: str, message: Message, sent_monotonic: float) -> None:
         self.acks.append(message.seqno)
+
+    def skipped(self, clientid: str, message: Message, reason: str) -> None:
+        self.skips.append((message.seqno, reason))
 
 
 def tell_appends(consumers: list[Consumer], with_message: bool):
@@ -362,3 +367,18 @@ async def test_a_read_in_progress_when_a_rewind_comes_does_not_deliver_from_the_
         await pool.close()
         reader.shutdown()
         store.close()
+
+
+async def test_a_skipped_entry_is_dropped_once_too_many_later_entries_were_acked_past_it(parts, monkeypatch):
+    """The ack state holds every seqno acked past a skipped entry; past the bound the entry is given up, so an
+    ack save stays small (here a bound of 3 instead of 1,024)."""
+    monkeypatch.setattr(delivery, "MAX_ACKED_PAST_A_GAP", 3)
+    store = parts[0]
+    await write(parts, "big", "a", "b", "c", "d", "e")
+    consumer, seen = make_consumer(parts, window=2)
+    connection = FakeConnection()
+    consumer.attach(connection, fits=lambda _topic, message: message.key != "big")
+    await settle(lambda: connection.ack() or len(seen.acks) == 5)  # PUBACK each send as it comes
+    assert seen.skips == [(1, delivery.SKIPPED_TOO_LARGE), (1, delivery.DROPPED_TOO_LARGE)]
+    await settle(lambda: store.ack_state("q").acked == 6)
+    assert store.ack_state("q").above == set() and not consumer.skipped

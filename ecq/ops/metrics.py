@@ -37,8 +37,9 @@ class EcqMetrics:
                                     registry=r)
         self.acks = Counter("ecq_acks", "PUBACKs received from consumers", registry=r)
         self.deliveries_skipped = Counter("ecq_deliveries_skipped", "queue entries not sent to a consumer's "
-                                          "connection and left pending, by reason (packet_too_large: above its "
-                                          "MQTT 5 Maximum Packet Size)", ["reason"], registry=r)
+                                          "connection, by reason (packet_too_large: above its MQTT 5 Maximum "
+                                          "Packet Size, left pending; packet_too_large_dropped: such an entry "
+                                          "given up once 1024 later entries were acked)", ["reason"], registry=r)
         self.session_dropped = Counter(
             "ecq_session_dropped", "messages of ordinary topics dropped from a persistent session: queue_full "
             "(session_max_queued), inflight_full (session_max_inflight)", ["reason"], registry=r)

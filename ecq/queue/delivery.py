@@ -34,7 +34,9 @@ connection: not sent, not acked, counted (:meth:`DeliveryObserver.skipped`). It 
 ``acked`` does not pass, so the entries after it are acked out of order (``above``) and never sent again, while it
 stays pending in the store: the next connection reads from ``acked`` and gets it if its maximum is larger. The gap
 closes when compaction or GC deletes the entry (:meth:`Consumer.appended`, :meth:`Consumer.forget`). While it
-stays, ``above`` grows by one seqno per entry acked after it.
+stays, ``above`` grows by one seqno per entry acked after it, a cost paid again by every ack save: past
+``MAX_ACKED_PAST_A_GAP`` of them the oldest skipped entry is dropped (passed as if acked, counted with reason
+``packet_too_large_dropped``, logged), so the stored ack state stays within a few kilobytes.
 
 A send again carries ``dup`` (MQTT 3.1.1 section 4.4, MQTT-4.4.0-1: DUP=1 "might be re-delivery"): an entry this
 consumer sent before, and up to one window of entries a consumer it does not know of may have sent without their
@@ -69,6 +71,8 @@ Publish = Callable[[Any, str, bytes, int, int, int, bool], Awaitable[None]]
 # fits(topic, message) -> False when the PUBLISH of ``message`` would exceed what the connection takes (its size).
 Fits = Callable[[str, Message], bool]
 SKIPPED_TOO_LARGE = "packet_too_large"  # the reason of a skip: above the connection's Maximum Packet Size
+DROPPED_TOO_LARGE = "packet_too_large_dropped"  # a skipped entry given up: too many entries acked past it
+MAX_ACKED_PAST_A_GAP = 1024  # entries acked out of order past a skipped one: 8 bytes each in every ack save
 # read(func, *args) -> a future of the blocking store read func(*args), run off the event loop.
 Read = Callable[..., asyncio.Future]
 
@@ -121,7 +125,7 @@ class Consumer:
         self._wake = asyncio.Event()
         self._pump_task: asyncio.Task | None = None
         self._fits: Fits | None = None      # the attached connection's size bound (None: none)
-        self.skipped: dict[int, str] = {}   # seqno -> key of entries skipped for this connection: gaps in _handed
+        self.skipped: dict[int, Message] = {}  # seqno -> entries skipped for this connection: gaps in _handed
         self._sent_before_ms = sent_before_ms
         self._sent_before_left = window  # first sends that may still be sends again: at most a window was in flight
 
@@ -237,7 +241,7 @@ class Consumer:
         """
         if self._ready:
             self._ready = deque(m for m in self._ready if m.key != key or m.seqno >= seqno)
-        self._close_gaps([gap for gap, gap_key in self.skipped.items() if gap_key == key and gap < seqno])
+        self._close_gaps([gap for gap, skipped in self.skipped.items() if skipped.key == key and gap < seqno])
         if message is not None and self._takes_from_commit(seqno):
             self._ready.append(message)
             self._read_cursor = seqno
@@ -340,8 +344,20 @@ class Consumer:
             log.info("ECQ entry %d of %s skipped: its PUBLISH is above the Maximum Packet Size of the consumer's "
                      "connection; later entries go on, it stays stored for a connection that takes it",
                      message.seqno, self.clientid)
-        self.skipped[message.seqno] = message.key
+        self.skipped[message.seqno] = message
         self._observer.skipped(self.clientid, message, SKIPPED_TOO_LARGE)
+
+    def _drop_skipped_past_bound(self) -> None:
+        """Give up the oldest skipped entry once more than ``MAX_ACKED_PAST_A_GAP`` entries were acked past it
+        (see the module's docstring): ``acked`` passes it, it is counted and logged, never delivered."""
+        if not self.skipped or len(self.state.above) <= MAX_ACKED_PAST_A_GAP:
+            return
+        oldest = min(self.skipped)
+        message = self.skipped[oldest]
+        log.warning("ECQ entry %d of %s dropped: it was skipped as above the consumer's Maximum Packet Size while "
+                    "%d later entries were acked", oldest, self.clientid, len(self.state.above))
+        self._observer.skipped(self.clientid, message, DROPPED_TOO_LARGE)
+        self._close_gaps([oldest])
 
     def _maybe_sent_before(self, message: Message) -> bool:
         """True when a consumer of this queue that this one does not know of (before a restart, on another node)
@@ -371,6 +387,7 @@ class Consumer:
         self.attempts.pop(message.seqno, None)
         self._observer.acked(self.clientid, message, sent)
         self.state.above.add(message.seqno)
+        self._drop_skipped_past_bound()
         self.state.last_ack_ms = now_ms()
         if self._tombstones and not message.payload:
             self._acked_tombstones.append(ExpiredRow(message.seqno, message.key, message.ts_ms, 0))
