@@ -75,6 +75,9 @@ def fleet(bench: Bench, out: ScenarioResult) -> None:
     if args.port or args.baseline_port:
         out.status, out.message = "skipped", "needs the brokers this run starts (not --port/--baseline-port)"
         return
+    if os.geteuid() != 0:
+        out.status, out.message = "skipped", "needs root: its brokers and clients run in a private network namespace"
+        return
     if not MosquittoBroker.version():
         out.status, out.message = "skipped", "no mosquitto on PATH (scripts/setup bench installs Debian's mosquitto)"
         return
