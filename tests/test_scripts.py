@@ -117,7 +117,7 @@ def bare_machine(base: Path) -> tuple[str, Path]:
     (exit 100, as when apt-get fails)."""
     bin_dir, calls = base / "bin", base / "apt-get-calls"
     bin_dir.mkdir()
-    hidden = {*TOOLS, "apt-get", "apt-cache", "sudo"}
+    hidden = {*TOOLS, "mosquitto", "apt-get", "apt-cache", "sudo"}
     for directory in os.environ["PATH"].split(os.pathsep)[::-1]:  # the first on PATH wins, as it would
         for command in Path(directory).glob("*") if Path(directory).is_dir() else []:
             if command.name not in hidden and os.access(command, os.X_OK):
@@ -160,6 +160,9 @@ def test_setup_installs_what_each_role_needs_and_nothing_more(tmp_path):
     assert apt_calls.read_text().splitlines()[-1] == ("install -y -q --no-install-recommends mosquitto-clients iproute2 "
                                                        "curl chromium nodejs npm openjdk-17-jre-headless")
     assert stamp.read_text() == "cluster\n"  # nothing installed by the runs that failed
+
+    assert setup(checkout, "bench", path=path).returncode != 0  # the fleet scenario's Mosquitto comes from apt
+    assert apt_calls.read_text().splitlines()[-1] == "install -y -q --no-install-recommends mosquitto"
 
     unknown = setup(checkout, "everything", path=path)
     assert unknown.returncode == 2 and "unknown role 'everything'" in unknown.stderr
@@ -226,3 +229,11 @@ def test_setup_rebuilds_a_broken_venv_then_does_nothing(tmp_path, breakage):
     assert (tmp_path / ".venv" / "bin" / "pip").exists()
     second = subprocess.run([tmp_path / "scripts" / "setup"], env=env, capture_output=True, text=True, timeout=60)
     assert (second.returncode, second.stdout, second.stderr) == (0, "", "")
+
+
+def test_bench_lists_the_fleet_scenario_and_refuses_a_fleet_size_below_one():
+    helped = run("bench", "--help")
+    assert helped.returncode == 0 and "--fleet-sizes" in helped.stdout and "fleet " in helped.stdout
+    refused = run("bench", "--scenario", "fleet", "--fleet-sizes", "200,0")
+    assert refused.returncode == 2
+    assert "'200,0' is not a comma-separated list of whole numbers above 0" in refused.stderr

@@ -30,6 +30,7 @@ ECQ_BENCH_OPTIONS = {"heartbeat_interval": "5s"}
 # Logged when a readiness probe (a bare TCP connect) closes without sending CONNECT: harmless.
 PROBE_NOISE = ("No data to decode MQTT packet fixed header", "Failed to initialize client session")
 LOG_PATTERNS_KEPT = 8
+MOSQUITTO_AS_ROOT = "should not be run as root"   # its warning for `user root`, which the benchmark asks for
 
 
 def exit_text(code: int) -> str:
@@ -174,6 +175,74 @@ class StockBroker:
             self.proc.wait(5)
             return "KILLED: still running 15 s after SIGTERM"
 
+
+
+class MosquittoBroker:
+    """Mosquitto 2 (Debian's ``mosquitto``) in a child process on a free loopback port, anonymous clients allowed,
+    with ``persistence true`` in ``workdir`` (sessions and their queued QoS 1 messages are written at SIGTERM and
+    read at start, as Mosquitto documents), so a restart keeps persistent sessions. It stays root (``user root``)
+    so that it can write its persistence file and inherits the benchmark's file descriptor limit."""
+
+    name = "Mosquitto"
+
+    def __init__(self, workdir: Path) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.endpoint = Endpoint("127.0.0.1", self.port)
+        self.config_path = workdir / "mosquitto.conf"
+        self.log_path = workdir / "mosquitto.log"
+        self.config_path.write_text(
+            f"listener {self.port} 127.0.0.1\nallow_anonymous true\nuser root\npersistence true\n"
+            f"persistence_location {workdir}/\nlog_dest stderr\nlog_type error\nlog_type warning\n")
+        self.proc: subprocess.Popen | None = None
+        self.pid: int | None = None
+
+    @staticmethod
+    def version() -> str | None:
+        """``mosquitto version 2.0.11`` as ``2.0.11``; None when there is no mosquitto on PATH."""
+        try:
+            out = subprocess.run(["mosquitto", "-h"], capture_output=True, text=True, timeout=10).stdout
+        except OSError:
+            return None
+        match = re.search(r"mosquitto version (\S+)", out)
+        return match.group(1) if match else "unknown"
+
+    def config_in_use(self) -> dict:
+        """The configuration file it was started with, as lines."""
+        return {"mosquitto.conf": self.config_path.read_text().splitlines()}
+
+    def start(self) -> MosquittoBroker:
+        """Start and wait until the port accepts connections; raises RuntimeError with the log if not."""
+        with self.log_path.open("a") as log:
+            self.proc = subprocess.Popen(["mosquitto", "-c", str(self.config_path)], stdout=log, stderr=log)
+        self.pid = self.proc.pid
+        if not wait_until(lambda: self.proc.poll() is None and port_open(self.port), 20.0, 0.05):
+            self.proc.kill()
+            raise RuntimeError(f"mosquitto did not start:\n{self.log_path.read_text()[-3000:]}")
+        return self
+
+    def problems(self) -> dict[str, int]:
+        """Counted error and warning lines of its log (numbers as N)."""
+        counts: dict[str, int] = {}
+        text = self.log_path.read_text() if self.log_path.exists() else ""
+        for line in text.splitlines():
+            if MOSQUITTO_AS_ROOT in line:
+                continue
+            pattern = re.sub(r"\d+", "N", line.split(": ", 1)[-1])[:160]
+            counts[pattern] = counts.get(pattern, 0) + 1
+        return dict(sorted(counts.items(), key=lambda item: -item[1])[:LOG_PATTERNS_KEPT])
+
+    def stop(self) -> str:
+        """SIGTERM (Mosquitto then writes its persistence file), kill -9 after STOP_TIMEOUT_S; returns how it ended."""
+        if not self.proc or self.proc.poll() is not None:
+            return "not running"
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return exit_text(self.proc.wait(STOP_TIMEOUT_S))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+            return f"KILLED: still running {STOP_TIMEOUT_S:.0f} s after SIGTERM"
 
 
 class ExternalBroker:

@@ -129,13 +129,14 @@ class Bench:
             raise PhaseError("; ".join(errors[:3]))
         return results
 
-    def load_check(self, phase: str, broker, start_s: float, end_s: float) -> dict[str, Any]:
+    def load_check(self, phase: str, broker, start_s: float, end_s: float,
+                   load_pids: list[int] | None = None) -> dict[str, Any]:
         """CPU of the broker (summed over its processes when it has several, see broker_pids), the NATS
-        servers (summed; None without), the load processes, the machine and everything else over
-        [start_s, end_s] (monotonic seconds); also kept for the load-check table."""
+        servers (summed; None without), the load processes (``load_pids``, default the pool's), the machine
+        and everything else over [start_s, end_s] (monotonic seconds); also kept for the load-check table."""
         broker_pct = self._cpu_sum(broker_pids(broker), start_s, end_s)
         nats_pct = self._cpu_sum(self.nats_pids, start_s, end_s)
-        loads = [self.sampler.cpu_percent(pid, start_s, end_s) for pid in self.pool.pids]
+        loads = [self.sampler.cpu_percent(pid, start_s, end_s) for pid in (load_pids or self.pool.pids)]
         machine = self.sampler.machine_percent(start_s, end_s)
         others = None
         if machine is not None:
@@ -785,3 +786,12 @@ def netdelay(bench: Bench, out: ScenarioResult) -> None:
 
 
 SCENARIOS["netdelay"] = netdelay
+
+
+def fleet(bench: Bench, out: ScenarioResult) -> None:
+    """The fleet scenario (issue 32), in benchlib.fleet (imported when it runs, since it builds on this module)."""
+    from benchlib.fleet import fleet as fleet_scenario
+    fleet_scenario(bench, out)
+
+
+SCENARIOS["fleet"] = fleet
