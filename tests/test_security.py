@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import struct
 
+from ecq.broker.access import WILL_REFUSAL_LOG_BURST
 from tests.forger_plugin import PLUGIN_PATH as FORGER
 from tests.harness import RawClient, topics_payloads, write
 
@@ -144,3 +145,16 @@ def test_a_retained_ecq_write_is_an_ordinary_write_and_never_retained(broker, co
     assert consumer.quiet(1.0) == []
     consumer.close()
     assert subscribed(connect, broker.port, "rw").quiet(1.0) == []
+
+
+def test_refused_wills_of_a_client_reconnecting_in_a_loop_are_logged_in_a_bounded_number_of_lines(broker):
+    """40 refused Will CONNECTs in a row: at most WILL_REFUSAL_LOG_BURST lines of ECQ's reason (the next one says how
+    many were held back), and none of amqtt's two warnings per refused connection."""
+    for n in range(40):
+        attacker = WillClient(broker.port, f"looping-{n}", "$ECQ/victim/k")
+        assert attacker.connack == CONNACK_NOT_AUTHORIZED
+        attacker.drop()
+    log = broker.log()
+    assert "ECQ refused CONNECT of 'looping-0'" in log
+    assert 1 <= log.count("ECQ refused CONNECT of 'looping-") <= WILL_REFUSAL_LOG_BURST
+    assert "Invalid connection from" not in log and "refused with 0x05" not in log  # amqtt's two lines, quoting ours

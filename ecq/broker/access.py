@@ -9,9 +9,12 @@ from amqtt.session import Session
 
 from ecq.broker.acl import Acl, ClientInfo, Decision, load_acl
 from ecq.config import EcqSettings
+from ecq.queue.throttle import LogThrottle
 from ecq.queue.topics import RESERVED_CLIENTIDS, is_ecq_topic, queue_filter
 
 log = logging.getLogger(__name__)
+
+WILL_REFUSAL_LOG_INTERVAL_S, WILL_REFUSAL_LOG_BURST = 10.0, 10  # as the refusals of authentication
 
 
 class AccessControl:
@@ -21,6 +24,7 @@ class AccessControl:
     def __init__(self, settings: EcqSettings) -> None:
         self._settings = settings
         self.acl: Acl | None = load_acl(settings.acl_file) if settings.acl_file else None
+        self._will_refusal_log = LogThrottle(WILL_REFUSAL_LOG_INTERVAL_S, WILL_REFUSAL_LOG_BURST)
 
     def reload(self) -> int:
         """Read the ACL file again; returns its rule count. Raises AclError and keeps the old rules."""
@@ -74,7 +78,9 @@ class AccessControl:
         Nothing may reach ``$ECQ/<clientid>/...`` except ECQ's delivery, so a Will topic under ``$ECQ/`` is
         always refused; any other Will topic must be allowed for publish by the ACL, checked with the
         CONNECT's clientid, username and address (EMQX checks the Will when it is published; ECQ refuses at
-        CONNECT, so the client learns of it). The refusal is logged with the reason.
+        CONNECT, so the client learns of it). The refusal is logged with the reason, at most
+        ``WILL_REFUSAL_LOG_BURST`` lines per ``WILL_REFUSAL_LOG_INTERVAL_S`` (a client reconnecting in a loop floods
+        no log), each saying how many were held back.
         """
         topic = session.will_topic or ""
         if is_ecq_topic(topic):
@@ -83,5 +89,8 @@ class AccessControl:
             reason = f"Will topic {topic!r} is denied for publish by the ACL"
         else:
             return None
-        log.warning("ECQ refused CONNECT of %r from %s: %s", session.client_id, session.remote_address, reason)
+        if (held_back := self._will_refusal_log.due()) is not None:
+            more = f" ({held_back} more refused since the last such line)" if held_back else ""
+            log.warning("ECQ refused CONNECT of %r from %s: %s%s", session.client_id, session.remote_address, reason,
+                        more)
         return reason

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from typing import Any
+from typing import Any, NoReturn
 
 from amqtt.broker import Broker
 from amqtt.errors import MQTTError
@@ -28,18 +28,32 @@ _refusal_log = LogThrottle(REFUSAL_LOG_INTERVAL_S, REFUSAL_LOG_BURST)
 _AUTHENTICATED = "ecq_authenticated"  # Session.attributes key: authenticated at CONNECT; value: its is_anonymous
 
 
-class _Refused(MQTTError):
-    """A CONNECT the authentication plugins refused, ended by :func:`authenticate_before_the_session`."""
+class ConnectRefused(MQTTError):
+    """A CONNECT refused with CONNACK 0x05 by :func:`refuse_connect`: the authentication plugins' answer, or a Will ECQ
+    forbids (``ecq_guards.refuse_forbidden_wills``)."""
+
+
+async def refuse_connect(plugins_manager: Any, writer: Any, reason: str) -> NoReturn:
+    """Refuse the CONNECT just read as amqtt 0.12.1 refuses a bad protocol level: CONNACK 0x05 Not authorized with
+    session present 0 (MQTT 3.1.1 section 3.2.2.3, MQTT-3.2.2-4; 0x87 to an MQTT 5 client), close, and raise
+    :class:`ConnectRefused` with ``reason``, which ends the connection with nothing of its client id's session
+    touched; amqtt's log lines for it are dropped (:class:`_RefusalAlreadyLogged`): the caller logged why."""
+    connack = ConnackPacket.build(0, NOT_AUTHORIZED)
+    await plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack)
+    await connack.to_stream(writer)
+    await writer.close()
+    raise ConnectRefused(f"CONNECT refused with 0x05: {reason}")
 
 
 class _RefusalAlreadyLogged(logging.Filter):
-    """Drops amqtt's two WARNINGs for a connection that ended in :class:`_Refused` (``Invalid connection from ...``,
+    """Drops amqtt's two WARNINGs for a connection that ended in :class:`ConnectRefused` (``Invalid connection from ...``,
     ``Failed to initialize client session: ...``, logged while handling it): :func:`log_refused_connects` said why,
     rate-limited, so a client retrying a wrong password floods no log."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         handled = sys.exc_info()[1]
-        return not (isinstance(handled, _Refused) or isinstance(getattr(handled, "__cause__", None), _Refused))
+        return not (isinstance(handled, ConnectRefused)
+                    or isinstance(getattr(handled, "__cause__", None), ConnectRefused))
 
 
 def authenticate_before_the_session() -> None:
@@ -58,8 +72,7 @@ def authenticate_before_the_session() -> None:
     takeover. So right after amqtt read the CONNECT, before any wrapper looks the session up, amqtt's
     ``Broker._authenticate`` judges the CONNECT's own session (amqtt's rule and the plugins' answers, logged by
     :func:`log_refused_connects`); a refusal is answered as amqtt refuses a bad protocol level: CONNACK 0x05 with
-    session present 0 (MQTT-3.2.2-4), close, MQTTError, which ends the connection with nothing changed (amqtt's
-    log lines for it dropped: :class:`_RefusalAlreadyLogged`). An allowed CONNECT is not judged again: amqtt's
+    session present 0 (MQTT-3.2.2-4), close (:func:`refuse_connect`), which ends the connection with nothing changed. An allowed CONNECT is not judged again: amqtt's
     later ``_authenticate`` of the session it resumes or creates answers True with the ``is_anonymous`` the
     plugins gave, so no plugin is asked twice, and wrappers outside this one (``conformance.keep_persistent_sessions``)
     still judge that final session.
@@ -76,11 +89,7 @@ def authenticate_before_the_session() -> None:
         if plugin is None:
             return handler, session
         if not await original_authenticate(plugin.context._broker_instance, session, None):
-            connack = ConnackPacket.build(0, NOT_AUTHORIZED)
-            await plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack)
-            await connack.to_stream(writer)
-            await writer.close()
-            raise _Refused(f"CONNECT of client id {session.client_id!r} refused with 0x05: not authorized")
+            await refuse_connect(plugins_manager, writer, f"client id {session.client_id!r} not authorized")
         allowed[handler] = session.is_anonymous
         return handler, session
 

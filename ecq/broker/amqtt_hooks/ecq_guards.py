@@ -11,11 +11,9 @@ import logging
 from typing import Any
 
 from amqtt.broker import Broker
-from amqtt.errors import MQTTError
-from amqtt.events import MQTTEvents
-from amqtt.mqtt.connack import NOT_AUTHORIZED, ConnackPacket
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
+from ecq.broker.amqtt_hooks.authentication import refuse_connect
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic
 
@@ -28,8 +26,8 @@ def refuse_forbidden_wills() -> None:
     amqtt 0.12.1 accepts any Will topic and, on an abnormal disconnect, broadcasts the Will (and with the
     Will Retain flag stores it) without asking the topic filters: a Will on ``$ECQ/<victim>/<key>`` reached
     the victim as a forged queue delivery. The check runs right after amqtt read the CONNECT, before it
-    touches any existing session of that clientid, the way amqtt refuses a bad protocol level: CONNACK,
-    close, and MQTTError, which amqtt logs and which ends the connection.
+    touches any existing session of that clientid (:func:`authentication.refuse_connect`: CONNACK, close, an
+    error that ends the connection); the refusal is logged by ``AccessControl.will_refusal``, rate-limited.
     """
     original = BrokerProtocolHandler.init_from_connect.__func__
 
@@ -39,11 +37,7 @@ def refuse_forbidden_wills() -> None:
         plugin = find_target(plugins_manager)
         reason = plugin.will_refusal(session) if plugin is not None and session.will_flag else None
         if reason is not None:
-            connack = ConnackPacket.build(0, NOT_AUTHORIZED)
-            await plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack)
-            await connack.to_stream(writer)
-            await writer.close()
-            raise MQTTError(f"CONNECT refused with 0x05: {reason}")
+            await refuse_connect(plugins_manager, writer, reason)
         return handler, session
 
     BrokerProtocolHandler.init_from_connect = classmethod(init_from_connect)
