@@ -106,9 +106,11 @@ def test_health_and_ready_follow_the_loss_of_every_nats_server(own_nats, cluster
 def test_a_dead_replica_server_degrades_health_naming_it_and_the_streams(own_nats, cluster_nodes):
     [node] = [n.start() for n in cluster_nodes(1, nats=own_nats)]
     assert wait_until(lambda: healthy(node), 15), admin_get(node, "/api/v1/health")
+    assert wait_until(lambda: sorted(leader_counts(own_nats, list(STREAMS)).values()) == [1, 1, 1], 10), \
+        f"leaders not spread at start: {leader_counts(own_nats, list(STREAMS))}"
     victim = own_nats.servers[2]
     led = [stream for stream in STREAMS if own_nats.stream_leader(stream) == victim.name]
-    assert led, "leaders are spread at start: each server leads one of the 3 streams"
+    assert led, f"{victim.name} leads none of {STREAMS} although leaders are spread"
     killed = time.monotonic()
     victim.kill()
     degraded_after = time_until(lambda: admin_get(node, "/api/v1/health")[0] == 503, 10)
