@@ -20,20 +20,20 @@ from typing import Any
 
 AMQTT_VERSION = "0.12.1"  # the amqtt every correction and every declared read was written against
 
-# The private amqtt names ECQ reads (besides the ones it replaces), by the amqtt class that defines them; what
-# amqtt.adapters' classes wrap is asyncio's StreamReader/StreamWriter and websockets' protocol.
+# The private names ECQ reads (the ones it replaces among them), by the class that defines them: amqtt's, and the
+# asyncio StreamReader that amqtt's StreamReaderAdapter wraps (what a connection received and has not read).
 PRIVATE_READS: dict[str, tuple[str, ...]] = {
     "amqtt.broker.Broker": (
         "_authenticate", "_broadcast_message", "_broadcast_queue", "_cleanup_session", "_client_connected",
-        "_client_message_loop", "_create_server_instance", "_del_subscription", "_delete_session", "_get_handler",
+        "_create_server_instance", "_del_subscription", "_delete_session", "_get_handler",
         "_handle_client_session", "_handle_disconnect", "_handle_message_delivery", "_handle_subscription",
         "_handle_unsubscription", "_initialize_client_session", "_matches",
         "_publish_retained_messages_for_subscription", "_publish_session_retained_messages", "_retain_broadcast_message",
-        "_retained_messages", "_run_broadcast", "_servers", "_session_monitor", "_sessions", "_start_listeners",
+        "_retained_messages", "_run_broadcast", "_servers", "_sessions", "_start_listeners",
         "_stop_handler", "_subscriptions", "_topic_filtering"),
     "amqtt.broker.BrokerContext": ("_broker_instance",),
     "amqtt.mqtt.protocol.handler.ProtocolHandler": (
-        "_handle_message_flow", "_handle_qos1_message_flow", "_puback_waiters", "_pubcomp_waiters", "_pubrec_waiters",
+        "_handle_message_flow", "_puback_waiters", "_pubcomp_waiters", "_pubrec_waiters",
         "_pubrel_waiters", "_reader_loop", "_reader_ready", "_reader_stopped", "_reader_task", "_retry_deliveries",
         "_send_packet"),
     "amqtt.mqtt.protocol.broker_handler.BrokerProtocolHandler": ("_pending_subscriptions", "_pending_unsubscriptions"),
@@ -41,8 +41,9 @@ PRIVATE_READS: dict[str, tuple[str, ...]] = {
     "amqtt.adapters.StreamReaderAdapter": ("_reader",),
     "amqtt.adapters.StreamWriterAdapter": ("_writer",),
     "amqtt.adapters.BufferReader": ("_stream",),
-    "amqtt.adapters.WebSocketsReader": ("_feed_buffer", "_protocol", "_stream"),
+    "amqtt.adapters.WebSocketsReader": ("_protocol", "_stream"),
     "amqtt.adapters.WebSocketsWriter": ("_protocol",),
+    "asyncio.StreamReader": ("_buffer",),
 }
 
 saved: dict[tuple[type, str], Any] = {}  # (owner, name) -> amqtt's own attribute, as found in the class
