@@ -24,7 +24,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from ecq.broker.amqtt_hooks.mqtt5_messages import Subscription, subscriptions_of
 from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.session_owners import mark_owner_unknown
-from ecq.broker.amqtt_hooks.target import find_target
+from ecq.broker.amqtt_hooks.target import HandedOverSession, find_target
 from ecq.queue.topics import is_ecq_topic
 
 
@@ -115,9 +115,9 @@ def adopt_sessions_from_the_cluster() -> None:
     replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
 
 
-def _install_session(broker: Broker, clientid: str, state: Any) -> None:
-    """An offline persistent session of ``clientid`` in ``broker`` as the cluster's ``state`` (a
-    ``cluster_state.SessionState``) describes it, unless it holds one already."""
+def _install_session(broker: Broker, clientid: str, state: HandedOverSession) -> None:
+    """An offline persistent session of ``clientid`` in ``broker`` as the cluster's ``state`` describes it, unless it
+    holds one already."""
     if clientid in broker._sessions:
         return
     _handler, session = broker.create_offline_session(clientid)
