@@ -2,11 +2,17 @@
 only code that touches amqtt internals (private attributes, replaced methods); the rest of ECQ uses amqtt's
 public plugin API and the functions exported here.
 
-:func:`install` wraps amqtt's methods once per process, one line per correction. Each wrapper finds the
-ECQ plugin in the broker's or handler's own PluginManager (:mod:`.target`), so several brokers in one
-process work independently and a broker without the ECQ plugin behaves exactly as stock amqtt. The plugin
-is seen only through the :class:`EcqHooksTarget` protocol, so nothing here imports it. Each correction's
-docstring names the amqtt behaviour it replaces. One module per concern:
+Every correction replaces amqtt methods only through :mod:`.seam` (``replace(Owner, "name", replacement)``, gevent's
+``patch_item``), which keeps amqtt's original, records the corrections of each method in order and, with
+:data:`.seam.PRIVATE_READS`, declares every private amqtt name ECQ reads; :func:`install` applies the table
+:data:`CORRECTIONS` once per process, after checking that amqtt is the version they were written against
+(:data:`.seam.AMQTT_VERSION`). ``seam.describe()`` prints what ECQ replaces, with its corrections in order. Each wrapper
+finds the ECQ plugin in the broker's or handler's own PluginManager (:mod:`.target`), so several brokers in one
+process work independently and a broker without the ECQ plugin behaves exactly as stock amqtt. The plugin is seen
+only through the :class:`EcqHooksTarget` protocol and a session the cluster hands over through
+:class:`.target.HandedOverSession`, so nothing here imports ``ecq.broker``'s modules above it (it may import amqtt,
+``ecq.queue``, ``ecq.store.protocol``, ``ecq.config`` and ``ecq.broker.acl``). Each correction's docstring names the
+amqtt behaviour it replaces. One module per concern:
 
 - :mod:`.ecq_paths`: ECQ's own paths (PUBLISH and SUBSCRIBE under ``$ECQ/``), batched socket writes
   (:func:`send_soon`), the QoS 1 delivery and acknowledgement flows, connection accessors, listen backlog, a
@@ -46,11 +52,10 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   options, the v5 PUBLISH ECQ sends; :mod:`.mqtt5_routing`: deliveries on ordinary topics as a v5 client's
   subscriptions and CONNECT ask (expiry, No Local, Retain As Published and Handling, identifiers, size, window).
 
-Several corrections wrap the same amqtt method (``init_from_connect``, ``_reader_loop``, ``handle_puback``,
-``_handle_message_delivery``, ``_broadcast_message``, ``add_subscription``, ``_handle_client_session``,
-``_client_connected``, ``_publish_session_retained_messages``, ``_initialize_client_session``, ``_delete_session``,
-``_handle_disconnect``, ``handle_read_timeout``, ``_start_listeners``, ``_authenticate``): the order of :func:`install`
-is the order of wrapping.
+Several corrections wrap the same amqtt method (``init_from_connect`` seven deep, ``_handle_disconnect`` five): a
+correction wraps what it finds, so the order of :data:`CORRECTIONS` is the order of wrapping (the later one runs
+first), and a comment beside an entry says where that order matters. A new correction is a function that calls
+``seam.replace`` and an entry in :data:`CORRECTIONS`.
 """
 
 from __future__ import annotations
