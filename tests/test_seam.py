@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import os
 import pathlib
 import re
 
@@ -16,7 +17,7 @@ from amqtt.broker import Broker
 from ecq.broker import amqtt_hooks
 from ecq.broker.amqtt_hooks import seam
 from ecq.broker.plugin import EcqPlugin
-from ecq.testing import free_port
+from ecq.testing import BrokerProcess, free_port
 
 HOOKS = pathlib.Path(amqtt_hooks.__file__).parent
 ROOT = HOOKS.parents[2]
@@ -26,6 +27,25 @@ def test_another_amqtt_version_is_refused_naming_both():
     seam.check_amqtt_version()  # the installed one
     with pytest.raises(seam.AmqttSeamError, match=r"ECQ corrects amqtt 0\.12\.1, but amqtt 0\.13\.0 is installed"):
         seam.check_amqtt_version("0.13.0")
+
+
+def test_a_broker_on_another_amqtt_refuses_to_start(tmp_path, monkeypatch):
+    """``ecq broker`` with an amqtt distribution of another version first on its path exits at start, naming both."""
+    dist_info = tmp_path / "dist" / "amqtt-0.13.0.dist-info"
+    dist_info.mkdir(parents=True)
+    dist_info.joinpath("METADATA").write_text("Metadata-Version: 2.1\nName: amqtt\nVersion: 0.13.0\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(dist_info.parent),
+                                                                    os.environ.get("PYTHONPATH")])))
+    (tmp_path / "broker").mkdir()
+    broker = BrokerProcess(tmp_path / "broker")
+    try:
+        with pytest.raises(RuntimeError, match=r"broker exited with 1:(.|\n)*broker failed to start: ECQ corrects "
+                                               r"amqtt 0\.12\.1, but amqtt 0\.13\.0 is installed"):
+            broker.start()
+    finally:
+        if broker.proc is not None and broker.proc.poll() is None:
+            broker.kill()
+    assert not broker.queues_dir.exists()  # refused before the store was opened
 
 
 def test_install_refuses_another_amqtt_before_changing_anything(monkeypatch):
