@@ -117,6 +117,15 @@ def test_no_hook_assigns_an_amqtt_attribute_behind_the_seam():
     assert behind == []
 
 
+def test_amqtt_hooks_import_nothing_of_the_broker_above_them():
+    """The import rule of docs/architecture.md: no circle through ``plugin``, ``cluster_state`` or ``bus``."""
+    allowed = ("ecq.broker.amqtt_hooks", "ecq.broker.acl", "ecq.queue", "ecq.store.protocol", "ecq.config")
+    imported = {f"{path.name}: {node.module}" for path in HOOKS.glob("*.py")
+                for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)
+                and node.module and node.module.startswith("ecq") and not node.module.startswith(allowed)}
+    assert imported == set()
+
+
 def test_every_private_amqtt_name_ecq_reads_is_declared():
     """``x._name`` read in amqtt_hooks is either ECQ's own (defined somewhere in ecq/) or in ``seam.PRIVATE_READS``;
     what ``PRIVATE_READS`` declares is read somewhere. Outside amqtt_hooks nothing reads a declared name."""

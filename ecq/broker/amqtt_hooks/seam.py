@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 AMQTT_VERSION = "0.12.1"  # the amqtt every correction and every declared read was written against
 
@@ -66,7 +69,8 @@ def check_amqtt_version(installed: str | None = None) -> None:
 
 def apply(table: Iterable[Callable[[], None]]) -> None:
     """Check the amqtt version, then run each correction of ``table`` in order (each one's replacements wrap what the
-    ones before it installed). Raises :class:`AmqttSeamError` (version, or a name missing on its owner)."""
+    ones before it installed); :func:`describe` is logged at debug. Raises :class:`AmqttSeamError` (version, or a name
+    missing on its owner)."""
     check_amqtt_version()
     for correction in table:
         _applying.append(_name_of(correction))
@@ -74,6 +78,7 @@ def apply(table: Iterable[Callable[[], None]]) -> None:
             correction()
         finally:
             _applying.pop()
+    log.debug("%s", describe())
 
 
 def replace(owner: type, name: str, replacement: Any) -> None:
