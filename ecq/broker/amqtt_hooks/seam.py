@@ -8,7 +8,8 @@ in which order". A correction replaces a method by a wrapper of the one it finds
 corrections of one method form a chain: the first listed is innermost, the last one runs first.
 
 :func:`apply` runs a table of corrections (``amqtt_hooks.CORRECTIONS``) after :func:`check_amqtt_version`; a
-replacement outside it, or of a name its owner lacks, raises :class:`AmqttSeamError` before anything is changed.
+replacement outside it, or of a name its owner lacks, raises :class:`AmqttSeamError` instead of being made, and the
+broker does not start.
 """
 
 from __future__ import annotations
