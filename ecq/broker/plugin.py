@@ -55,6 +55,7 @@ class EcqPlugin(BaseTopicPlugin):
 
     def __init__(self, context: BrokerContext) -> None:
         super().__init__(context)
+        hooks.install(EcqPlugin)  # first: refuses another amqtt before the store is opened
         self._origin = {k: v for k, v in dataclasses.asdict(self.config).items() if v is not None}
         self.settings = EcqSettings(**self._origin)
         self.access = AccessControl(self.settings)
@@ -91,7 +92,6 @@ class EcqPlugin(BaseTopicPlugin):
         self._drop_log, self._stuck_log = LogThrottle(DROP_LOG_INTERVAL_S), LogThrottle(DROP_LOG_INTERVAL_S)
         self.draining = False  # set by drain(): the node takes no clients any more (readiness false)
         self._drain: asyncio.Future | None = None
-        hooks.install(EcqPlugin)
         hooks.set_session_expiry(context, self.settings.session_expiry)
         hooks.shorten_subscriptions_repr(context)
         hooks.count_routed_publishes(context)

@@ -2,11 +2,17 @@
 only code that touches amqtt internals (private attributes, replaced methods); the rest of ECQ uses amqtt's
 public plugin API and the functions exported here.
 
-:func:`install` wraps amqtt's methods once per process, one line per correction. Each wrapper finds the
-ECQ plugin in the broker's or handler's own PluginManager (:mod:`.target`), so several brokers in one
-process work independently and a broker without the ECQ plugin behaves exactly as stock amqtt. The plugin
-is seen only through the :class:`EcqHooksTarget` protocol, so nothing here imports it. Each correction's
-docstring names the amqtt behaviour it replaces. One module per concern:
+Every correction replaces amqtt methods only through :mod:`.seam` (``replace(Owner, "name", replacement)``, gevent's
+``patch_item``), which keeps amqtt's original, records the corrections of each method in order and, with
+:data:`.seam.PRIVATE_READS`, declares every private amqtt name ECQ reads; :func:`install` applies the table
+:data:`CORRECTIONS` once per process, after checking that amqtt is the version they were written against
+(:data:`.seam.AMQTT_VERSION`). ``seam.describe()`` prints what ECQ replaces, with its corrections in order. Each wrapper
+finds the ECQ plugin in the broker's or handler's own PluginManager (:mod:`.target`), so several brokers in one
+process work independently and a broker without the ECQ plugin behaves exactly as stock amqtt. The plugin is seen
+only through the :class:`EcqHooksTarget` protocol and a session the cluster hands over through
+:class:`.target.HandedOverSession`, so nothing here imports ``ecq.broker``'s modules above it (it may import amqtt,
+``ecq.queue``, ``ecq.store.protocol``, ``ecq.config`` and ``ecq.broker.acl``). Each correction's docstring names the
+amqtt behaviour it replaces. One module per concern:
 
 - :mod:`.ecq_paths`: ECQ's own paths (PUBLISH and SUBSCRIBE under ``$ECQ/``), batched socket writes
   (:func:`send_soon`), the QoS 1 delivery and acknowledgement flows, connection accessors, listen backlog, a
@@ -46,17 +52,18 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   options, the v5 PUBLISH ECQ sends; :mod:`.mqtt5_routing`: deliveries on ordinary topics as a v5 client's
   subscriptions and CONNECT ask (expiry, No Local, Retain As Published and Handling, identifiers, size, window).
 
-Several corrections wrap the same amqtt method (``init_from_connect``, ``_reader_loop``, ``handle_puback``,
-``_handle_message_delivery``, ``_broadcast_message``, ``add_subscription``, ``_handle_client_session``,
-``_client_connected``, ``_publish_session_retained_messages``, ``_initialize_client_session``, ``_delete_session``,
-``_handle_disconnect``, ``handle_read_timeout``, ``_start_listeners``, ``_authenticate``): the order of :func:`install`
-is the order of wrapping.
+Several corrections wrap the same amqtt method (``init_from_connect`` seven deep, ``_handle_disconnect`` five): a
+correction wraps what it finds, so the order of :data:`CORRECTIONS` is the order of wrapping (the later one runs
+first), and a comment beside an entry says where that order matters. A new correction is a function that calls
+``seam.replace`` and an entry in :data:`CORRECTIONS`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ecq.broker.amqtt_hooks import (acks, authentication, bad_clients, cluster, conformance, ecq_guards, ecq_paths,
-                                    flow, framer, mqtt5_edge, mqtt5_framer, mqtt5_routing, mqtt5_sessions,
+                                    flow, framer, mqtt5_edge, mqtt5_framer, mqtt5_routing, mqtt5_sessions, seam,
                                     session_owners, shared_subscriptions, start_up, target, websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import (PersistentSession, broadcast_from_cluster, discard_session,
@@ -71,73 +78,82 @@ from ecq.broker.amqtt_hooks.mqtt5_messages import Subscription, cluster_form, fr
 from ecq.broker.amqtt_hooks.mqtt5_packets import receive_maximum
 from ecq.broker.amqtt_hooks.mqtt5_sessions import SERVER_SHUTTING_DOWN, SESSION_TAKEN_OVER
 from ecq.broker.amqtt_hooks.mqtt5_sessions import tell as send_disconnect
+from ecq.broker.amqtt_hooks.seam import AmqttSeamError
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 
-__all__ = ["EcqHooksTarget", "PersistentSession", "ProtocolViolation", "SERVER_SHUTTING_DOWN", "SESSION_TAKEN_OVER",
-           "Subscription", "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection",
-           "close_listeners", "cluster_form", "connection_is_open", "count_routed_publishes", "delivery_fits",
-           "discard_session", "from_cluster_form", "hand_over_session", "install", "listener_addresses",
-           "live_connection", "open_connections", "persistent_session", "publish_qos1", "qos2_receipts",
-           "receive_maximum", "received_unread", "send_disconnect", "send_soon", "set_listen_backlog",
+__all__ = ["AmqttSeamError", "CORRECTIONS", "EcqHooksTarget", "PersistentSession", "ProtocolViolation",
+           "SERVER_SHUTTING_DOWN", "SESSION_TAKEN_OVER", "Subscription", "acknowledge_soon", "broadcast_from_cluster",
+           "client_id", "close_connection", "close_listeners", "cluster_form", "connection_is_open",
+           "count_routed_publishes", "delivery_fits", "discard_session", "from_cluster_form", "hand_over_session",
+           "install", "listener_addresses", "live_connection", "open_connections", "persistent_session", "publish_qos1",
+           "qos2_receipts", "receive_maximum", "received_unread", "send_disconnect", "send_soon", "set_listen_backlog",
            "set_retained_from_cluster", "set_session_expiry", "shorten_subscriptions_repr", "stop_reading"]
 
 
+# Every correction of amqtt, in the order of wrapping: where two replace the same method, the later one wraps the
+# earlier one's replacement (the comments say where that order matters).
+CORRECTIONS: tuple[Callable[[], None], ...] = (
+    ecq_paths.take_ecq_publishes,
+    ecq_paths.release_ecq_qos2_writes,
+    ecq_paths.grant_ecq_subscriptions,
+    ecq_paths.accept_ecq_wildcards,
+    flow.count_publishes_read,  # outside take_ecq_publishes: sees every PUBLISH as it is read
+    flow.pace_amqtt_readers,
+    flow.answer_pings_after_routing,
+    flow.limit_ack_timeout_log,
+    acks.resolve_pubacks_at_once,
+    acks.read_to_the_end_after_a_reset,
+    acks.keep_the_new_connection_on_persistent_takeover,
+    acks.stop_readers_that_missed_their_cancel,
+    bad_clients.close_abandoned_connections,
+    bad_clients.time_limit_connect,
+    bad_clients.check_fixed_headers,
+    bad_clients.close_on_nul_in_connect,
+    bad_clients.check_publish_headers,
+    bad_clients.check_subscribe_payloads,
+    bad_clients.keep_serving_after_reserved_topics,
+    bad_clients.limit_accept_error_log,
+    ecq_guards.refuse_forbidden_wills,
+    ecq_guards.keep_ecq_out_of_broadcasts,
+    ecq_guards.keep_ecq_out_of_retained_store,
+    cluster.forward_broadcasts_to_the_cluster,  # inside conformant_fan_out's wrapper: gets the PUBLISH's QoS
+    authentication.authenticate_before_the_session,  # inside adopt_sessions: a refused CONNECT reaches no session;
+    conformance.keep_persistent_sessions,  # ...outside its _authenticate: judges the session amqtt resumes or creates
+    conformance.release_handlers_of_offline_sessions,
+    conformance.retained_only_for_new_subscriptions,
+    conformance.offline_messages_not_retained,
+    conformance.offline_queue_first_on_reconnect,  # wraps offline_messages_not_retained's replacement
+    conformance.route_what_was_read_before_the_disconnect,  # outside keep_the_new_connection's: on takeovers too
+    conformance.end_clean_sessions_with_their_connection,
+    conformance.conformant_fan_out,
+    shared_subscriptions.take_shared_subscriptions,  # its fan-out side is conformance._subscribers'
+    conformance.resend_unacked_on_reconnect,
+    conformance.enforce_keepalive,
+    cluster.replicate_retained_messages,  # outside keep_ecq_out_of_retained_store: $ECQ/ never reaches it
+    cluster.adopt_sessions_from_the_cluster,  # outside authenticate_before_the_session's: refused, claims nothing
+    session_owners.resume_sessions_only_for_their_owner,  # outside adopt_sessions: judges a handed-over session too
+    cluster.store_offline_queues_in_the_cluster,  # outermost: sees the queue before it is taken
+    mqtt5_edge.translate_level_5_connects,  # outside adopt_sessions: every CONNECT wrapper sees a 3.1.1 CONNECT
+    mqtt5_edge.send_mqtt5_packets,  # what amqtt sends (CONNACK, SUBACK, UNSUBACK, PUBLISH) encoded as v5
+    mqtt5_routing.deliver_as_mqtt5_clients_ask,  # expiry, No Local, Retain As Published, ids, size, window
+    authentication.warn_when_no_authentication_plugin,  # inside raise_pre_start_failure: a failed start warns not
+    authentication.log_refused_connects,
+    start_up.raise_pre_start_failure,
+    start_up.quiet_start_failure_traceback,
+    framer.read_with_the_framer,
+    mqtt5_framer.read_mqtt5_with_the_framer,  # outside the framer's: a v5 connection is read by Mqtt5Framer
+    websocket.correct_websocket_adapters,  # after close_abandoned_connections: its checks see these adapters
+    websocket.take_websocket_messages_of_the_largest_packet,
+    mqtt5_sessions.expire_sessions_one_by_one,  # outside end_clean_sessions' and the takeover's _handle_disconnect
+    mqtt5_sessions.publish_wills_after_their_delay,  # outside expire_sessions_one_by_one: sees the offline session
+    mqtt5_sessions.tell_v5_clients_why_they_are_closed,  # outside enforce_keepalive's handle_read_timeout
+)
+
+
 def install(plugin_class: type[EcqHooksTarget]) -> None:
-    """Wrap the amqtt methods once per process; ``plugin_class`` is the class to dispatch to (a later call
-    with any class does nothing)."""
+    """Apply :data:`CORRECTIONS` once per process (:func:`.seam.apply`); ``plugin_class`` is the class to dispatch to (a
+    later call with any class does nothing). Raises :class:`AmqttSeamError` when the installed amqtt is not the one
+    they were written for (:data:`.seam.AMQTT_VERSION`) or lacks a name one of them replaces."""
     if not target.register(plugin_class):
         return
-    ecq_paths.take_ecq_publishes()
-    ecq_paths.release_ecq_qos2_writes()
-    ecq_paths.grant_ecq_subscriptions()
-    ecq_paths.accept_ecq_wildcards()
-    flow.count_publishes_read()  # outside take_ecq_publishes: sees every PUBLISH as it is read
-    flow.pace_amqtt_readers()
-    flow.answer_pings_after_routing()
-    flow.limit_ack_timeout_log()
-    acks.resolve_pubacks_at_once()
-    acks.read_to_the_end_after_a_reset()
-    acks.keep_the_new_connection_on_persistent_takeover()
-    acks.stop_readers_that_missed_their_cancel()
-    bad_clients.close_abandoned_connections()
-    bad_clients.time_limit_connect()
-    bad_clients.check_fixed_headers()
-    bad_clients.close_on_nul_in_connect()
-    bad_clients.check_publish_headers()
-    bad_clients.check_subscribe_payloads()
-    bad_clients.keep_serving_after_reserved_topics()
-    bad_clients.limit_accept_error_log()
-    ecq_guards.refuse_forbidden_wills()
-    ecq_guards.keep_ecq_out_of_broadcasts()
-    ecq_guards.keep_ecq_out_of_retained_store()
-    cluster.forward_broadcasts_to_the_cluster()  # inside conformant_fan_out's wrapper: gets the PUBLISH's QoS
-    authentication.authenticate_before_the_session()  # inside adopt_sessions: a refused CONNECT reaches no session;
-    conformance.keep_persistent_sessions()  # ...outside its _authenticate: judges the session amqtt resumes or creates
-    conformance.release_handlers_of_offline_sessions()
-    conformance.retained_only_for_new_subscriptions()
-    conformance.offline_messages_not_retained()
-    conformance.offline_queue_first_on_reconnect()  # wraps offline_messages_not_retained's replacement
-    conformance.route_what_was_read_before_the_disconnect()  # outside keep_the_new_connection's: on takeovers too
-    conformance.end_clean_sessions_with_their_connection()
-    conformance.conformant_fan_out()
-    shared_subscriptions.take_shared_subscriptions()  # its fan-out side is conformance._subscribers'
-    conformance.resend_unacked_on_reconnect()
-    conformance.enforce_keepalive()
-    cluster.replicate_retained_messages()  # outside keep_ecq_out_of_retained_store: $ECQ/ never reaches it
-    cluster.adopt_sessions_from_the_cluster()  # outside authenticate_before_the_session's: refused, claims nothing
-    session_owners.resume_sessions_only_for_their_owner()  # outside adopt_sessions: judges a handed-over session too
-    cluster.store_offline_queues_in_the_cluster()  # outermost: sees the queue before it is taken
-    mqtt5_edge.translate_level_5_connects()  # outside adopt_sessions: every CONNECT wrapper sees a 3.1.1 CONNECT
-    mqtt5_edge.send_mqtt5_packets()  # what amqtt sends (CONNACK, SUBACK, UNSUBACK, PUBLISH) encoded as v5
-    mqtt5_routing.deliver_as_mqtt5_clients_ask()  # expiry, No Local, Retain As Published, ids, size, window
-    authentication.warn_when_no_authentication_plugin()  # inside raise_pre_start_failure: a failed start warns not
-    authentication.log_refused_connects()
-    start_up.raise_pre_start_failure()
-    start_up.quiet_start_failure_traceback()
-    framer.read_with_the_framer()
-    mqtt5_framer.read_mqtt5_with_the_framer()  # outside the framer's: a v5 connection is read by Mqtt5Framer
-    websocket.correct_websocket_adapters()  # after close_abandoned_connections: its checks see these adapters
-    websocket.take_websocket_messages_of_the_largest_packet()
-    mqtt5_sessions.expire_sessions_one_by_one()  # outside end_clean_sessions' and the takeover's _handle_disconnect
-    mqtt5_sessions.publish_wills_after_their_delay()  # outside expire_sessions_one_by_one: sees the offline session
-    mqtt5_sessions.tell_v5_clients_why_they_are_closed()  # outside enforce_keepalive's handle_read_timeout
+    seam.apply(CORRECTIONS)

@@ -19,6 +19,7 @@ from amqtt.mqtt.puback import PubackPacket
 from amqtt.session import Session
 
 from ecq.broker.amqtt_hooks.ecq_paths import client_id, no_op
+from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import find_target
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 
 def resolve_pubacks_at_once() -> None:
     """Install :func:`handle_puback_at_once` as amqtt's ``BrokerProtocolHandler.handle_puback``."""
-    BrokerProtocolHandler.handle_puback = handle_puback_at_once
+    replace(BrokerProtocolHandler, "handle_puback", handle_puback_at_once)
 
 
 def handle_puback_at_once(handler: BrokerProtocolHandler, puback: PubackPacket) -> Coroutine[Any, Any, None]:
@@ -70,7 +71,7 @@ def read_to_the_end_after_a_reset() -> None:
         finally:  # the closure and the reader refer to each other: without this, a closed connection's reader,
             del reader.set_exception  # transport and socket waited for Python's cyclic GC (1,853 of 2,000 seen)
 
-    Broker.stream_connected = stream_connected
+    replace(Broker, "stream_connected", stream_connected)
 
 
 def stop_readers_that_missed_their_cancel() -> None:
@@ -91,7 +92,7 @@ def stop_readers_that_missed_their_cancel() -> None:
                 await asyncio.wait([reader], timeout=RECANCEL_S)
         await original(handler)
 
-    BrokerProtocolHandler.stop = stop
+    replace(BrokerProtocolHandler, "stop", stop)
 
 
 RECANCEL_S = 0.1
@@ -126,6 +127,6 @@ def keep_the_new_connection_on_persistent_takeover() -> None:
             return
         await original_disconnect(broker, session, handler, disconnect_waiter)
 
-    Broker._handle_client_session = handle_client_session
-    Broker._handle_disconnect = handle_disconnect
+    replace(Broker, "_handle_client_session", handle_client_session)
+    replace(Broker, "_handle_disconnect", handle_disconnect)
 

@@ -17,6 +17,7 @@ from amqtt.mqtt.connack import NOT_AUTHORIZED, ConnackPacket
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.plugins.manager import PluginManager
 
+from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.throttle import LogThrottle
 
@@ -106,9 +107,9 @@ def authenticate_before_the_session() -> None:
         session.is_anonymous = anonymous
         return True
 
-    BrokerProtocolHandler.init_from_connect = classmethod(init_from_connect)
-    Broker._initialize_client_session = initialize_client_session
-    Broker._authenticate = authenticate
+    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
+    replace(Broker, "_initialize_client_session", initialize_client_session)
+    replace(Broker, "_authenticate", authenticate)
     logging.getLogger("amqtt.broker").addFilter(_RefusalAlreadyLogged())
 
 
@@ -128,7 +129,7 @@ def warn_when_no_authentication_plugin() -> None:
                         "amqtt.plugins.authentication.FileAuthPlugin (see docs/listeners.md)", ANONYMOUS_PLUGIN)
         await original_start_listeners(broker)
 
-    Broker._start_listeners = start_listeners
+    replace(Broker, "_start_listeners", start_listeners)
 
 
 def log_refused_connects() -> None:
@@ -150,7 +151,7 @@ def log_refused_connects() -> None:
                             session.client_id, session.username, session.remote_address, reason, more)
         return answers
 
-    PluginManager.map_plugin_auth = map_plugin_auth
+    replace(PluginManager, "map_plugin_auth", map_plugin_auth)
 
 
 def _refusal(answers: dict[Any, bool | str | None]) -> str | None:

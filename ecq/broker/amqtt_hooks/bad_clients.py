@@ -28,6 +28,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.publish import PublishVariableHeader
 from amqtt.mqtt.subscribe import SubscribePayload
 
+from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.throttle import LogThrottle
 from ecq.queue.topics import is_ecq_topic
@@ -188,7 +189,7 @@ def close_abandoned_connections() -> None:
             del _connections[reader]
             _abort(writer)
 
-    Broker._client_connected = client_connected
+    replace(Broker, "_client_connected", client_connected)
 
 
 def time_limit_connect() -> None:
@@ -218,7 +219,7 @@ def time_limit_connect() -> None:
         connection.client_id = session.client_id
         return handler, session
 
-    BrokerProtocolHandler.init_from_connect = classmethod(init_from_connect)
+    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
 
 
 def check_fixed_headers() -> None:
@@ -240,7 +241,7 @@ def check_fixed_headers() -> None:
             raise violation(reader, reason)
         return header
 
-    MQTTFixedHeader.from_stream = classmethod(from_stream)
+    replace(MQTTFixedHeader, "from_stream", classmethod(from_stream))
 
 
 async def _read_utf8(reader: Any, what: str) -> str:
@@ -269,7 +270,7 @@ def close_on_nul_in_connect() -> None:
                     raise violation(reader, f"CONNECT {what} contains U+0000 [MQTT-1.5.3-2]")
         return payload
 
-    ConnectPayload.from_stream = classmethod(from_stream)
+    replace(ConnectPayload, "from_stream", classmethod(from_stream))
 
 
 def check_publish_headers() -> None:
@@ -298,7 +299,7 @@ def check_publish_headers() -> None:
             raise violation(reader, reason)
         return cls(topic, packet_id)
 
-    PublishVariableHeader.from_stream = classmethod(from_stream)
+    replace(PublishVariableHeader, "from_stream", classmethod(from_stream))
 
 
 def check_subscribe_payloads() -> None:
@@ -330,7 +331,7 @@ def check_subscribe_payloads() -> None:
             raise violation(reader, "SUBSCRIBE without a topic filter [MQTT-3.8.3-3]")
         return cls(filters)
 
-    SubscribePayload.from_stream = classmethod(from_stream)
+    replace(SubscribePayload, "from_stream", classmethod(from_stream))
 
 
 def keep_serving_after_reserved_topics() -> None:
@@ -349,7 +350,7 @@ def keep_serving_after_reserved_topics() -> None:
             return True
         return await original(broker, session, handler, wait_deliver)
 
-    Broker._handle_message_delivery = handle_message_delivery
+    replace(Broker, "_handle_message_delivery", handle_message_delivery)
 
 
 class _AcceptErrorLogLimit(logging.Filter):

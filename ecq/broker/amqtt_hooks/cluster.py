@@ -22,8 +22,9 @@ from amqtt.mqtt.constants import QOS_1, QOS_2
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker.amqtt_hooks.mqtt5_messages import Subscription, subscriptions_of
+from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.session_owners import mark_owner_unknown
-from ecq.broker.amqtt_hooks.target import find_target
+from ecq.broker.amqtt_hooks.target import HandedOverSession, find_target
 from ecq.queue.topics import is_ecq_topic
 
 
@@ -51,7 +52,7 @@ def forward_broadcasts_to_the_cluster() -> None:
         if plugin is not None and topic and not topic.startswith("$") and not _FROM_CLUSTER.get():
             plugin.forward_to_cluster(topic, bytes(data or b""), 2 if force_qos is None else force_qos)
 
-    Broker._broadcast_message = broadcast_message
+    replace(Broker, "_broadcast_message", broadcast_message)
 
 
 async def broadcast_from_cluster(context: BrokerContext, topic: str, data: bytes, qos: int) -> None:
@@ -78,7 +79,7 @@ def replicate_retained_messages() -> None:
         if plugin is not None and topic_name and not topic_name.startswith("$"):
             plugin.retained_changed(topic_name, bytes(data or b""), qos)
 
-    Broker.retain_message = retain_message
+    replace(Broker, "retain_message", retain_message)
 
 
 def set_retained_from_cluster(context: BrokerContext, topic: str, data: bytes | None, qos: int | None) -> None:
@@ -111,12 +112,12 @@ def adopt_sessions_from_the_cluster() -> None:
                 _install_session(plugin.context._broker_instance, session.client_id, state)
         return handler, session
 
-    BrokerProtocolHandler.init_from_connect = classmethod(init_from_connect)
+    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
 
 
-def _install_session(broker: Broker, clientid: str, state: Any) -> None:
-    """An offline persistent session of ``clientid`` in ``broker`` as the cluster's ``state`` (a
-    ``cluster_state.SessionState``) describes it, unless it holds one already."""
+def _install_session(broker: Broker, clientid: str, state: HandedOverSession) -> None:
+    """An offline persistent session of ``clientid`` in ``broker`` as the cluster's ``state`` describes it, unless it
+    holds one already."""
     if clientid in broker._sessions:
         return
     _handler, session = broker.create_offline_session(clientid)
@@ -201,5 +202,5 @@ def store_offline_queues_in_the_cluster() -> None:
             plugin.session_queue_taken(session.client_id)
         await original_send(broker, session)
 
-    Broker._retain_broadcast_message = retain_broadcast_message
-    Broker._publish_session_retained_messages = publish_session_retained_messages
+    replace(Broker, "_retain_broadcast_message", retain_broadcast_message)
+    replace(Broker, "_publish_session_retained_messages", publish_session_retained_messages)

@@ -29,6 +29,7 @@ from amqtt.session import OUTGOING
 from ecq.broker.amqtt_hooks import flow
 from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE, client_id, close_connection, no_op
 from ecq.broker.amqtt_hooks.mqtt5_routing import sends_retained
+from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.shared_subscriptions import receivers
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
 from ecq.queue.topics import is_ecq_topic
@@ -57,7 +58,7 @@ def keep_persistent_sessions() -> None:
             session.is_anonymous = False
         return authenticated
 
-    Broker._authenticate = authenticate
+    replace(Broker, "_authenticate", authenticate)
 
 
 def release_handlers_of_offline_sessions() -> None:
@@ -82,7 +83,7 @@ def release_handlers_of_offline_sessions() -> None:
                     and session.transitions.state == "disconnected"):
                 broker._sessions[session.client_id] = (session, None)
 
-    Broker._handle_client_session = handle_client_session
+    replace(Broker, "_handle_client_session", handle_client_session)
 
 
 def set_session_expiry(context: BrokerContext, seconds: float) -> None:
@@ -116,8 +117,8 @@ def retained_only_for_new_subscriptions() -> None:
         if find_target(broker.plugins_manager) is None:
             await original_send(broker, subscription, session)
 
-    Broker._handle_subscription = handle_subscription
-    Broker._publish_retained_messages_for_subscription = send_on_connect
+    replace(Broker, "_handle_subscription", handle_subscription)
+    replace(Broker, "_publish_retained_messages_for_subscription", send_on_connect)
 
 
 async def _handle_subscribe(broker: Broker, session: Any, handler: BrokerProtocolHandler, subscribe: Any) -> None:
@@ -153,7 +154,7 @@ def offline_messages_not_retained() -> None:
             sends.append(handler.mqtt_publish(message.topic, message.data, message.qos, retain=False))
         await asyncio.gather(*sends, return_exceptions=True)
 
-    Broker._publish_session_retained_messages = publish_queued
+    replace(Broker, "_publish_session_retained_messages", publish_queued)
 
 
 def offline_queue_first_on_reconnect() -> None:
@@ -181,8 +182,8 @@ def offline_queue_first_on_reconnect() -> None:
         _resuming.pop(id(session), None)  # the queue is taken before this coroutine first yields: nothing comes between
         await original_queued(broker, session)
 
-    Broker._handle_client_session = handle_client_session
-    Broker._publish_session_retained_messages = publish_queued
+    replace(Broker, "_handle_client_session", handle_client_session)
+    replace(Broker, "_publish_session_retained_messages", publish_queued)
 
 
 def route_what_was_read_before_the_disconnect() -> None:
@@ -206,7 +207,7 @@ def route_what_was_read_before_the_disconnect() -> None:
                     await handle(session, handler, _resolved(queue.get_nowait()))
         await original(broker, session, handler, disconnect_waiter)
 
-    Broker._handle_disconnect = handle_disconnect
+    replace(Broker, "_handle_disconnect", handle_disconnect)
 
 
 def end_clean_sessions_with_their_connection() -> None:
@@ -224,7 +225,7 @@ def end_clean_sessions_with_their_connection() -> None:
                 and session.transitions.state == "disconnected"):
             await broker._cleanup_session(session.client_id)
 
-    Broker._handle_disconnect = handle_disconnect
+    replace(Broker, "_handle_disconnect", handle_disconnect)
 
 
 def _resolved(value: Any) -> asyncio.Future:
@@ -277,9 +278,9 @@ def conformant_fan_out() -> None:
         finally:
             flow.fanned_out(broadcast)
 
-    Broker._handle_message_delivery = handle_message_delivery
-    Broker._broadcast_message = broadcast_message
-    Broker._run_broadcast = run_broadcast
+    replace(Broker, "_handle_message_delivery", handle_message_delivery)
+    replace(Broker, "_broadcast_message", broadcast_message)
+    replace(Broker, "_run_broadcast", run_broadcast)
 
 
 def _subscribers(broker: Broker, topic: str) -> dict[str, tuple[Any, int]]:
@@ -354,9 +355,9 @@ def resend_unacked_on_reconnect() -> None:
         del handler.session.inflight_out[packet_id]
         return no_op()
 
-    BrokerProtocolHandler._handle_message_flow = handle_message_flow
-    BrokerProtocolHandler._retry_deliveries = retry_deliveries
-    BrokerProtocolHandler.handle_puback = handle_puback
+    replace(BrokerProtocolHandler, "_handle_message_flow", handle_message_flow)
+    replace(BrokerProtocolHandler, "_retry_deliveries", retry_deliveries)
+    replace(BrokerProtocolHandler, "handle_puback", handle_puback)
 
 
 _RESEND_TIMEOUT_S = 10  # amqtt's own bound on one resend at connect (its _retry_deliveries)
@@ -401,5 +402,5 @@ def enforce_keepalive() -> None:
         _closing.add(task)
         task.add_done_callback(_closing.discard)
 
-    BrokerProtocolHandler.init_from_connect = classmethod(init_from_connect)
-    BrokerProtocolHandler.handle_read_timeout = handle_read_timeout
+    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
+    replace(BrokerProtocolHandler, "handle_read_timeout", handle_read_timeout)

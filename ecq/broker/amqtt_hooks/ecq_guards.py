@@ -14,6 +14,7 @@ from amqtt.broker import Broker
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker.amqtt_hooks.authentication import refuse_connect
+from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic
 
@@ -40,7 +41,7 @@ def refuse_forbidden_wills() -> None:
             await refuse_connect(plugins_manager, writer, reason)
         return handler, session
 
-    BrokerProtocolHandler.init_from_connect = classmethod(init_from_connect)
+    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
 
 
 def keep_ecq_out_of_broadcasts() -> None:
@@ -61,7 +62,7 @@ def keep_ecq_out_of_broadcasts() -> None:
             return
         await original(broker, session, topic, data, force_qos)
 
-    Broker._broadcast_message = broadcast_message
+    replace(Broker, "_broadcast_message", broadcast_message)
 
 
 def keep_ecq_out_of_retained_store() -> None:
@@ -82,4 +83,4 @@ def keep_ecq_out_of_retained_store() -> None:
             return
         await original(broker, source_session, topic_name, data, qos)
 
-    Broker.retain_message = retain_message
+    replace(Broker, "retain_message", retain_message)

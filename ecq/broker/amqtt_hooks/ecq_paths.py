@@ -38,6 +38,7 @@ from amqtt.session import IncomingApplicationMessage, OutgoingApplicationMessage
 
 from ecq.broker.amqtt_hooks.mqtt5_messages import subscriptions_of
 from ecq.broker.amqtt_hooks.mqtt5_packets import context_of, delivery, publish_acknowledgement, release_inbound
+from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic, queue_filter
 from ecq.store.protocol import Message
@@ -76,7 +77,7 @@ def take_ecq_publishes() -> None:
             return _route_qos2(handler, packet, plugin.hold_acknowledgement(handler))
         return original(handler, packet)
 
-    BrokerProtocolHandler.handle_publish = handle_publish
+    replace(BrokerProtocolHandler, "handle_publish", handle_publish)
 
 
 async def _route_qos1(handler: BrokerProtocolHandler, packet: PublishPacket,
@@ -138,7 +139,7 @@ def release_ecq_qos2_writes() -> None:
         send_soon(handler, _ACK.pack(0x70, 2, packet_id))
         return no_op()
 
-    BrokerProtocolHandler.handle_pubrel = handle_pubrel
+    replace(BrokerProtocolHandler, "handle_pubrel", handle_pubrel)
 
 
 def qos2_receipts(handler: BrokerProtocolHandler) -> dict[int, asyncio.Future]:
@@ -168,7 +169,7 @@ def grant_ecq_subscriptions() -> None:
             subscription = (topic_filter, granted)
         return await original(broker, subscription, session)
 
-    Broker.add_subscription = add_subscription
+    replace(Broker, "add_subscription", add_subscription)
 
 
 def accept_ecq_wildcards() -> None:
@@ -182,7 +183,7 @@ def accept_ecq_wildcards() -> None:
         MQTTVariableHeader.__init__(header)
         header.topic_name, header.packet_id = topic_name, packet_id
 
-    PublishVariableHeader.__init__ = header_init
+    replace(PublishVariableHeader, "__init__", header_init)
 
 
 def client_id(handler: BrokerProtocolHandler) -> str | None:

@@ -44,6 +44,7 @@ from amqtt.mqtt.publish import PublishPacket
 
 from ecq.broker.amqtt_hooks.ecq_paths import client_id
 from ecq.broker.amqtt_hooks.mqtt5_sessions import tell
+from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
 from ecq.queue.throttle import LogThrottle
 from ecq.queue.topics import is_ecq_topic
@@ -246,7 +247,7 @@ def count_publishes_read() -> None:
             packet._ecq_routing = _Routing(inbound, inbound.read(len(topic) + len(data)))
         return original(handler, packet)
 
-    BrokerProtocolHandler.handle_publish = handle_publish
+    replace(BrokerProtocolHandler, "handle_publish", handle_publish)
 
 
 async def room_to_read(reader: Any) -> None:
@@ -304,7 +305,7 @@ def pace_amqtt_readers() -> None:
         await room_to_read(reader)
         return await original(cls, reader)
 
-    MQTTFixedHeader.from_stream = classmethod(from_stream)
+    replace(MQTTFixedHeader, "from_stream", classmethod(from_stream))
 
 
 def answer_pings_after_routing() -> None:
@@ -319,7 +320,7 @@ def answer_pings_after_routing() -> None:
             return original(handler, ping)
         return _pong_after(handler, ping, original, inbound, inbound.last_read)
 
-    BrokerProtocolHandler.handle_pingreq = handle_pingreq
+    replace(BrokerProtocolHandler, "handle_pingreq", handle_pingreq)
 
 
 async def _pong_after(handler: BrokerProtocolHandler, ping: PingReqPacket, original: Any, inbound: Inbound,

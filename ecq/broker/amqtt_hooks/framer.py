@@ -52,6 +52,7 @@ from ecq.broker.amqtt_hooks.bad_clients import (PACKET_NAMES, ProtocolViolation,
                                                 publish_violation, utf8_or_violation, violation)
 from ecq.broker.amqtt_hooks.ecq_paths import client_id
 from ecq.broker.amqtt_hooks.flow import room_to_read
+from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
 from ecq.queue.topics import PREFIX, is_ecq_topic
 
@@ -79,7 +80,7 @@ def read_with_the_framer() -> None:
             return await original(handler)
         await Framer(handler, plugin).run()
 
-    BrokerProtocolHandler._reader_loop = reader_loop
+    replace(BrokerProtocolHandler, "_reader_loop", reader_loop)
 
 
 class _PacketReader(BufferReader):

@@ -40,6 +40,7 @@ from ecq.broker.amqtt_hooks.mqtt5_packets import (BAD_AUTHENTICATION_METHOD, MAL
                                                   set_context)
 from ecq.broker.amqtt_hooks.mqtt5_properties import PropertyBounds
 from ecq.broker.amqtt_hooks.mqtt5_sessions import connack_properties, session_options
+from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import find_target
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ def translate_level_5_connects() -> None:
         set_context(handler, context)
         return handler, session
 
-    BrokerProtocolHandler.init_from_connect = classmethod(init_from_connect)
+    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
 
 
 async def _peek_level(reader: ReaderAdapter) -> tuple[bytes, int | None]:
@@ -293,7 +294,7 @@ def send_mqtt5_packets() -> None:
         data = _as_mqtt5(handler, context, packet)
         return await original(handler, packet if data is None else _Translated(packet, data))
 
-    BrokerProtocolHandler._send_packet = send_packet
+    replace(BrokerProtocolHandler, "_send_packet", send_packet)
 
 
 def _as_mqtt5(handler: BrokerProtocolHandler, context: Mqtt5Context, packet: Any) -> bytes | None:

@@ -51,6 +51,7 @@ from ecq.broker.amqtt_hooks.mqtt5_packets import (MALFORMED_PACKET, PACKET_TOO_L
                                                   context_of, decode, remaining_length)
 from ecq.broker.amqtt_hooks.mqtt5_routing import subscribed, unsubscribed
 from ecq.broker.amqtt_hooks.mqtt5_sessions import take_disconnect_expiry, tell
+from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.shared_subscriptions import v5_refusal
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic, queue_filter
@@ -75,7 +76,7 @@ def read_mqtt5_with_the_framer() -> None:
             return await original(handler)
         await Mqtt5Framer(handler, plugin).run()
 
-    BrokerProtocolHandler._reader_loop = reader_loop
+    replace(BrokerProtocolHandler, "_reader_loop", reader_loop)
 
 
 def mqtt5_header_violation(packet_type: int, flags: int, remaining_length: int, max_packet_bytes: int) -> str | None:

@@ -23,6 +23,7 @@ from ecq.broker.acl.rules import filter_covers
 from ecq.broker.amqtt_hooks.mqtt5_messages import (Mqtt5Payload, Subscription, as_mqtt5_payload, encoded_size,
                                                    subscriptions_of)
 from ecq.broker.amqtt_hooks.mqtt5_packets import context_of
+from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.shared_subscriptions import is_shared, share_target
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def deliver_as_mqtt5_clients_ask() -> None:
         async with context.window():
             return await original(handler, topic, data, qos, retain, ack_timeout)
 
-    BrokerProtocolHandler.mqtt_publish = mqtt_publish
+    replace(BrokerProtocolHandler, "mqtt_publish", mqtt_publish)
 
 
 def _filter_of(pattern: str) -> str:

@@ -29,6 +29,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from ecq.broker.amqtt_hooks.ecq_paths import connection_is_open
 from ecq.broker.amqtt_hooks.mqtt5_messages import payload_of
 from ecq.broker.amqtt_hooks.mqtt5_packets import context_of, disconnect
+from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import find_target
 
 log = logging.getLogger(__name__)
@@ -187,9 +188,9 @@ def expire_sessions_one_by_one() -> None:
             offline.cancel()  # ended otherwise (amqtt's monitor, handed over to another broker): nothing pending
         await original_cleanup(broker, client_id)
 
-    Broker._initialize_client_session = initialize_client_session
-    Broker._handle_disconnect = handle_disconnect
-    Broker._cleanup_session = cleanup_session
+    replace(Broker, "_initialize_client_session", initialize_client_session)
+    replace(Broker, "_handle_disconnect", handle_disconnect)
+    replace(Broker, "_cleanup_session", cleanup_session)
 
 
 async def _expire(broker: Broker, session: Any, offline: _Offline) -> None:
@@ -252,9 +253,9 @@ def publish_wills_after_their_delay() -> None:
                 await _publish_will(broker, session, offline.will)
         await original_delete(broker, client_id)
 
-    Broker._initialize_client_session = initialize_client_session
-    Broker._handle_disconnect = handle_disconnect
-    Broker._delete_session = delete_session
+    replace(Broker, "_initialize_client_session", initialize_client_session)
+    replace(Broker, "_handle_disconnect", handle_disconnect)
+    replace(Broker, "_delete_session", delete_session)
 
 
 async def _will_due(broker: Broker, session: Any, offline: _Offline) -> None:
@@ -300,7 +301,7 @@ def tell_v5_clients_why_they_are_closed() -> None:
                     tell(handler, SERVER_SHUTTING_DOWN)
         await original_shutdown(broker)
 
-    Broker._handle_client_session = handle_client_session
-    Broker._delete_session = delete_session
-    BrokerProtocolHandler.handle_read_timeout = handle_read_timeout
-    Broker.shutdown = shutdown
+    replace(Broker, "_handle_client_session", handle_client_session)
+    replace(Broker, "_delete_session", delete_session)
+    replace(BrokerProtocolHandler, "handle_read_timeout", handle_read_timeout)
+    replace(Broker, "shutdown", shutdown)

@@ -19,6 +19,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker.acl.rules import filter_covers
 from ecq.broker.amqtt_hooks.mqtt5_messages import subscriptions_of
+from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.shared_subscriptions import is_shared, share_target
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic
@@ -73,7 +74,7 @@ def resume_sessions_only_for_their_owner() -> None:
             await _grant_again(broker, stored, session)
         return handler, session
 
-    BrokerProtocolHandler.init_from_connect = classmethod(init_from_connect)
+    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
 
 
 async def _grant_again(broker: Broker, stored: Any, connecting: Any) -> None:

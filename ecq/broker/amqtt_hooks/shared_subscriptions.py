@@ -25,6 +25,7 @@ from amqtt.broker import Broker
 from amqtt.contexts import Action
 
 from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE
+from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic
 
@@ -109,5 +110,5 @@ def take_shared_subscriptions() -> None:
             topic = target
         return await original_filtering(broker, session, topic, action)
 
-    Broker.add_subscription = add_subscription
-    Broker._topic_filtering = topic_filtering
+    replace(Broker, "add_subscription", add_subscription)
+    replace(Broker, "_topic_filtering", topic_filtering)

@@ -7,6 +7,7 @@ import logging
 
 from amqtt.broker import Broker
 
+from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import find_target
 
 
@@ -28,7 +29,7 @@ def raise_pre_start_failure() -> None:
             raise plugin.start_error
         await original_start_listeners(broker)
 
-    Broker._start_listeners = start_listeners
+    replace(Broker, "_start_listeners", start_listeners)
 
 
 class _NoStartFailureTraceback(logging.Filter):

@@ -1,7 +1,8 @@
 """What the amqtt corrections call on the ECQ plugin, and how they find it in a broker.
 
-The corrections see the plugin only through :class:`EcqHooksTarget`, so this package does not import
-``ecq.broker.plugin`` (which imports this package). :func:`find_target` looks for an instance of the
+The corrections see the plugin only through :class:`EcqHooksTarget`, and a session handed over by the cluster only
+through :class:`HandedOverSession`, so this package imports nothing of ``ecq.broker`` above it (``plugin``,
+``cluster_state``, ``bus`` import it). :func:`find_target` looks for an instance of the
 class given to :func:`register` in a broker's or handler's own PluginManager: several brokers in one
 process work independently, and a broker without the ECQ plugin gets None and keeps stock amqtt.
 """
@@ -16,10 +17,23 @@ if TYPE_CHECKING:
     from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
     from amqtt.session import Session
 
-    from ecq.broker.cluster_state import SessionState
+    from ecq.broker.amqtt_hooks.mqtt5_messages import Subscription
     from ecq.config import EcqSettings
 
 _target_class: type | None = None
+
+
+class HandedOverSession(Protocol):
+    """A persistent session as the cluster hands it to this broker (``ecq.broker.cluster_state.SessionState``):
+    ``present`` False when there is none; ``username`` its owner's (None for none), ``owner_known`` False when the
+    broker that stored it did not record its owner; ``subscriptions`` ``[(filter, granted QoS, MQTT 5.0 options or
+    None)]``; ``messages`` ``[(topic, QoS, payload)]`` queued for it, oldest first."""
+
+    present: bool
+    subscriptions: list[tuple[str, int, Subscription | None]]
+    messages: list[tuple[str, int, bytes]]
+    username: str | None
+    owner_known: bool
 
 
 class EcqHooksTarget(Protocol):
@@ -62,7 +76,7 @@ class EcqHooksTarget(Protocol):
         """Store a retained message of an ordinary topic for the cluster (empty ``data``: cleared; no-op without
         one)."""
 
-    async def claim_session(self, clientid: str, clean: bool) -> SessionState | None:
+    async def claim_session(self, clientid: str, clean: bool) -> HandedOverSession | None:
         """Claim ``clientid`` from the cluster at its CONNECT (``clean``: its CleanSession flag): the persistent
         session another broker or the cluster's store held for it, or None (none, or no cluster)."""
 

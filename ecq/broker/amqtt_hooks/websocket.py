@@ -32,6 +32,7 @@ from websockets.asyncio.server import ServerConnection, broadcast
 from websockets.exceptions import ConnectionClosed
 from websockets.frames import CloseCode
 
+from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import find_target
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def correct_websocket_adapters() -> None:
                 reader = _WebSocketsReaderEndingAtTheClose(reader._protocol)
         await original(broker, listener_name, reader, writer)
 
-    Broker._client_connected = client_connected
+    replace(Broker, "_client_connected", client_connected)
 
 
 def take_websocket_messages_of_the_largest_packet() -> None:
@@ -116,7 +117,7 @@ def take_websocket_messages_of_the_largest_packet() -> None:
                                       ssl=ssl_context, subprotocols=[websockets.Subprotocol("mqtt")],
                                       max_size=plugin.settings.effective_max_packet_bytes() + FIXED_HEADER_MAX_BYTES)
 
-    Broker._create_server_instance = create_server_instance
+    replace(Broker, "_create_server_instance", create_server_instance)
 
 
 async def _serve_websocket(broker: Broker, listener_name: str, websocket: ServerConnection) -> None:

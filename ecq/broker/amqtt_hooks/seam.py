@@ -1,0 +1,129 @@
+"""The one seam between ECQ and amqtt: every amqtt method ECQ replaces goes through :func:`replace`, every private amqtt
+name it reads is declared in :data:`PRIVATE_READS`, and both were written against :data:`AMQTT_VERSION`.
+
+Modelled on gevent's ``monkey.patch_item``: the first replacement of ``(owner, name)`` keeps amqtt's own attribute in
+:data:`saved` (:func:`get_original`), and each replacement records the ECQ correction that made it, so
+:func:`corrections` and :func:`describe` answer at run time "what does ECQ replace in amqtt, and with which corrections
+in which order". A correction replaces a method by a wrapper of the one it finds there (its ``original``), so the
+corrections of one method form a chain: the first listed is innermost, the last one runs first.
+
+:func:`apply` runs a table of corrections (``amqtt_hooks.CORRECTIONS``) after :func:`check_amqtt_version`; a
+replacement outside it, or of a name its owner lacks, raises :class:`AmqttSeamError` instead of being made, and the
+broker does not start.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+AMQTT_VERSION = "0.12.1"  # the amqtt every correction and every declared read was written against
+
+# The private names ECQ reads (the ones it replaces among them), by the class that defines them: amqtt's, and the
+# asyncio StreamReader that amqtt's StreamReaderAdapter wraps (what a connection received and has not read).
+PRIVATE_READS: dict[str, tuple[str, ...]] = {
+    "amqtt.broker.Broker": (
+        "_authenticate", "_broadcast_message", "_broadcast_queue", "_cleanup_session", "_client_connected",
+        "_create_server_instance", "_del_subscription", "_delete_session", "_get_handler",
+        "_handle_client_session", "_handle_disconnect", "_handle_message_delivery", "_handle_subscription",
+        "_handle_unsubscription", "_initialize_client_session", "_matches",
+        "_publish_retained_messages_for_subscription", "_publish_session_retained_messages", "_retain_broadcast_message",
+        "_retained_messages", "_run_broadcast", "_servers", "_sessions", "_start_listeners",
+        "_stop_handler", "_subscriptions", "_topic_filtering"),
+    "amqtt.broker.BrokerContext": ("_broker_instance",),
+    "amqtt.mqtt.protocol.handler.ProtocolHandler": (
+        "_handle_message_flow", "_puback_waiters", "_pubcomp_waiters", "_pubrec_waiters",
+        "_pubrel_waiters", "_reader_loop", "_reader_ready", "_reader_stopped", "_reader_task", "_retry_deliveries",
+        "_send_packet"),
+    "amqtt.mqtt.protocol.broker_handler.BrokerProtocolHandler": ("_pending_subscriptions", "_pending_unsubscriptions"),
+    "amqtt.plugins.manager.PluginManager": ("_auth_plugins",),
+    "amqtt.adapters.StreamReaderAdapter": ("_reader",),
+    "amqtt.adapters.StreamWriterAdapter": ("_writer",),
+    "amqtt.adapters.BufferReader": ("_stream",),
+    "amqtt.adapters.WebSocketsReader": ("_protocol", "_stream"),
+    "amqtt.adapters.WebSocketsWriter": ("_protocol",),
+    "asyncio.StreamReader": ("_buffer",),
+}
+
+saved: dict[tuple[type, str], Any] = {}  # (owner, name) -> amqtt's own attribute, as found in the class
+_corrections: dict[tuple[type, str], list[str]] = {}  # (owner, name) -> the corrections wrapping it, innermost first
+_applying: list[str] = []  # the correction being applied, while apply() runs it
+
+
+class AmqttSeamError(RuntimeError):
+    """The installed amqtt is not the one ECQ's corrections were written for, or a correction misused the seam."""
+
+
+def check_amqtt_version(installed: str | None = None) -> None:
+    """Raise :class:`AmqttSeamError` naming both versions unless ``installed`` (default: the installed distribution's
+    version, ``importlib.metadata``) is :data:`AMQTT_VERSION`: each correction replaces a method whose body it knows."""
+    installed = importlib.metadata.version("amqtt") if installed is None else installed
+    if installed != AMQTT_VERSION:
+        raise AmqttSeamError(f"ECQ corrects amqtt {AMQTT_VERSION}, but amqtt {installed} is installed: its methods "
+                             f"may not do what ECQ's corrections expect; install amqtt=={AMQTT_VERSION}")
+
+
+def apply(table: Iterable[Callable[[], None]]) -> None:
+    """Check the amqtt version, then run each correction of ``table`` in order (each one's replacements wrap what the
+    ones before it installed); :func:`describe` is logged at debug. Raises :class:`AmqttSeamError` (version, or a name
+    missing on its owner)."""
+    check_amqtt_version()
+    for correction in table:
+        _applying.append(_name_of(correction))
+        try:
+            correction()
+        finally:
+            _applying.pop()
+    log.debug("%s", describe())
+
+
+def replace(owner: type, name: str, replacement: Any) -> None:
+    """Set ``owner.name`` to ``replacement`` (a function, or a classmethod object for a classmethod), keeping amqtt's
+    own attribute in :data:`saved` the first time and recording the correction being applied. Raises
+    :class:`AmqttSeamError` outside :func:`apply` or when ``owner`` has no ``name`` (amqtt changed)."""
+    if not _applying:
+        raise AmqttSeamError(f"{owner.__qualname__}.{name} replaced outside amqtt_hooks.install(): add the correction "
+                             f"to amqtt_hooks.CORRECTIONS")
+    if not hasattr(owner, name):
+        raise AmqttSeamError(f"amqtt {AMQTT_VERSION}'s {owner.__module__}.{owner.__qualname__} has no {name}, which "
+                             f"ECQ's correction {_applying[-1]} replaces")
+    key = (owner, name)
+    saved.setdefault(key, inspect.getattr_static(owner, name))
+    _corrections.setdefault(key, []).append(_applying[-1])
+    setattr(owner, name, replacement)
+
+
+def get_original(owner: type, name: str) -> Any:
+    """amqtt's own ``owner.name`` as it was before ECQ replaced it (the class's attribute: a classmethod object for a
+    classmethod); the current attribute when ECQ does not replace it."""
+    return saved.get((owner, name), inspect.getattr_static(owner, name))
+
+
+def is_replaced(owner: type, name: str) -> bool:
+    """Whether an ECQ correction replaced ``owner.name``."""
+    return (owner, name) in saved
+
+
+def corrections() -> dict[str, list[str]]:
+    """``{"Owner.name": ["module.correction", ...]}``: what ECQ replaces in amqtt, each with the corrections wrapping
+    it, innermost (first installed) first."""
+    return {f"{owner.__name__}.{name}": list(names) for (owner, name), names in _corrections.items()}
+
+
+def describe() -> str:
+    """:func:`corrections` as text, one amqtt name a paragraph, sorted by name."""
+    lines = [f"What ECQ replaces in amqtt {AMQTT_VERSION}, with its corrections in order (innermost first; the last "
+             f"runs first):"]
+    for target, names in sorted(corrections().items()):
+        lines.append(target)
+        lines.extend(f"    {name}" for name in names)
+    return "\n".join(lines)
+
+
+def _name_of(correction: Callable[[], None]) -> str:
+    return f"{correction.__module__.rsplit('.', 1)[-1]}.{correction.__qualname__}"

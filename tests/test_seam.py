@@ -1,0 +1,190 @@
+"""The seam between ECQ and amqtt (``ecq.broker.amqtt_hooks.seam``): every replacement made through it, with amqtt's
+original kept and the corrections of each method listed in order; the amqtt version checked at start; every private
+amqtt name ECQ reads declared, and present on a real amqtt broker's objects, so an amqtt upgrade fails loudly here."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import os
+import pathlib
+import re
+
+import pytest
+from amqtt.adapters import BufferReader, StreamReaderAdapter, StreamWriterAdapter, WebSocketsReader, WebSocketsWriter
+from amqtt.broker import Broker
+
+from ecq.broker import amqtt_hooks
+from ecq.broker.amqtt_hooks import seam
+from ecq.broker.plugin import EcqPlugin
+from ecq.testing import BrokerProcess, free_port
+
+HOOKS = pathlib.Path(amqtt_hooks.__file__).parent
+ROOT = HOOKS.parents[2]
+
+
+def test_another_amqtt_version_is_refused_naming_both():
+    seam.check_amqtt_version()  # the installed one
+    with pytest.raises(seam.AmqttSeamError, match=r"ECQ corrects amqtt 0\.12\.1, but amqtt 0\.13\.0 is installed"):
+        seam.check_amqtt_version("0.13.0")
+
+
+def test_a_broker_on_another_amqtt_refuses_to_start(tmp_path, monkeypatch):
+    """``ecq broker`` with an amqtt distribution of another version first on its path exits at start, naming both."""
+    dist_info = tmp_path / "dist" / "amqtt-0.13.0.dist-info"
+    dist_info.mkdir(parents=True)
+    dist_info.joinpath("METADATA").write_text("Metadata-Version: 2.1\nName: amqtt\nVersion: 0.13.0\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(dist_info.parent),
+                                                                    os.environ.get("PYTHONPATH")])))
+    (tmp_path / "broker").mkdir()
+    broker = BrokerProcess(tmp_path / "broker")
+    try:
+        with pytest.raises(RuntimeError, match=r"broker exited with 1:(.|\n)*broker failed to start: ECQ corrects "
+                                               r"amqtt 0\.12\.1, but amqtt 0\.13\.0 is installed"):
+            broker.start()
+    finally:
+        if broker.proc is not None and broker.proc.poll() is None:
+            broker.kill()
+    assert not broker.queues_dir.exists()  # refused before the store was opened
+
+
+def test_install_refuses_another_amqtt_before_changing_anything(monkeypatch):
+    class Owner:
+        def method(self) -> str:
+            return "amqtt's"
+
+    def correction() -> None:
+        seam.replace(Owner, "method", lambda self: "ECQ's")
+
+    monkeypatch.setattr(seam.importlib.metadata, "version", lambda name: "0.13.0" if name == "amqtt" else "")
+    with pytest.raises(seam.AmqttSeamError, match="0.13.0"):
+        seam.apply([correction])
+    assert Owner().method() == "amqtt's" and not seam.is_replaced(Owner, "method")
+
+
+def test_a_name_missing_on_its_owner_is_a_clear_error():
+    class Owner:
+        pass
+
+    def replace_what_is_gone() -> None:
+        seam.replace(Owner, "_gone", lambda self: None)
+
+    with pytest.raises(seam.AmqttSeamError, match=r"Owner has no _gone, which ECQ's correction "
+                                                   r"test_seam\..*replace_what_is_gone replaces"):
+        seam.apply([replace_what_is_gone])
+    with pytest.raises(seam.AmqttSeamError, match="outside amqtt_hooks.install"):
+        seam.replace(Owner, "__init__", lambda self: None)
+
+
+def test_corrections_wrap_in_table_order_and_the_original_is_kept():
+    class Owner:
+        def method(self) -> list[str]:
+            return ["amqtt"]
+
+    def wrapping(label: str):
+        def correction() -> None:
+            original = Owner.method
+            seam.replace(Owner, "method", lambda self: [label, *original(self)])
+        correction.__qualname__ = label
+        return correction
+
+    amqtt_method = Owner.method
+    seam.apply([wrapping("inner"), wrapping("outer")])
+    assert Owner().method() == ["outer", "inner", "amqtt"]
+    assert seam.get_original(Owner, "method") is amqtt_method
+    assert seam.corrections()["Owner.method"] == ["test_seam.inner", "test_seam.outer"]
+    assert "Owner.method\n    test_seam.inner\n    test_seam.outer" in seam.describe()
+
+
+def test_install_records_every_replacement_of_amqtt():
+    amqtt_hooks.install(EcqPlugin)
+    table = seam.corrections()
+    replacements = sum(len(re.findall(r"^\s+replace\(", path.read_text(), re.M)) for path in HOOKS.glob("*.py"))
+    assert sum(len(names) for key, names in table.items() if not key.startswith("Owner.")) == replacements
+    correction_names = {f"{c.__module__.rsplit('.', 1)[-1]}.{c.__name__}" for c in amqtt_hooks.CORRECTIONS}
+    for (owner, name), original in seam.saved.items():
+        if owner.__module__.startswith("amqtt"):
+            assert getattr(original, "__func__", original).__module__.startswith("amqtt"), (owner, name)
+            assert set(table[f"{owner.__name__}.{name}"]) <= correction_names
+    assert table["BrokerProtocolHandler.init_from_connect"][-1] == "mqtt5_edge.translate_level_5_connects"
+
+
+def test_no_hook_assigns_an_amqtt_attribute_behind_the_seam():
+    """A new correction writes ``replace(Owner, "name", replacement)``, never ``Owner.name = replacement``."""
+    behind = [f"{path.name}:{number}" for path in HOOKS.glob("*.py")
+              for number, line in enumerate(path.read_text().splitlines(), 1)
+              if re.match(r"\s+[A-Z]\w*\.\w+ = ", line)]
+    assert behind == []
+
+
+def test_amqtt_hooks_import_nothing_of_the_broker_above_them():
+    """The import rule of docs/architecture.md: no circle through ``plugin``, ``cluster_state`` or ``bus``."""
+    allowed = ("ecq.broker.amqtt_hooks", "ecq.broker.acl", "ecq.queue", "ecq.store.protocol", "ecq.config")
+    imported = {f"{path.name}: {node.module}" for path in HOOKS.glob("*.py")
+                for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)
+                and node.module and node.module.startswith("ecq") and not node.module.startswith(allowed)}
+    assert imported == set()
+
+
+def test_every_private_amqtt_name_ecq_reads_is_declared():
+    """``x._name`` read in amqtt_hooks is either ECQ's own (defined somewhere in ecq/) or in ``seam.PRIVATE_READS``;
+    what ``PRIVATE_READS`` declares is read somewhere. Outside amqtt_hooks nothing reads a declared name."""
+    declared = {name for names in seam.PRIVATE_READS.values() for name in names}
+    own = set().union(*(_defined(path) for path in ROOT.joinpath("ecq").rglob("*.py")))
+    read = set().union(*(_private_reads(path) for path in HOOKS.glob("*.py")))
+    assert read - own - declared == set()
+    assert declared - read == set()
+    outside = {f"{path.relative_to(ROOT)}: {name}" for path in ROOT.joinpath("ecq").rglob("*.py")
+               if HOOKS not in path.parents for name in _private_reads(path) & (declared - own)}
+    assert outside == set()
+
+
+def _private_reads(path: pathlib.Path) -> set[str]:
+    return {node.attr for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Load) and re.match(r"_[a-z]", node.attr)}
+
+
+def _defined(path: pathlib.Path) -> set[str]:
+    """Private names a module of ECQ defines: functions, attributes and variables it assigns, setattr's names."""
+    defined: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            defined.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"_[a-z]\w*", node.value):
+            defined.add(node.value)  # a name given to setattr/getattr
+    return defined
+
+
+@pytest.mark.timeout(30)
+async def test_every_declared_read_exists_on_a_real_amqtt_broker():
+    """Each name of ``seam.PRIVATE_READS`` on the objects of a stock amqtt broker serving one TCP client (the
+    WebSocket adapters and BufferReader built directly)."""
+    port = free_port()
+    broker = Broker({"listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{port}"}}})
+    await broker.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"\x10\x10\x00\x04MQTT\x04\x02\x00\x3c\x00\x04seam")
+        assert await asyncio.wait_for(reader.readexactly(4), 10) == b"\x20\x02\x00\x00"
+        _session, handler = broker._sessions["seam"]
+        instances = {"amqtt.broker.Broker": broker, "amqtt.broker.BrokerContext": broker.plugins_manager.context,
+                     "amqtt.mqtt.protocol.handler.ProtocolHandler": handler,
+                     "amqtt.mqtt.protocol.broker_handler.BrokerProtocolHandler": handler,
+                     "amqtt.plugins.manager.PluginManager": broker.plugins_manager,
+                     "amqtt.adapters.StreamReaderAdapter": handler.reader,
+                     "amqtt.adapters.StreamWriterAdapter": handler.writer,
+                     "amqtt.adapters.BufferReader": BufferReader(b""),
+                     "amqtt.adapters.WebSocketsReader": WebSocketsReader(None),
+                     "amqtt.adapters.WebSocketsWriter": WebSocketsWriter(None),
+                     "asyncio.StreamReader": handler.reader._reader}
+        assert isinstance(handler.reader, StreamReaderAdapter) and isinstance(handler.writer, StreamWriterAdapter)
+        missing = [f"{owner}.{name}" for owner, names in seam.PRIVATE_READS.items() for name in names
+                   if not hasattr(instances[owner], name)]
+        assert missing == []
+        writer.close()
+    finally:
+        await broker.shutdown()
