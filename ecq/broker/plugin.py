@@ -75,6 +75,7 @@ class EcqPlugin(BaseTopicPlugin):
             "ecq_stored_bytes": lambda: totals().stored_bytes,
             "ecq_inflight": lambda: totals().inflight,
             "ecq_consumers_online": lambda: totals().online,
+            "ecq_connections": lambda: hooks.connections(context),
             "ecq_events_dropped": lambda: self.event_stats().get("dropped_items", 0),
         }, cluster=cluster)
         if cluster:
@@ -349,6 +350,10 @@ class EcqPlugin(BaseTopicPlugin):
     def count_protocol_violation(self) -> None:
         """Count a connection closed for a malformed packet (``ecq_protocol_violations_total``)."""
         self.metrics.protocol_violations.inc()
+
+    def connection_refused_at_cap(self) -> None:
+        """Count a CONNECT refused at ``max_connections`` (``ecq_connections_refused_total``)."""
+        self.metrics.connections_refused.inc()
 
     def session_message_dropped(self, clientid: str, topic: str, reason: str) -> None:
         """Count a message of an ordinary topic dropped from ``clientid``'s persistent session because a bound
