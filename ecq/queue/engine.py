@@ -357,7 +357,7 @@ class QueueEngine:
             if consumer.online and not consumer.inflight:
                 if consumer.behind:
                     consumer.wake()
-            elif not consumer.online and not consumer.saving and not consumer.attempts:
+            elif not consumer.online and not consumer.saving and not consumer.resends.attempts:
                 del self.consumers[clientid]
         if self.store.shared and time.monotonic() - self._queues_counted_at >= QUEUE_COUNT_INTERVAL_S:
             await self.count_stored(refresh=True)  # notices keep the counts between two reads
