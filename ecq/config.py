@@ -108,6 +108,9 @@ class EcqSettings(BaseModel):
     max_packet_bytes: Int | None = Field(default=None, ge=0, le=MAX_REMAINING_LENGTH,
                                          description="largest MQTT packet body; None = max_payload_bytes + 65539")
     connect_timeout: Timer = Field(default=10.0, description="a connection without CONNECT in time is closed")
+    max_connections: Int = Field(default=0, ge=0, description="client ids connected to this node at once, over all "
+                                 "its listeners (a takeover adds none); a CONNECT beyond it gets CONNACK 0x03, MQTT 5 "
+                                 "0x97; 0 = no cap")
     leveldb_max_open_files: Int = Field(default=LEVELDB_MAX_OPEN_FILES, ge=20, le=65535,
                                         description="LevelDB table files kept open, and so memory-mapped (RSS)")
     leveldb_cache_bytes: Int = Field(default=8 * 1024 * 1024, ge=1024 * 1024,

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ecq.queue.deadlines import SharedDeadline
-from ecq.queue import delivery
+from ecq.queue import oversize
 from ecq.queue.delivery import Consumer
 from ecq.store.leveldb import LevelDbStore
 from ecq.queue.readers import BatchedReader
@@ -258,7 +258,7 @@ async def test_a_rewind_while_online_forgets_the_inflight_and_redelivers_from_th
     connection.ack(1)
     await settle(lambda: store.ack_state("q").acked == 1 and len(connection.sent) == 3)
     await consumer.rewind(0)  # b and c are in flight: forgotten, not waited for
-    assert store.ack_state("q").acked == 0 and not consumer.attempts
+    assert store.ack_state("q").acked == 0 and not consumer.resends.attempts
     await settle(lambda: len(connection.sent) == 5)
     assert [payload for _topic, payload in connection.sent] == [b"a", b"b", b"c", b"a", b"b"]
     assert connection.unacked == 2 and seen.acks == [1]  # the forgotten sends of b and c are not awaited
@@ -372,13 +372,13 @@ async def test_a_read_in_progress_when_a_rewind_comes_does_not_deliver_from_the_
 async def test_a_skipped_entry_is_dropped_once_too_many_later_entries_were_acked_past_it(parts, monkeypatch):
     """The ack state holds every seqno acked past a skipped entry; past the bound the entry is given up, so an
     ack save stays small (here a bound of 3 instead of 1,024)."""
-    monkeypatch.setattr(delivery, "MAX_ACKED_PAST_A_GAP", 3)
+    monkeypatch.setattr(oversize, "MAX_ACKED_PAST_A_GAP", 3)
     store = parts[0]
     await write(parts, "big", "a", "b", "c", "d", "e")
     consumer, seen = make_consumer(parts, window=2)
     connection = FakeConnection()
     consumer.attach(connection, fits=lambda _topic, message: message.key != "big")
     await settle(lambda: connection.ack() or len(seen.acks) == 5)  # PUBACK each send as it comes
-    assert seen.skips == [(1, delivery.SKIPPED_TOO_LARGE), (1, delivery.DROPPED_TOO_LARGE)]
+    assert seen.skips == [(1, oversize.SKIPPED_TOO_LARGE), (1, oversize.DROPPED_TOO_LARGE)]
     await settle(lambda: store.ack_state("q").acked == 6)
     assert store.ack_state("q").above == set() and not consumer.skipped

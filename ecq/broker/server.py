@@ -105,6 +105,6 @@ def _tune_python_runtime() -> None:
 
 def _reload_acl(plugin: EcqPlugin) -> None:
     try:
-        plugin.reload_acl()
+        plugin.controls.reload_acl()
     except AclError as exc:
         log.error("ACL reload failed, keeping the old rules: %s", exc)

@@ -54,6 +54,8 @@ class EcqMetrics:
         self.fast_path_publishes, self.fast_path_pubacks = fast_path.labels("publish"), fast_path.labels("puback")
         self.protocol_violations = Counter("ecq_protocol_violations", "connections closed for a malformed packet or "
                                            "a protocol violation (MQTT 3.1.1 section 4.8)", registry=r)
+        self.connections_refused = Counter("ecq_connections_refused", "CONNECTs refused with CONNACK 0x03 (MQTT 5 "
+                                           "0x97): the node served max_connections client ids", registry=r)
         self.gc_runs = Counter("ecq_gc_runs", "garbage collection passes", registry=r)
         self.store_errors = Counter("ecq_store_errors", "LevelDB operations that failed, by op (read: a damaged "
                                     "block stopped a queue's delivery; write: a commit failed)", ["op"], registry=r)
@@ -101,6 +103,7 @@ _GAUGE_HELP = {
     "ecq_stored_bytes": "payload bytes stored across all queues (exact: the index total at start-up, kept by each write and GC)",
     "ecq_inflight": "PUBLISHes sent to consumers and not yet acknowledged",
     "ecq_consumers_online": "consumers connected and subscribed to their queue",
+    "ecq_connections": "client ids connected to this node, as max_connections counts them",
     "ecq_events_dropped": "queue events dropped by the event buffer's overload protection",
 }
 

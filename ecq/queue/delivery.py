@@ -28,20 +28,9 @@ its ack is committed: an Expire op with reason ``tombstone_acked`` through the q
 A rewind (:meth:`Consumer.rewind`) sets ``acked`` to a chosen seqno and forgets everything in flight; its
 save queues behind the consumer's own save, so a late ack save cannot overwrite it.
 
-An entry whose PUBLISH would exceed what the attached connection takes (an MQTT 5 consumer's Maximum Packet Size,
-MQTT 5.0 section 3.1.2.11.4, MQTT-3.1.2-24: the ``fits`` given to :meth:`Consumer.attach`) is skipped for that
-connection: not sent, not acked, counted (:meth:`DeliveryObserver.skipped`). It stays in ``_handed`` as a gap that
-``acked`` does not pass, so the entries after it are acked out of order (``above``) and never sent again, while it
-stays pending in the store: the next connection reads from ``acked`` and gets it if its maximum is larger. The gap
-closes when compaction or GC deletes the entry (:meth:`Consumer.appended`, :meth:`Consumer.forget`). While it
-stays, ``above`` grows by one seqno per entry acked after it, a cost paid again by every ack save: past
-``MAX_ACKED_PAST_A_GAP`` of them the oldest skipped entry is dropped (passed as if acked, counted with reason
-``packet_too_large_dropped``, logged), so the stored ack state stays within a few kilobytes.
-
-A send again carries ``dup`` (MQTT 3.1.1 section 4.4, MQTT-4.4.0-1: DUP=1 "might be re-delivery"): an entry this
-consumer sent before, and up to one window of entries a consumer it does not know of may have sent without their
-PUBACK (before a broker restart, on another cluster node; :meth:`Consumer._maybe_sent_before`): which entries were
-sent is not stored.
+An entry whose PUBLISH would exceed what the attached connection takes (an MQTT 5 consumer's Maximum Packet Size:
+the ``fits`` given to :meth:`Consumer.attach`) is skipped for that connection, a gap ``acked`` does not pass while
+the entry is stored (:mod:`ecq.queue.oversize`). A send again carries ``dup`` (:mod:`ecq.queue.resends`).
 """
 
 from __future__ import annotations
@@ -53,8 +42,10 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from ecq.queue import oversize
 from ecq.queue.clock import now_ms, retention_cutoff_ms
 from ecq.queue.deadlines import SharedDeadline
+from ecq.queue.resends import Resends
 from ecq.store.protocol import AckState, Expire, ExpiredRow, Message, QueueStore, SaveAck, StoreReadError
 from ecq.queue.topics import delivery_topic
 from ecq.queue.writer import PoolClosed, WriterPool
@@ -70,9 +61,6 @@ SAVE_RETRY_S = 1.0  # after a failed ack-state save (disk full, I/O error), try 
 Publish = Callable[[Any, str, bytes, int, int, int, bool], Awaitable[None]]
 # fits(topic, message) -> False when the PUBLISH of ``message`` would exceed what the connection takes (its size).
 Fits = Callable[[str, Message], bool]
-SKIPPED_TOO_LARGE = "packet_too_large"  # the reason of a skip: above the connection's Maximum Packet Size
-DROPPED_TOO_LARGE = "packet_too_large_dropped"  # a skipped entry given up: too many entries acked past it
-MAX_ACKED_PAST_A_GAP = 1024  # entries acked out of order past a skipped one: 8 bytes each in every ack save
 # read(func, *args) -> a future of the blocking store read func(*args), run off the event loop.
 Read = Callable[..., asyncio.Future]
 
@@ -109,7 +97,7 @@ class Consumer:
         self._rewind_waiters: list[tuple[int, asyncio.Future]] = []  # (rewinds, resolved once such a save commits)
         self._store, self._pool, self._publish, self._observer = store, pool, publish, observer
         self._read_store = read
-        self.attempts: dict[int, int] = {}  # sends so far of each unacked seqno, across connections
+        self.resends = Resends(sent_before_ms, window)  # sends so far of each unacked seqno, their DUP
         self._read_deadline = read_deadline
         self._window, self._retention_s = window, retention_s
         self._inflight_max = window         # the attached connection's bound: window, or less if it asked for less
@@ -126,8 +114,6 @@ class Consumer:
         self._pump_task: asyncio.Task | None = None
         self._fits: Fits | None = None      # the attached connection's size bound (None: none)
         self.skipped: dict[int, Message] = {}  # seqno -> entries skipped for this connection: gaps in _handed
-        self._sent_before_ms = sent_before_ms
-        self._sent_before_left = window  # first sends that may still be sends again: at most a window was in flight
 
     @property
     def online(self) -> bool:
@@ -193,7 +179,7 @@ class Consumer:
         self._handed.clear()
         self._ready.clear()
         self.skipped.clear()
-        self.attempts.clear()
+        self.resends.clear()
         self.state = AckState(acked, self.state.last_ack_ms, set())
         self._read_cursor = acked
         self._newest = self._told = _UNKNOWN  # read until a short read
@@ -241,7 +227,7 @@ class Consumer:
         """
         if self._ready:
             self._ready = deque(m for m in self._ready if m.key != key or m.seqno >= seqno)
-        self._close_gaps([gap for gap, skipped in self.skipped.items() if skipped.key == key and gap < seqno])
+        self._close_gaps(oversize.superseded(self.skipped, key, seqno))
         if message is not None and self._takes_from_commit(seqno):
             self._ready.append(message)
             self._read_cursor = seqno
@@ -250,12 +236,8 @@ class Consumer:
         self._wake.set()
 
     def _close_gaps(self, seqnos: list[int]) -> None:
-        """Skipped entries ``seqnos`` were deleted: nothing is left to deliver, so ``acked`` may pass them (marked as
-        acked out of order, which the next fold turns into ``acked``)."""
-        for seqno in seqnos:
-            del self.skipped[seqno]
-            self.state.above.add(seqno)
-        if seqnos:
+        """Skipped entries ``seqnos`` were deleted: ``acked`` may pass them (see ecq.queue.oversize.close_gaps)."""
+        if oversize.close_gaps(self.skipped, self.state, seqnos):
             self._wake.set()
 
     def _takes_from_commit(self, seqno: int) -> bool:
@@ -333,45 +315,14 @@ class Consumer:
             return
         topic = delivery_topic(self.clientid, message.key)
         if self._fits is not None and not self._fits(topic, message):
-            self._skip(message)
+            oversize.skip(self.skipped, self.clientid, message, self._observer)
             return
         task = asyncio.create_task(self._deliver(topic, message), name=f"ecq-send-{self.clientid}-{message.seqno}")
         self.inflight[message.seqno] = task
 
-    def _skip(self, message: Message) -> None:
-        """Leave ``message`` pending, a gap in what this connection is handed (see the module's docstring)."""
-        if not self.skipped:
-            log.info("ECQ entry %d of %s skipped: its PUBLISH is above the Maximum Packet Size of the consumer's "
-                     "connection; later entries go on, it stays stored for a connection that takes it",
-                     message.seqno, self.clientid)
-        self.skipped[message.seqno] = message
-        self._observer.skipped(self.clientid, message, SKIPPED_TOO_LARGE)
-
-    def _drop_skipped_past_bound(self) -> None:
-        """Give up the oldest skipped entry once more than ``MAX_ACKED_PAST_A_GAP`` entries were acked past it
-        (see the module's docstring): ``acked`` passes it, it is counted and logged, never delivered."""
-        if not self.skipped or len(self.state.above) <= MAX_ACKED_PAST_A_GAP:
-            return
-        oldest = min(self.skipped)
-        message = self.skipped[oldest]
-        log.warning("ECQ entry %d of %s dropped: it was skipped as above the consumer's Maximum Packet Size while "
-                    "%d later entries were acked", oldest, self.clientid, len(self.state.above))
-        self._observer.skipped(self.clientid, message, DROPPED_TOO_LARGE)
-        self._close_gaps([oldest])
-
-    def _maybe_sent_before(self, message: Message) -> bool:
-        """True when a consumer of this queue that this one does not know of (before a restart, on another node)
-        may have sent ``message`` without its PUBACK: one of the first window of first sends, of an entry stored by
-        ``sent_before_ms`` (MQTT 3.1.1 section 4.4 allows DUP=1 on a send that might be a re-delivery)."""
-        if self._sent_before_left and message.ts_ms <= self._sent_before_ms:
-            self._sent_before_left -= 1
-            return True
-        return False
-
     async def _deliver(self, topic: str, message: Message) -> None:
         connection = self.connection
-        attempt = self.attempts[message.seqno] = self.attempts.get(message.seqno, 0) + 1
-        dup = attempt > 1 or self._maybe_sent_before(message)
+        attempt, dup = self.resends.send(message)
         self._observer.delivered(self.clientid, message, attempt)
         sent = time.monotonic()
         try:
@@ -384,10 +335,11 @@ class Consumer:
                 self.detach()
             return
         self.inflight.pop(message.seqno, None)
-        self.attempts.pop(message.seqno, None)
+        self.resends.acked(message.seqno)
         self._observer.acked(self.clientid, message, sent)
         self.state.above.add(message.seqno)
-        self._drop_skipped_past_bound()
+        if oversize.drop_past_bound(self.skipped, self.state, self.clientid, self._observer):
+            self._wake.set()
         self.state.last_ack_ms = now_ms()
         if self._tombstones and not message.payload:
             self._acked_tombstones.append(ExpiredRow(message.seqno, message.key, message.ts_ms, 0))
@@ -405,8 +357,8 @@ class Consumer:
             self.state.acked = self._handed.popleft()
             self.state.above.discard(self.state.acked)
             advanced = True
-        if advanced:  # drop send counts of seqnos that compaction or GC removed before their PUBACK
-            self.attempts = {seqno: n for seqno, n in self.attempts.items() if seqno > self.state.acked}
+        if advanced:
+            self.resends.forget_through(self.state.acked)
         return advanced
 
     def _save(self) -> None:

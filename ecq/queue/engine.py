@@ -54,7 +54,7 @@ class QueueEngine:
         self.observers: list[QueueObserver] = []
         self.consumers: dict[str, Consumer] = {}
         self.pool = WriterPool(store, settings.effective_pool_size(), self._on_commit, on_error=self._commit_failed)
-        self._publish, self.gc_lagging = publish, gc_lagging
+        self._publish = publish
         self._reader = BatchedReader(threads=4)
         self._read_deadline = SharedDeadline(settings.read_timeout, "ECQ store read")
         self._write_deadline = SharedDeadline(settings.write_timeout, "ECQ write commit")
@@ -72,6 +72,10 @@ class QueueEngine:
         self.closing = False
         self.lag = LagIndex(store, self.read, self.consumers)  # pending entries per queue (ecq top, metrics)
         self.observers.append(self.lag)
+        self._collector = upkeep.Collector(settings, store, self.read, self.pool, self.observers, self.gc_lock,
+                                           traffic=lambda: self.traffic, running=lambda: not self.closing,
+                                           lagging=gc_lagging, consumers=self.consumers, loading=self.loading,
+                                           forgetting=self.forgetting)
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
@@ -80,7 +84,9 @@ class QueueEngine:
         shared store, listen to the appends other brokers make."""
         if self.store.shared:  # first: an append made while the lag index scans is told, and recounted; and
             loop = asyncio.get_running_loop()  # a shared store counts from the view the watch builds
-            await loop.run_in_executor(None, self.store.watch, ClusterNotices(self, loop))
+            notices = ClusterNotices(loop, noticed=self.noticed, deleted=self.deleted, consumers=self.consumers,
+                                     lag=self.lag, count_stored=self.count_stored)
+            await loop.run_in_executor(None, self.store.watch, notices)
         await self.count_stored()
         await self.lag.rebuild()  # before any commit of this broker
         self.pool.start()
@@ -351,7 +357,7 @@ class QueueEngine:
             if consumer.online and not consumer.inflight:
                 if consumer.behind:
                     consumer.wake()
-            elif not consumer.online and not consumer.saving and not consumer.attempts:
+            elif not consumer.online and not consumer.saving and not consumer.resends.attempts:
                 del self.consumers[clientid]
         if self.store.shared and time.monotonic() - self._queues_counted_at >= QUEUE_COUNT_INTERVAL_S:
             await self.count_stored(refresh=True)  # notices keep the counts between two reads
@@ -360,8 +366,8 @@ class QueueEngine:
     # --- garbage collection and store health --------------------------------------------------------
 
     async def run_gc(self) -> int:
-        """One GC pass and a state GC (ecq.queue.upkeep.run_gc); returns how many entries it deleted."""
-        return await upkeep.run_gc(self)
+        """One GC pass and a state GC (ecq.queue.upkeep.Collector.run_gc); returns how many entries it deleted."""
+        return await self._collector.run_gc()
 
     async def recover_store(self) -> None:
         """After failed commits, reopen the store once it can take writes again (ecq.queue.upkeep)."""

@@ -14,21 +14,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
-from ecq.store.protocol import AckState, AppendNotice, ExpiredRow
+from ecq.store.protocol import AckState, Append, Appended, AppendNotice, ExpiredRow
 
 if TYPE_CHECKING:
-    from ecq.queue.engine import QueueEngine
+    from ecq.queue.delivery import Consumer
+    from ecq.queue.lag import LagIndex
 
 log = logging.getLogger(__name__)
 
 
 class ClusterNotices:
-    """The notices of a shared store, handed over from the store's thread to ``engine``'s event loop ``loop``."""
+    """The notices of a shared store, handed over from the store's thread to the engine's event loop ``loop``, and
+    there to what the engine gave: ``noticed(op, result, own, in_order)`` and ``deleted(clientid, rows, reason,
+    own)`` (its commit fan-out), its ``consumers`` by clientid, its ``lag`` index and ``count_stored(refresh=True)``
+    (its stored totals read again)."""
 
-    def __init__(self, engine: QueueEngine, loop: asyncio.AbstractEventLoop) -> None:
-        self._engine, self._loop = engine, loop
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, noticed: Callable[[Append, Appended, bool, bool], None],
+                 deleted: Callable[[str, tuple[ExpiredRow, ...], str, bool], None], consumers: Mapping[str, Consumer],
+                 lag: LagIndex, count_stored: Callable[..., Awaitable[None]]) -> None:
+        self._loop, self._noticed, self._deleted = loop, noticed, deleted
+        self._consumers, self._lag, self._count_stored = consumers, lag, count_stored
         self._resyncs: set[asyncio.Task] = set()
 
     # --- the store's thread -------------------------------------------------------------------------
@@ -39,7 +47,7 @@ class ClusterNotices:
 
     def deleted(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str) -> None:
         """Entries another broker deleted (StoreListener)."""
-        self._loop.call_soon_threadsafe(self._engine.deleted, clientid, rows, reason, False)
+        self._loop.call_soon_threadsafe(self._deleted, clientid, rows, reason, False)
 
     def ack_saved(self, clientid: str, state: AckState) -> None:
         """An ack state another broker saved (StoreListener)."""
@@ -53,19 +61,19 @@ class ClusterNotices:
 
     def _appended(self, notices: list[AppendNotice]) -> None:
         for op, result, own, in_order in notices:
-            self._engine.noticed(op, result, own, in_order)
+            self._noticed(op, result, own, in_order)
 
     def _ack_saved(self, clientid: str, state: AckState) -> None:
-        consumer = self._engine.consumers.get(clientid)
+        consumer = self._consumers.get(clientid)
         if consumer is not None and consumer.online:  # a takeover in progress: this broker's own acks count
             return
-        self._engine.lag.saved_elsewhere(clientid, state)
+        self._lag.saved_elsewhere(clientid, state)
 
     def _resynced(self, clientids: set[str]) -> None:
         for clientid in clientids:
-            if (consumer := self._engine.consumers.get(clientid)) is not None and consumer.online:
+            if (consumer := self._consumers.get(clientid)) is not None and consumer.online:
                 consumer.poll()
-        for job in (self._engine.lag.resync(clientids), self._engine.count_stored(refresh=True)):
+        for job in (self._lag.resync(clientids), self._count_stored(refresh=True)):
             task = self._loop.create_task(job, name="ecq-resync")
             self._resyncs.add(task)
             task.add_done_callback(self._resyncs.discard)

@@ -12,13 +12,14 @@ Instants are ``time.monotonic_ns()`` (one clock for every process on the host).
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import random
 import socket
 import struct
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from benchlib.procpool import ProcessPool
 
 PRODUCER_WINDOW = 100        # QoS 1 PUBLISHes in flight on a producer connection
 PING_TICK_S = 1.0            # how often a process looks for devices whose PINGREQ is due
@@ -349,27 +350,13 @@ class FleetLoadTimeout(RuntimeError):
     """A load process gave no answer in time (it was killed; the pool is unusable)."""
 
 
-class FleetLoad:
-    """``procs`` spawned load processes; a command goes to all of them, each with its own arguments."""
-
-    def __init__(self, procs: int) -> None:
-        self.size = procs
-        self._ctx = multiprocessing.get_context("spawn")
-        self._procs: list[multiprocessing.Process] = []
-        self._conns: list[Any] = []
+class FleetLoad(ProcessPool):
+    """``size`` spawned load processes; a command goes to all of them, each with its own arguments."""
 
     def start(self) -> FleetLoad:
-        for n in range(self.size):
-            parent_end, child_end = self._ctx.Pipe()
-            proc = self._ctx.Process(target=worker_main, args=(child_end,), name=f"fleet-load-{n}", daemon=True)
-            proc.start()
-            self._procs.append(proc)
-            self._conns.append(parent_end)
+        """Spawn the processes."""
+        self._spawn(worker_main, lambda _n, conn: (conn,), "fleet-load")
         return self
-
-    @property
-    def pids(self) -> list[int]:
-        return [proc.pid for proc in self._procs]
 
     def run(self, name: str, per_process: list[dict[str, Any]], timeout_s: float) -> list[dict[str, Any]]:
         """Send command ``name`` with ``per_process[i]`` to process i; their results in order. A process that does
@@ -383,17 +370,3 @@ class FleetLoad:
                 raise FleetLoadTimeout(f"a fleet load process gave no answer to {name} within {timeout_s:.0f} s")
             results.append(conn.recv())
         return results
-
-    def close(self) -> None:
-        """Ask the processes to exit; kill those still running after 10 s."""
-        for conn in self._conns:
-            try:
-                conn.send(None)
-            except OSError:
-                pass
-        for proc in self._procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        self._procs, self._conns = [], []

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import multiprocessing
 import os
 import random
 import time
@@ -25,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiomqtt
+
+from benchlib.procpool import ProcessPool
 
 CONNECT_CONCURRENCY = 64      # connects in flight per process while setting up (not in a storm)
 MIN_EXECUTOR_THREADS = 64     # aiomqtt runs each blocking socket connect() in the loop's default executor:
@@ -573,33 +574,20 @@ class LoadTimeout(RuntimeError):
     """A load process did not answer in time; the pool was restarted."""
 
 
-class LoadPool:
+class LoadPool(ProcessPool):
     """``size`` load processes (multiprocessing, spawn); each phase gives every one of them one task."""
 
     def __init__(self, size: int) -> None:
-        self.size = size
-        self._ctx = multiprocessing.get_context("spawn")
+        super().__init__(size)
         self.barrier = self._ctx.Barrier(size)
         self.stop = self._ctx.Event()
         self.flowing = self._ctx.Event()
-        self._procs: list[multiprocessing.Process] = []
-        self._conns: list[Any] = []
 
     def start(self) -> LoadPool:
         """Spawn the processes (each imports aiomqtt once)."""
-        for worker in range(self.size):
-            parent_end, child_end = self._ctx.Pipe()
-            proc = self._ctx.Process(target=worker_main, args=(child_end, self.barrier, self.stop, self.flowing, worker),
-                                     name=f"bench-load-{worker}", daemon=True)
-            proc.start()
-            self._procs.append(proc)
-            self._conns.append(parent_end)
+        self._spawn(worker_main, lambda worker, conn: (conn, self.barrier, self.stop, self.flowing, worker),
+                    "bench-load")
         return self
-
-    @property
-    def pids(self) -> list[int]:
-        """Process ids of the load processes."""
-        return [proc.pid for proc in self._procs]
 
     def submit(self, tasks: list[Any]) -> None:
         """Hand task i to load process i (exactly one task each); clears the stop and flowing events."""
@@ -633,24 +621,6 @@ class LoadPool:
         self._kill()
         self.barrier = self._ctx.Barrier(self.size)
         self.start()
-
-    def close(self) -> None:
-        """Ask the processes to exit; kill those that do not within 10 s."""
-        for conn in self._conns:
-            try:
-                conn.send(None)
-            except OSError:
-                pass
-        for proc in self._procs:
-            proc.join(10)
-        self._kill()
-
-    def _kill(self) -> None:
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        self._procs, self._conns = [], []
 
 
 def split(items: tuple[str, ...] | list[str], parts: int) -> list[tuple[str, ...]]:

@@ -34,6 +34,8 @@ amqtt behaviour it replaces. One module per concern:
 - :mod:`.cluster`: ordinary MQTT messages forwarded to and from the other brokers of a cluster, retained messages
   and persistent sessions that follow the client across them;
 - :mod:`.session_owners`: a persistent session is resumed only by the username that owns it;
+- :mod:`.connection_cap`: ``max_connections``, the client ids one node serves across its listeners (CONNACK 0x03,
+  MQTT 5 0x97 beyond it);
 - :mod:`.start_up`: start-up failures are reported, not hidden;
 - :mod:`.authentication`: a CONNECT authenticated before its client id's session is touched, a config without an
   authentication plugin warned of, each refused CONNECT logged with its reason (rate-limited);
@@ -62,13 +64,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ecq.broker.amqtt_hooks import (acks, authentication, bad_clients, cluster, conformance, ecq_guards, ecq_paths,
-                                    flow, framer, mqtt5_edge, mqtt5_framer, mqtt5_routing, mqtt5_sessions, seam,
-                                    session_owners, shared_subscriptions, start_up, target, websocket)
+from ecq.broker.amqtt_hooks import (acks, authentication, bad_clients, cluster, conformance, connection_cap,
+                                    ecq_guards, ecq_paths, flow, framer, mqtt5_edge, mqtt5_framer, mqtt5_routing,
+                                    mqtt5_sessions, seam, session_owners, shared_subscriptions, start_up, target, websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import (PersistentSession, broadcast_from_cluster, discard_session,
                                            hand_over_session, persistent_session, set_retained_from_cluster)
 from ecq.broker.amqtt_hooks.drain import close_listeners, open_connections, received_unread, stop_reading
+from ecq.broker.amqtt_hooks.connection_cap import connections
 from ecq.broker.amqtt_hooks.conformance import set_session_expiry
 from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge_soon, client_id, close_connection, connection_is_open,
                                               delivery_fits, listener_addresses, live_connection, publish_qos1,
@@ -83,7 +86,7 @@ from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 
 __all__ = ["AmqttSeamError", "CORRECTIONS", "EcqHooksTarget", "PersistentSession", "ProtocolViolation",
            "SERVER_SHUTTING_DOWN", "SESSION_TAKEN_OVER", "Subscription", "acknowledge_soon", "broadcast_from_cluster",
-           "client_id", "close_connection", "close_listeners", "cluster_form", "connection_is_open",
+           "client_id", "close_connection", "close_listeners", "cluster_form", "connection_is_open", "connections",
            "count_routed_publishes", "delivery_fits", "discard_session", "from_cluster_form", "hand_over_session",
            "install", "listener_addresses", "live_connection", "open_connections", "persistent_session", "publish_qos1",
            "qos2_receipts", "receive_maximum", "received_unread", "send_disconnect", "send_soon", "set_listen_backlog",
@@ -118,6 +121,7 @@ CORRECTIONS: tuple[Callable[[], None], ...] = (
     ecq_guards.keep_ecq_out_of_retained_store,
     cluster.forward_broadcasts_to_the_cluster,  # inside conformant_fan_out's wrapper: gets the PUBLISH's QoS
     authentication.authenticate_before_the_session,  # inside adopt_sessions: a refused CONNECT reaches no session;
+    connection_cap.cap_connections,  # right outside it: counts authenticated CONNECTs, refuses before any session
     conformance.keep_persistent_sessions,  # ...outside its _authenticate: judges the session amqtt resumes or creates
     conformance.release_handlers_of_offline_sessions,
     conformance.retained_only_for_new_subscriptions,

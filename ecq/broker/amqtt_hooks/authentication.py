@@ -30,20 +30,22 @@ _AUTHENTICATED = "ecq_authenticated"  # Session.attributes key: authenticated at
 
 
 class ConnectRefused(MQTTError):
-    """A CONNECT refused with CONNACK 0x05 by :func:`refuse_connect`: the authentication plugins' answer, or a Will ECQ
-    forbids (``ecq_guards.refuse_forbidden_wills``)."""
+    """A CONNECT refused by :func:`refuse_connect`: with CONNACK 0x05 for the authentication plugins' answer or a Will
+    ECQ forbids (``ecq_guards.refuse_forbidden_wills``), with 0x03 beyond ``max_connections`` (``connection_cap``)."""
 
 
-async def refuse_connect(plugins_manager: Any, writer: Any, reason: str) -> NoReturn:
-    """Refuse the CONNECT just read as amqtt 0.12.1 refuses a bad protocol level: CONNACK 0x05 Not authorized with
-    session present 0 (MQTT 3.1.1 section 3.2.2.3, MQTT-3.2.2-4; 0x87 to an MQTT 5 client), close, and raise
+async def refuse_connect(plugins_manager: Any, writer: Any, reason: str,
+                         return_code: int = NOT_AUTHORIZED) -> NoReturn:
+    """Refuse the CONNECT just read as amqtt 0.12.1 refuses a bad protocol level: CONNACK ``return_code`` (0x05 Not
+    authorized unless told; 0x03 Server unavailable for ``connection_cap``) with session present 0 (MQTT 3.1.1 section
+    3.2.2.3, MQTT-3.2.2-4; to an MQTT 5 client its v5 code, ``mqtt5_edge``: 0x87 for 0x05), close, and raise
     :class:`ConnectRefused` with ``reason``, which ends the connection with nothing of its client id's session
     touched; amqtt's log lines for it are dropped (:class:`_RefusalAlreadyLogged`): the caller logged why."""
-    connack = ConnackPacket.build(0, NOT_AUTHORIZED)
+    connack = ConnackPacket.build(0, return_code)
     await plugins_manager.fire_event(MQTTEvents.PACKET_SENT, packet=connack)
     await connack.to_stream(writer)
     await writer.close()
-    raise ConnectRefused(f"CONNECT refused with 0x05: {reason}")
+    raise ConnectRefused(f"CONNECT refused with 0x{return_code:02x}: {reason}")
 
 
 class _RefusalAlreadyLogged(logging.Filter):

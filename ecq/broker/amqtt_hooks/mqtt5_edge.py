@@ -83,10 +83,11 @@ class _ConnackWriter(WriterAdapter):
 
     def __init__(self, writer: WriterAdapter) -> None:
         self._writer = writer
+        self.refusal_code: int | None = None  # the v5 code of a refusal, when not its 3.1.1 code's (refuse_v5_with)
 
     def write(self, data: bytes) -> None:
         if len(data) == 4 and data[0] == 0x20:
-            code = _CONNACK_CODES.get(data[3], UNSPECIFIED_ERROR) if data[3] else 0
+            code = (self.refusal_code or _CONNACK_CODES.get(data[3], UNSPECIFIED_ERROR)) if data[3] else 0
             data = mqtt5.ConnAckPacket(reason_code=mqtt5.ConnAckReasonCode(code)).write()
         self._writer.write(data)
 
@@ -101,6 +102,15 @@ class _ConnackWriter(WriterAdapter):
 
     async def close(self) -> None:
         await self._writer.close()
+
+
+def refuse_v5_with(writer: WriterAdapter, reason_code: int) -> None:
+    """Make the CONNACK refusal written next on ``writer`` (the writer a CONNECT's handling gets) carry MQTT 5.0
+    ``reason_code`` (section 3.2.2.2) when the connection is MQTT 5, in place of the v5 code of its 3.1.1 return
+    code (``_CONNACK_CODES``: 0x03 is 0x88 Server unavailable, ``connection_cap`` answers 0x97 Quota exceeded);
+    nothing on a 3.1.1 connection."""
+    if isinstance(writer, _ConnackWriter):
+        writer.refusal_code = reason_code
 
 
 def translate_level_5_connects() -> None:

@@ -60,6 +60,9 @@ class EcqHooksTarget(Protocol):
     def count_protocol_violation(self) -> None:
         """Count a connection closed for a malformed packet or a protocol violation."""
 
+    def connection_refused_at_cap(self) -> None:
+        """Count a CONNECT refused because the node serves ``max_connections`` client ids already."""
+
     def grant_subscription(self, clientid: str, topic_filter: str, qos: int) -> int | None:
         """QoS to grant for a SUBSCRIBE to an ``$ECQ/`` filter, or None to refuse it (SUBACK 0x80)."""
 

@@ -1,0 +1,161 @@
+"""This broker as one of a cluster's brokers (``backend: jetstream``): it joins the cluster at start (the bus between
+brokers, the cluster's KV state, the streams' health, the leaders spread), and keeps the cluster told of what follows a
+client across brokers (retained messages, persistent sessions and their offline queues, messages of ordinary topics).
+Without a cluster every call is a no-op. The bus is :mod:`ecq.broker.bus`, the stored state
+:mod:`ecq.broker.cluster_state`; amqtt's side of the hand-over is ``ecq.broker.amqtt_hooks.cluster``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from amqtt.broker import BrokerContext
+
+from ecq.broker import amqtt_hooks as hooks
+from ecq.broker.sessions import QueueSessions
+from ecq.config import EcqSettings
+from ecq.queue.engine import QueueEngine
+
+log = logging.getLogger(__name__)
+
+
+class ClusterNode:
+    """The cluster's side of one broker (``context``), joined by :meth:`join` when ``backend`` is ``jetstream``."""
+
+    def __init__(self, settings: EcqSettings, context: BrokerContext, engine: QueueEngine,
+                 sessions: QueueSessions) -> None:
+        self._settings, self._context, self._engine, self._sessions = settings, context, engine, sessions
+        self.bus: Any = None  # ecq.broker.bus.ClusterBus with backend: jetstream
+        self.state: Any = None  # ecq.broker.cluster_state.ClusterState with backend: jetstream
+        self.stream_health: Any = None  # ecq.store.jetstream_health.StreamHealth with backend: jetstream
+        self._spreading: asyncio.Future | None = None  # the leader spread at start
+
+    async def join(self) -> None:
+        """Start the bus and the cluster's state (retained messages loaded, before the listeners open), watch the
+        streams' health and spread their leaders in the background. Raises what NATS raised."""
+        from ecq.broker.bus import ClusterBus  # needs the [cluster] extra
+        from ecq.broker.cluster_state import ClusterState
+        loop = asyncio.get_running_loop()
+        self.bus = ClusterBus(self._settings, loop, deliver=self._deliver_from_cluster,
+                              release=self._release_to_cluster)
+        await loop.run_in_executor(None, self.bus.start)
+        self.state = ClusterState(self._settings, self.bus.link, loop, self._retained_from_cluster)
+        await loop.run_in_executor(None, self.state.start)  # before the listeners open: retained loaded
+        self._sessions.bus = self.bus
+        self.stream_health = self._engine.store.stream_health()
+        self.stream_health.start()
+        self._spreading = asyncio.ensure_future(self._spread_leaders())
+        log.info("ECQ node %s joined the cluster (NATS %s)", self._settings.effective_node_name(),
+                 ", ".join(self._settings.nats_servers))
+
+    def close(self) -> None:
+        """Stop watching the streams, close the cluster's state and the bus."""
+        if self.stream_health is not None:
+            self.stream_health.stop()
+        if self.state is not None:
+            self.state.close()
+        if self.bus is not None:
+            self.bus.close()
+
+    def stream_report(self) -> dict[str, Any] | None:
+        """Leaders per server and each stream's leader and replicas current/configured (StreamHealth.report); None
+        without a cluster."""
+        return self.stream_health.report() if self.stream_health is not None else None
+
+    def nats_connected(self) -> float:
+        """1.0 while the store's and the bus's links to NATS are up, else 0.0 (the ``ecq_nats_connected`` gauge)."""
+        store_link = getattr(self._engine.store, "connected", False)
+        return float(bool(store_link) and self.bus is not None and self.bus.connected)
+
+    async def rebalance(self) -> dict[str, Any] | None:
+        """Spread the stream leaders over the NATS servers (ecq.store.jetstream_leaders.rebalance); None without
+        a cluster. Raises what the NATS requests raised (TimeoutError, ConnectionError)."""
+        if self.stream_health is None:
+            return None
+        from ecq.store.jetstream_leaders import rebalance
+        return await self.stream_health.link.submit(rebalance(self.stream_health))
+
+    async def _spread_leaders(self) -> None:
+        try:
+            await self.rebalance()
+        except Exception as exc:  # the node serves as well with leaders where they are
+            log.warning("ECQ could not spread the stream leaders at start: %s", exc or type(exc).__name__)
+
+    async def _deliver_from_cluster(self, topic: str, data: bytes, qos: int) -> None:
+        await hooks.broadcast_from_cluster(self._context, topic, data, qos)
+
+    def _retained_from_cluster(self, topic: str, data: bytes | None, qos: int | None) -> None:
+        hooks.set_retained_from_cluster(self._context, topic, data, qos)
+
+    def forward(self, topic: str, data: bytes, qos: int) -> None:
+        """Send a message of an ordinary topic broadcast here to the cluster's other brokers."""
+        if self.bus is not None:
+            self.bus.forward(topic, data, qos)
+
+    def retained_changed(self, topic: str, data: bytes, qos: int | None) -> None:
+        """Store a retained message of an ordinary topic for the cluster (empty ``data``: cleared)."""
+        if self.state is not None:
+            self.state.retain(topic, data, qos)
+
+    def session_message_queued(self, clientid: str, topic: str, qos: int, data: bytes) -> None:
+        """Store a message queued for an offline persistent session in the cluster."""
+        if self.state is not None:
+            self.state.queue_message(clientid, topic, qos, data)
+
+    def session_queue_taken(self, clientid: str) -> None:
+        """Drop the cluster's copy of a persistent session's queue, which is being sent."""
+        if self.state is not None:
+            self.state.drop_queue(clientid)
+
+    async def session_expired(self, clientid: str) -> None:
+        """A persistent session ended by its MQTT 5 Session Expiry Interval (MQTT 5.0 section 3.1.2.11.2): in a
+        cluster its stored subscriptions and queue are deleted and this broker stops answering for ``clientid``, so
+        that no broker resumes it, also after this one died."""
+        if self.state is not None:
+            self.state.forget_session(clientid)
+            await self.bus.disown(clientid)
+
+    async def claim_session(self, clientid: str, clean: bool) -> Any:
+        """At a CONNECT, take ``clientid`` over from the cluster (see ClusterBus.claim): returns the persistent
+        session (a SessionState, with its owner) another broker handed over or, when no broker answered and none is
+        here, the one stored in the cluster; None without a cluster or for a clean session (which is then discarded
+        everywhere, MQTT 3.1.1 section 3.1.2.4)."""
+        if self.bus is None:
+            return None
+        state = await self.bus.claim(clientid, clean)
+        if clean:
+            self.state.forget_session(clientid)
+            return None
+        if state is None and self.bus.connected and hooks.persistent_session(self._context, clientid) is None:
+            state = await self.bus.link.submit(self.state.load_session(clientid))
+        return state
+
+    def session_discarded(self, clientid: str) -> None:
+        """A CONNECT of another username did not resume ``clientid``'s session (``amqtt_hooks.session_owners``): the
+        cluster forgets its copy, so that no broker resumes it later."""
+        if self.state is not None:
+            self.state.forget_session(clientid)
+
+    async def _release_to_cluster(self, clientid: str, clean: bool) -> Any:
+        from ecq.broker.cluster_state import SessionState
+        await self._sessions.release(clientid)
+        if clean:
+            await hooks.discard_session(self._context, clientid)
+            return SessionState(False)
+        handed = await hooks.hand_over_session(self._context, clientid)
+        await self.bus.link.submit(self.state.settle())
+        if handed is None:
+            return SessionState(False)
+        held, messages = handed
+        return SessionState(True, held.subscriptions, messages, held.username)
+
+    def store_session(self, clientid: str) -> None:
+        """Write ``clientid``'s persistent session (owner, subscriptions) to the cluster while this broker answers
+        for it."""
+        if self.state is None or not self.bus.holds(clientid):
+            return
+        held = hooks.persistent_session(self._context, clientid)
+        if held is not None:
+            self.state.save_session(clientid, held)
