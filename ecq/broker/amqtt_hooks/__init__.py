@@ -28,6 +28,8 @@ docstring names the amqtt behaviour it replaces. One module per concern:
 - :mod:`.cluster`: ordinary MQTT messages forwarded to and from the other brokers of a cluster, retained messages
   and persistent sessions that follow the client across them;
 - :mod:`.session_owners`: a persistent session is resumed only by the username that owns it;
+- :mod:`.fleet_scale`: a CONNECT, a session's deletion and an idle second cost per client, not per fleet (no walk
+  of every subscription or session);
 - :mod:`.start_up`: start-up failures are reported, not hidden;
 - :mod:`.authentication`: a CONNECT authenticated before its client id's session is touched, a config without an
   authentication plugin warned of, each refused CONNECT logged with its reason (rate-limited);
@@ -56,7 +58,7 @@ is the order of wrapping.
 from __future__ import annotations
 
 from ecq.broker.amqtt_hooks import (acks, authentication, bad_clients, cluster, conformance, ecq_guards, ecq_paths,
-                                    flow, framer, mqtt5_edge, mqtt5_framer, mqtt5_routing, mqtt5_sessions,
+                                    fleet_scale, flow, framer, mqtt5_edge, mqtt5_framer, mqtt5_routing, mqtt5_sessions,
                                     session_owners, shared_subscriptions, start_up, target, websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import (PersistentSession, broadcast_from_cluster, discard_session,
@@ -87,6 +89,9 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     with any class does nothing)."""
     if not target.register(plugin_class):
         return
+    fleet_scale.connect_without_walking_every_filter()  # first: replaces the method every other wrapper wraps
+    fleet_scale.index_subscriptions_by_client()
+    fleet_scale.expire_sessions_from_their_deadlines()
     ecq_paths.take_ecq_publishes()
     ecq_paths.release_ecq_qos2_writes()
     ecq_paths.grant_ecq_subscriptions()
