@@ -232,7 +232,9 @@ def expire_sessions_from_their_deadlines() -> None:
     async def session_monitor(broker: Broker) -> None:
         if find_target(broker.plugins_manager) is None:
             return await original_monitor(broker)
-        await _expiries(broker).run(broker)
+        expiries = _Expiries()  # a fresh heap at each start (amqtt's start empties its sessions)
+        setattr(broker, _EXPIRIES, expiries)
+        await expiries.run(broker)
 
     async def handle_disconnect(broker: Broker, session: Any, handler: BrokerProtocolHandler,
                                 disconnect_waiter: asyncio.Future) -> None:
