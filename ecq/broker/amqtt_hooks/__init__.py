@@ -25,6 +25,8 @@ amqtt behaviour it replaces. One module per concern:
   retained messages);
 - :mod:`.conformance`: MQTT 3.1.1 for ordinary topics (what was read before a disconnect is routed, persistent sessions, without their dead connection's
   handler, retained messages, QoS of a fan-out, resend on reconnect, keepalive, with per-session bounds);
+- :mod:`.fleet_scale`: a CONNECT, a session's deletion and an idle second cost per client, not per fleet (no walk
+  of every subscription or session);
 - :mod:`.flow`: nothing unbounded in flow: a connection's outgoing sends bounded (drop, then close a stuck
   subscriber), a quick shutdown with stuck subscribers, a connection's PUBLISHes read ahead of their routing
   bounded, PINGREQ answered after the PUBLISHes before it were routed, acknowledgement timeouts logged in
@@ -65,8 +67,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ecq.broker.amqtt_hooks import (acks, authentication, bad_clients, cluster, conformance, connection_cap,
-                                    ecq_guards, ecq_paths, flow, framer, mqtt5_edge, mqtt5_framer, mqtt5_routing,
-                                    mqtt5_sessions, seam, session_owners, shared_subscriptions, start_up, target, websocket)
+                                    ecq_guards, ecq_paths, fleet_scale, flow, framer, mqtt5_edge, mqtt5_framer,
+                                    mqtt5_routing, mqtt5_sessions, seam, session_owners, shared_subscriptions,
+                                    start_up, target, websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import (PersistentSession, broadcast_from_cluster, discard_session,
                                            hand_over_session, persistent_session, set_retained_from_cluster)
@@ -96,6 +99,9 @@ __all__ = ["AmqttSeamError", "CORRECTIONS", "EcqHooksTarget", "PersistentSession
 # Every correction of amqtt, in the order of wrapping: where two replace the same method, the later one wraps the
 # earlier one's replacement (the comments say where that order matters).
 CORRECTIONS: tuple[Callable[[], None], ...] = (
+    fleet_scale.connect_without_walking_every_filter,  # first: replaces the method every other wrapper wraps
+    fleet_scale.index_subscriptions_by_client,
+    fleet_scale.expire_sessions_from_their_deadlines,
     ecq_paths.take_ecq_publishes,
     ecq_paths.release_ecq_qos2_writes,
     ecq_paths.grant_ecq_subscriptions,

@@ -103,9 +103,9 @@ def retained_only_for_new_subscriptions() -> None:
     matches *any* client's subscription filter, at QoS 0; and ``_publish_retained_messages_for_subscription``
     sends a QoS 0 retained message at the subscription's QoS. MQTT 3.1.1 section 3.3.1.3: a retained message
     goes to a new subscription that matches it, RETAIN=1, at min(granted QoS, message QoS); a reconnect is
-    no new subscription. So the SUBSCRIBE handling is taken over and the connect-time loop sends nothing."""
+    no new subscription. So the SUBSCRIBE handling is taken over, and the connect-time loop is gone
+    (``fleet_scale.connect_without_walking_every_filter``)."""
     original_handle = Broker._handle_subscription
-    original_send = Broker._publish_retained_messages_for_subscription
 
     async def handle_subscription(broker: Broker, session: Any, handler: BrokerProtocolHandler,
                                   waiter: asyncio.Future) -> None:
@@ -113,12 +113,7 @@ def retained_only_for_new_subscriptions() -> None:
             return await original_handle(broker, session, handler, waiter)
         return await _handle_subscribe(broker, session, handler, waiter.result())
 
-    async def send_on_connect(broker: Broker, subscription: tuple[str, int], session: Any) -> None:
-        if find_target(broker.plugins_manager) is None:
-            await original_send(broker, subscription, session)
-
     replace(Broker, "_handle_subscription", handle_subscription)
-    replace(Broker, "_publish_retained_messages_for_subscription", send_on_connect)
 
 
 async def _handle_subscribe(broker: Broker, session: Any, handler: BrokerProtocolHandler, subscribe: Any) -> None:

@@ -18,6 +18,7 @@ from amqtt.contexts import Action
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker.acl.rules import filter_covers
+from ecq.broker.amqtt_hooks.fleet_scale import filters_of
 from ecq.broker.amqtt_hooks.mqtt5_messages import subscriptions_of
 from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.shared_subscriptions import is_shared, share_target
@@ -80,8 +81,7 @@ def resume_sessions_only_for_their_owner() -> None:
 async def _grant_again(broker: Broker, stored: Any, connecting: Any) -> None:
     """Drop each subscription of the resumed session ``stored`` that amqtt's topic filter refuses the ``connecting``
     session now, and the messages queued or in flight for ``stored`` that no kept subscription matches."""
-    held = [topic_filter for topic_filter, holders in broker._subscriptions.items()
-            if any(holder is stored for holder, _qos in holders)]
+    held = filters_of(broker, stored.client_id)
     refused = [topic_filter for topic_filter in held
                if not await broker._topic_filtering(connecting, topic_filter, Action.SUBSCRIBE)]
     if not refused:
