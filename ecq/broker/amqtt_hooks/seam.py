@@ -29,6 +29,7 @@ AMQTT_VERSION = "0.12.1"  # the amqtt every correction and every declared read w
 PRIVATE_READS: dict[str, tuple[str, ...]] = {
     "amqtt.broker.Broker": (
         "_authenticate", "_broadcast_message", "_broadcast_queue", "_cleanup_session", "_client_connected",
+        "_client_message_loop",
         "_create_server_instance", "_del_subscription", "_delete_session", "_get_handler",
         "_handle_client_session", "_handle_disconnect", "_handle_message_delivery", "_handle_subscription",
         "_handle_unsubscription", "_initialize_client_session", "_matches",
