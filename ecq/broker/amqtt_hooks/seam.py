@@ -33,7 +33,7 @@ PRIVATE_READS: dict[str, tuple[str, ...]] = {
         "_create_server_instance", "_del_subscription", "_delete_session", "_get_handler",
         "_handle_client_session", "_handle_disconnect", "_handle_message_delivery", "_handle_subscription",
         "_handle_unsubscription", "_initialize_client_session", "_matches",
-        "_publish_retained_messages_for_subscription", "_publish_session_retained_messages", "_retain_broadcast_message",
+        "_publish_session_retained_messages", "_retain_broadcast_message",
         "_retained_messages", "_run_broadcast", "_servers", "_sessions", "_start_listeners",
         "_stop_handler", "_subscriptions", "_topic_filtering"),
     "amqtt.broker.BrokerContext": ("_broker_instance",),
