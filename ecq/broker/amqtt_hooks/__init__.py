@@ -27,6 +27,7 @@ docstring names the amqtt behaviour it replaces. One module per concern:
   member of the group, malformed ones refused, the ACL judging the filter read;
 - :mod:`.cluster`: ordinary MQTT messages forwarded to and from the other brokers of a cluster, retained messages
   and persistent sessions that follow the client across them;
+- :mod:`.session_memory`: a session's state and queues in objects of a few bytes, not kilobytes;
 - :mod:`.session_owners`: a persistent session is resumed only by the username that owns it;
 - :mod:`.start_up`: start-up failures are reported, not hidden;
 - :mod:`.authentication`: a CONNECT authenticated before its client id's session is touched, a config without an
@@ -57,7 +58,8 @@ from __future__ import annotations
 
 from ecq.broker.amqtt_hooks import (acks, authentication, bad_clients, cluster, conformance, ecq_guards, ecq_paths,
                                     flow, framer, mqtt5_edge, mqtt5_framer, mqtt5_routing, mqtt5_sessions,
-                                    session_owners, shared_subscriptions, start_up, target, websocket)
+                                    session_memory, session_owners, shared_subscriptions, start_up, target,
+                                    websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import (PersistentSession, broadcast_from_cluster, discard_session,
                                            hand_over_session, persistent_session, set_retained_from_cluster)
@@ -87,6 +89,8 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     with any class does nothing)."""
     if not target.register(plugin_class):
         return
+    session_memory.light_session_state()
+    session_memory.small_session_queues()
     ecq_paths.take_ecq_publishes()
     ecq_paths.release_ecq_qos2_writes()
     ecq_paths.grant_ecq_subscriptions()

@@ -1,0 +1,110 @@
+"""What a device costs in memory (issue 32): amqtt's session state machine and queues replaced by small objects
+(ecq.broker.amqtt_hooks.session_memory) that behave as the ones they replace, and the memory a persistent consumer
+and its offline session take in a real broker (this process's, traced; sockets on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import tracemalloc
+from pathlib import Path
+
+import pytest
+from amqtt.session import Session
+from transitions import MachineError
+
+from ecq.broker.amqtt_hooks.session_memory import SessionState, SmallQueue
+from tests.harness import RawClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from benchlib.heapprobe import DISCONNECT, BrokerThread, open_devices, settle  # noqa: E402
+
+
+def test_session_state_runs_amqtts_transitions_and_their_callbacks():
+    session = Session()
+    state = SessionState(session)
+    assert (state.state, state.is_new()) == ("new", True)
+    state.connect()
+    assert state.is_connected() and session.last_connect_time is not None and session.last_disconnect_time is None
+    with pytest.raises(MachineError):
+        state.connect()  # what Broker._handle_client_session takes for a takeover
+    assert state.state == "connected"
+    state.disconnect()
+    assert state.is_disconnected() and session.last_disconnect_time is not None
+    state.disconnect()  # disconnected -> disconnected, as amqtt's Machine allows
+    state.connect()
+    assert state.state == "connected" and session.last_disconnect_time is None
+    fresh = SessionState(Session())
+    fresh.disconnect()  # new -> disconnected: amqtt's create_offline_session
+    assert fresh.state == "disconnected"
+
+
+def test_small_queue_is_a_fifo_whose_get_waits_and_survives_cancellation():
+    async def scenario():
+        queue = SmallQueue()
+        assert (queue.qsize(), queue.empty(), queue.full()) == (0, True, False)
+        with pytest.raises(asyncio.QueueEmpty):
+            queue.get_nowait()
+        first = asyncio.ensure_future(queue.get())
+        second = asyncio.ensure_future(queue.get())
+        await asyncio.sleep(0)
+        queue.put_nowait("a")
+        first.cancel()  # woken by "a", then cancelled: "a" must go to the other getter
+        assert await asyncio.wait_for(second, 5) == "a"
+        await queue.put("b")
+        queue.put_nowait("c")
+        assert (queue.qsize(), queue.get_nowait(), await queue.get(), queue.empty()) == (2, "b", "c", True)
+    asyncio.run(scenario())
+    with pytest.raises(ValueError):
+        SmallQueue(maxsize=10)
+
+
+def test_a_takeover_and_a_reconnect_keep_a_persistent_session_and_its_queued_message(broker, connect):
+    """The state object's MachineError makes the takeover, its connect from ``disconnected`` the resume; the
+    session's queue keeps an ordinary QoS 1 message published while it was offline (MQTT 3.1.1 sections 3.1.2.4,
+    3.1.4)."""
+    first = RawClient(broker.port, "sm1", clean_session=False)
+    assert first.subscribe(b"plain/sm1", qos=1) == (0x90, b"\x00\x01\x01")
+    second = RawClient(broker.port, "sm1", clean_session=False)
+    try:
+        with pytest.raises(ConnectionError):
+            first.ping()  # closed by the takeover
+        assert second.ping()
+        second.send_raw(DISCONNECT)
+        second.read_until_closed()
+        connect(broker.port, "pub").publish("plain/sm1", b"while offline", qos=1)
+        third = RawClient(broker.port, "sm1", clean_session=False)
+        try:
+            topic, _, payload = third.receive_publish()
+            assert (topic, payload) == (b"plain/sm1", b"while offline")
+        finally:
+            third.close()
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_persistent_consumer_and_its_offline_session_cost_kilobytes_not_tens(tmp_path):
+    """Traced heap growth per device, 200 persistent consumers subscribed to ``$ECQ/<cid>/#`` then offline (with
+    amqtt's Machine and asyncio.Queues: 58 and 25 KiB; see docs/benchmarks.md)."""
+    devices = 200
+    broker = BrokerThread(str(tmp_path))
+    tracemalloc.start(1)
+    try:
+        settle()
+        before = tracemalloc.get_traced_memory()[0]
+        sockets = open_devices(broker.port, "mem", devices, persistent=True)
+        settle()
+        online_kib = (tracemalloc.get_traced_memory()[0] - before) / devices / 1024
+        for sock in sockets:
+            sock.sendall(DISCONNECT)
+            sock.close()
+        broker.wait_until(lambda: all(s.transitions.state == "disconnected" for s, _ in broker.broker._sessions.values()),
+                          timeout=60)
+        settle()
+        offline_kib = (tracemalloc.get_traced_memory()[0] - before) / devices / 1024
+    finally:
+        tracemalloc.stop()
+        broker.stop()
+    assert online_kib <= 40, f"{online_kib:.1f} KiB per connected consumer"
+    assert offline_kib <= 14, f"{offline_kib:.1f} KiB per offline session"
