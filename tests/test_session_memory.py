@@ -17,7 +17,7 @@ from ecq.broker.amqtt_hooks.session_memory import SessionState, SmallQueue
 from tests.harness import RawClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from benchlib.heapprobe import DISCONNECT, BrokerThread, open_devices, settle  # noqa: E402
+from benchlib.heapprobe import DISCONNECT, BrokerThread, open_devices, settle, warm_up  # noqa: E402
 
 
 def test_session_state_runs_amqtts_transitions_and_their_callbacks():
@@ -54,6 +54,16 @@ def test_small_queue_is_a_fifo_whose_get_waits_and_survives_cancellation():
         await queue.put("b")
         queue.put_nowait("c")
         assert (queue.qsize(), queue.get_nowait(), await queue.get(), queue.empty()) == (2, "b", "c", True)
+        watcher, woken_elsewhere = (asyncio.get_running_loop().create_future() for _ in range(2))
+        woken_elsewhere.set_result(None)  # the message loop's future, already resolved by another queue
+        queue.wake_on_put(woken_elsewhere)
+        queue.wake_on_put(watcher)
+        queue.put_nowait("d")
+        assert watcher.done() and queue.get_nowait() == "d"  # a watcher is woken, the item stays queued
+        queue.wake_on_put(watcher)
+        queue.forget(watcher)
+        queue.put_nowait("e")  # nobody to wake
+        assert queue.qsize() == 1
     asyncio.run(scenario())
     with pytest.raises(ValueError):
         SmallQueue(maxsize=10)
@@ -84,27 +94,39 @@ def test_a_takeover_and_a_reconnect_keep_a_persistent_session_and_its_queued_mes
         second.close()
 
 
+def broker_heap() -> int:
+    """Bytes traced, less those of the test's own side (pytest's log capture, the devices' sockets)."""
+    others = [tracemalloc.Filter(False, pattern) for pattern in ("*/logging/*", "*/_pytest/*", "*/heapprobe.py",
+                                                                   __file__, "*/socket.py")]
+    return sum(stat.size for stat in tracemalloc.take_snapshot().filter_traces(others).statistics("filename"))
+
+
 def test_a_persistent_consumer_and_its_offline_session_cost_kilobytes_not_tens(tmp_path):
-    """Traced heap growth per device, 200 persistent consumers subscribed to ``$ECQ/<cid>/#`` then offline (with
-    amqtt's Machine and asyncio.Queues: 58 and 25 KiB; see docs/benchmarks.md)."""
+    """Traced heap growth and tasks per device, 200 persistent consumers subscribed to ``$ECQ/<cid>/#`` then offline
+    (with amqtt's Machine, asyncio.Queues and message loop: 58 KiB and 9 tasks, then 24 KiB; docs/benchmarks.md)."""
     devices = 200
     broker = BrokerThread(str(tmp_path))
+    warm_up(broker)
     tracemalloc.start(1)
     try:
         settle()
-        before = tracemalloc.get_traced_memory()[0]
+        before, tasks_before = broker_heap(), broker.call(lambda: len(asyncio.all_tasks()))
         sockets = open_devices(broker.port, "mem", devices, persistent=True)
         settle()
-        online_kib = (tracemalloc.get_traced_memory()[0] - before) / devices / 1024
+        online_kib = (broker_heap() - before) / devices / 1024
+        tasks = (broker.call(lambda: len(asyncio.all_tasks())) - tasks_before) / devices
         for sock in sockets:
             sock.sendall(DISCONNECT)
             sock.close()
-        broker.wait_until(lambda: all(s.transitions.state == "disconnected" for s, _ in broker.broker._sessions.values()),
-                          timeout=60)
+        sessions = broker.broker._sessions
+        broker.wait_until(lambda: all(s.transitions.state == "disconnected" for s, _ in sessions.values()), timeout=60)
+        broker.wait_until(lambda: len(asyncio.all_tasks()) <= tasks_before, timeout=60)  # connections torn down
         settle()
-        offline_kib = (tracemalloc.get_traced_memory()[0] - before) / devices / 1024
+        offline_kib = (broker_heap() - before) / devices / 1024
     finally:
         tracemalloc.stop()
         broker.stop()
-    assert online_kib <= 40, f"{online_kib:.1f} KiB per connected consumer"
-    assert offline_kib <= 14, f"{offline_kib:.1f} KiB per offline session"
+    print(f"{online_kib:.1f} KiB and {tasks:.1f} tasks per connected consumer, {offline_kib:.1f} KiB offline")
+    assert tasks <= 4, f"{tasks:.1f} tasks per connected consumer"
+    assert online_kib <= 32, f"{online_kib:.1f} KiB per connected consumer"
+    assert offline_kib <= 10, f"{offline_kib:.1f} KiB per offline session"

@@ -91,6 +91,7 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
         return
     session_memory.light_session_state()
     session_memory.small_session_queues()
+    session_memory.one_waiter_per_connection()
     ecq_paths.take_ecq_publishes()
     ecq_paths.release_ecq_qos2_writes()
     ecq_paths.grant_ecq_subscriptions()

@@ -4,7 +4,8 @@ for a fraction of it (issue 32: a fleet node holds devices by the hundred thousa
 Measured with ``scripts/benchlib/heapprobe.py`` (tracemalloc, 2,000 persistent consumers): each amqtt ``Session``
 kept a ``transitions.Machine`` (3 States, 5 Events, 14 Transitions: 15.9 KB), online and offline alike, and
 ``Session`` and ``BrokerProtocolHandler`` four ``asyncio.Queue`` (5 deques and an Event each, 1.5 KB even when
-empty). :class:`SessionState` and :class:`SmallQueue` offer what amqtt and ECQ call on them and nothing more.
+empty), and ``Broker._client_message_loop`` four tasks per connection. :class:`SessionState` and :class:`SmallQueue`
+offer what amqtt and ECQ call on them and nothing more; the loop waits on one future.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from types import GenericAlias
 from typing import Any
 
 from amqtt import session as amqtt_session
+from amqtt.broker import Broker
 from amqtt.mqtt.protocol import broker_handler
 from amqtt.session import Session
 from transitions import MachineError
+
+from ecq.broker.amqtt_hooks.conformance import _resolved
 
 CONNECTED, DISCONNECTED, NEW = "connected", "disconnected", "new"
 
@@ -112,16 +116,23 @@ class SmallQueue:
                 await getter
             except BaseException:
                 getter.cancel()
-                self._forget(getter)
+                self.forget(getter)
                 if self._items and not getter.cancelled():
                     self._wake_next()  # woken, then cancelled: the item goes to the next getter
                 raise
         return self.get_nowait()
 
-    def _forget(self, getter: asyncio.Future) -> None:
+    def wake_on_put(self, waiter: asyncio.Future) -> None:
+        """Resolve ``waiter`` (to None) at the next put, unless it is done by then; items stay queued."""
+        if self._getters is None:
+            self._getters = []
+        self._getters.append(waiter)
+
+    def forget(self, waiter: asyncio.Future) -> None:
+        """Stop waking ``waiter`` (a getter's future, or one given to :meth:`wake_on_put`)."""
         if self._getters is not None:
             with contextlib.suppress(ValueError):
-                self._getters.remove(getter)
+                self._getters.remove(waiter)
             if not self._getters:
                 self._getters = None
 
@@ -150,3 +161,66 @@ def small_session_queues() -> None:
     while empty: they are made :class:`SmallQueue` (the ``Queue`` name those two modules call)."""
     amqtt_session.Queue = SmallQueue
     broker_handler.Queue = SmallQueue
+
+
+def one_waiter_per_connection() -> None:
+    """amqtt 0.12.1's ``Broker._client_message_loop`` keeps four tasks per connection for its whole life (the
+    DISCONNECT, the handler's pending SUBSCRIBE and UNSUBSCRIBE queues, the session's delivered messages), each with
+    its coroutine, future and context: about 4 KB. The loop is run as amqtt runs it, each round handling the
+    DISCONNECT (``_handle_disconnect``), then one SUBSCRIBE, one UNSUBSCRIBE and one message of those ready when the
+    round began, a failed delivery (``_handle_message_delivery`` False) or a cancel ending it quietly; but between
+    rounds it waits on one future, resolved by the DISCONNECT's future or a put into one of the three queues
+    (:class:`SmallQueue`; any other queue gets amqtt's loop). What is queued stays queued until the loop takes it, so
+    a round's DISCONNECT no longer drops what amqtt's waiters had already taken: the disconnect handling routes it
+    (``conformance.route_what_was_read_before_the_disconnect``)."""
+    original = Broker._client_message_loop
+
+    async def client_message_loop(broker: Broker, session: Session, handler: Any) -> None:
+        queues = (handler._pending_subscriptions, handler._pending_unsubscriptions, session.delivered_message_queue)
+        if not all(isinstance(queue, SmallQueue) for queue in queues):
+            return await original(broker, session, handler)
+        disconnect = handler._disconnect_waiter or _resolved(None)
+        subscriptions, unsubscriptions, messages = queues
+        try:
+            while True:
+                await _next_round(disconnect, queues, handler)
+                ready = [not queue.empty() for queue in queues]
+                ended = disconnect.done()
+                if ended:
+                    await broker._handle_disconnect(session, handler, disconnect)
+                if ready[0] and not subscriptions.empty():
+                    await broker._handle_subscription(session, handler, _resolved(subscriptions.get_nowait()))
+                if ready[1] and not unsubscriptions.empty():
+                    await broker._handle_unsubscription(session, handler, _resolved(unsubscriptions.get_nowait()))
+                if ready[2] and not messages.empty() and handler._is_attached():
+                    if not await broker._handle_message_delivery(session, handler, _resolved(messages.get_nowait())):
+                        return
+                if ended:
+                    return
+        except asyncio.CancelledError:
+            return
+
+    Broker._client_message_loop = client_message_loop
+
+
+async def _next_round(disconnect: asyncio.Future, queues: tuple[SmallQueue, ...], handler: Any) -> None:
+    """Return once the DISCONNECT came or one of ``queues`` holds something to handle (the delivered messages only
+    while ``handler`` is attached, as amqtt's ``mqtt_deliver_next_message``)."""
+    if disconnect.done() or any(not queue.empty() for queue in queues[:2]) or (
+            not queues[2].empty() and handler._is_attached()):
+        return
+    wake = asyncio.get_running_loop().create_future()
+
+    def on_disconnect(_: asyncio.Future) -> None:
+        if not wake.done():
+            wake.set_result(None)
+
+    disconnect.add_done_callback(on_disconnect)
+    for queue in queues:
+        queue.wake_on_put(wake)
+    try:
+        await wake
+    finally:
+        disconnect.remove_done_callback(on_disconnect)
+        for queue in queues:
+            queue.forget(wake)
