@@ -9,6 +9,7 @@ import asyncio
 import os
 import pathlib
 import re
+from types import ModuleType
 
 import pytest
 from amqtt.adapters import BufferReader, StreamReaderAdapter, StreamWriterAdapter, WebSocketsReader, WebSocketsWriter
@@ -103,7 +104,9 @@ def test_install_records_every_replacement_of_amqtt():
     assert sum(len(names) for key, names in table.items() if not key.startswith("Owner.")) == replacements
     correction_names = {f"{c.__module__.rsplit('.', 1)[-1]}.{c.__name__}" for c in amqtt_hooks.CORRECTIONS}
     for (owner, name), original in seam.saved.items():
-        if owner.__module__.startswith("amqtt"):
+        if isinstance(owner, ModuleType):  # a name an amqtt module looks up, such as its Queue
+            assert owner.__name__.startswith("amqtt") and set(table[f"{owner.__name__}.{name}"]) <= correction_names
+        elif owner.__module__.startswith("amqtt"):
             assert getattr(original, "__func__", original).__module__.startswith("amqtt"), (owner, name)
             assert set(table[f"{owner.__name__}.{name}"]) <= correction_names
     assert table["BrokerProtocolHandler.init_from_connect"][-1] == "mqtt5_edge.translate_level_5_connects"
@@ -172,6 +175,7 @@ async def test_every_declared_read_exists_on_a_real_amqtt_broker():
         assert await asyncio.wait_for(reader.readexactly(4), 10) == b"\x20\x02\x00\x00"
         _session, handler = broker._sessions["seam"]
         instances = {"amqtt.broker.Broker": broker, "amqtt.broker.BrokerContext": broker.plugins_manager.context,
+                     "amqtt.session.Session": handler.session,
                      "amqtt.mqtt.protocol.handler.ProtocolHandler": handler,
                      "amqtt.mqtt.protocol.broker_handler.BrokerProtocolHandler": handler,
                      "amqtt.plugins.manager.PluginManager": broker.plugins_manager,

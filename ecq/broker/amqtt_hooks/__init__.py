@@ -35,6 +35,7 @@ amqtt behaviour it replaces. One module per concern:
   member of the group, malformed ones refused, the ACL judging the filter read;
 - :mod:`.cluster`: ordinary MQTT messages forwarded to and from the other brokers of a cluster, retained messages
   and persistent sessions that follow the client across them;
+- :mod:`.session_memory`: a session's state and queues in objects of a few bytes, not kilobytes;
 - :mod:`.session_owners`: a persistent session is resumed only by the username that owns it;
 - :mod:`.connection_cap`: ``max_connections``, the client ids one node serves across its listeners (CONNACK 0x03,
   MQTT 5 0x97 beyond it);
@@ -68,8 +69,8 @@ from collections.abc import Callable
 
 from ecq.broker.amqtt_hooks import (acks, authentication, bad_clients, cluster, conformance, connection_cap,
                                     ecq_guards, ecq_paths, fleet_scale, flow, framer, mqtt5_edge, mqtt5_framer,
-                                    mqtt5_routing, mqtt5_sessions, seam, session_owners, shared_subscriptions,
-                                    start_up, target, websocket)
+                                    mqtt5_routing, mqtt5_sessions, seam, session_memory, session_owners,
+                                    shared_subscriptions, start_up, target, websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import (PersistentSession, broadcast_from_cluster, discard_session,
                                            hand_over_session, persistent_session, set_retained_from_cluster)
@@ -99,6 +100,9 @@ __all__ = ["AmqttSeamError", "CORRECTIONS", "EcqHooksTarget", "PersistentSession
 # Every correction of amqtt, in the order of wrapping: where two replace the same method, the later one wraps the
 # earlier one's replacement (the comments say where that order matters).
 CORRECTIONS: tuple[Callable[[], None], ...] = (
+    session_memory.light_session_state,
+    session_memory.small_session_queues,
+    session_memory.one_waiter_per_connection,
     fleet_scale.connect_without_walking_every_filter,  # first: replaces the method every other wrapper wraps
     fleet_scale.index_subscriptions_by_client,
     fleet_scale.expire_sessions_from_their_deadlines,

@@ -18,6 +18,7 @@ import importlib.metadata
 import inspect
 import logging
 from collections.abc import Callable, Iterable
+from types import ModuleType
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -37,11 +38,13 @@ PRIVATE_READS: dict[str, tuple[str, ...]] = {
         "_retained_messages", "_run_broadcast", "_servers", "_sessions", "_start_listeners",
         "_stop_handler", "_subscriptions", "_topic_filtering"),
     "amqtt.broker.BrokerContext": ("_broker_instance",),
+    "amqtt.session.Session": ("_on_enter_connected", "_on_enter_disconnected"),
     "amqtt.mqtt.protocol.handler.ProtocolHandler": (
-        "_handle_message_flow", "_puback_waiters", "_pubcomp_waiters", "_pubrec_waiters",
+        "_handle_message_flow", "_is_attached", "_puback_waiters", "_pubcomp_waiters", "_pubrec_waiters",
         "_pubrel_waiters", "_reader_loop", "_reader_ready", "_reader_stopped", "_reader_task", "_retry_deliveries",
         "_send_packet"),
-    "amqtt.mqtt.protocol.broker_handler.BrokerProtocolHandler": ("_pending_subscriptions", "_pending_unsubscriptions"),
+    "amqtt.mqtt.protocol.broker_handler.BrokerProtocolHandler": (
+        "_disconnect_waiter", "_pending_subscriptions", "_pending_unsubscriptions"),
     "amqtt.plugins.manager.PluginManager": ("_auth_plugins",),
     "amqtt.adapters.StreamReaderAdapter": ("_reader",),
     "amqtt.adapters.StreamWriterAdapter": ("_writer",),
@@ -51,8 +54,9 @@ PRIVATE_READS: dict[str, tuple[str, ...]] = {
     "asyncio.StreamReader": ("_buffer",),
 }
 
-saved: dict[tuple[type, str], Any] = {}  # (owner, name) -> amqtt's own attribute, as found in the class
-_corrections: dict[tuple[type, str], list[str]] = {}  # (owner, name) -> the corrections wrapping it, innermost first
+Owner = type | ModuleType  # a class of amqtt's, or one of its modules (for a name it looks up there, as Queue)
+saved: dict[tuple[Owner, str], Any] = {}  # (owner, name) -> amqtt's own attribute, as found in the class or module
+_corrections: dict[tuple[Owner, str], list[str]] = {}  # (owner, name) -> the corrections wrapping it, innermost first
 _applying: list[str] = []  # the correction being applied, while apply() runs it
 
 
@@ -83,15 +87,15 @@ def apply(table: Iterable[Callable[[], None]]) -> None:
     log.debug("%s", describe())
 
 
-def replace(owner: type, name: str, replacement: Any) -> None:
+def replace(owner: Owner, name: str, replacement: Any) -> None:
     """Set ``owner.name`` to ``replacement`` (a function, or a classmethod object for a classmethod), keeping amqtt's
     own attribute in :data:`saved` the first time and recording the correction being applied. Raises
     :class:`AmqttSeamError` outside :func:`apply` or when ``owner`` has no ``name`` (amqtt changed)."""
     if not _applying:
-        raise AmqttSeamError(f"{owner.__qualname__}.{name} replaced outside amqtt_hooks.install(): add the correction "
+        raise AmqttSeamError(f"{_label(owner)}.{name} replaced outside amqtt_hooks.install(): add the correction "
                              f"to amqtt_hooks.CORRECTIONS")
     if not hasattr(owner, name):
-        raise AmqttSeamError(f"amqtt {AMQTT_VERSION}'s {owner.__module__}.{owner.__qualname__} has no {name}, which "
+        raise AmqttSeamError(f"amqtt {AMQTT_VERSION}'s {_label(owner)} has no {name}, which "
                              f"ECQ's correction {_applying[-1]} replaces")
     key = (owner, name)
     saved.setdefault(key, inspect.getattr_static(owner, name))
@@ -99,13 +103,13 @@ def replace(owner: type, name: str, replacement: Any) -> None:
     setattr(owner, name, replacement)
 
 
-def get_original(owner: type, name: str) -> Any:
+def get_original(owner: Owner, name: str) -> Any:
     """amqtt's own ``owner.name`` as it was before ECQ replaced it (the class's attribute: a classmethod object for a
     classmethod); the current attribute when ECQ does not replace it."""
     return saved.get((owner, name), inspect.getattr_static(owner, name))
 
 
-def is_replaced(owner: type, name: str) -> bool:
+def is_replaced(owner: Owner, name: str) -> bool:
     """Whether an ECQ correction replaced ``owner.name``."""
     return (owner, name) in saved
 
@@ -124,6 +128,12 @@ def describe() -> str:
         lines.append(target)
         lines.extend(f"    {name}" for name in names)
     return "\n".join(lines)
+
+
+def _label(owner: Owner) -> str:
+    """``amqtt.broker.Broker`` for a class, ``amqtt.session`` for a module (a name amqtt looks up in its module, such
+    as the ``Queue`` it builds a session's queues with)."""
+    return owner.__name__ if isinstance(owner, ModuleType) else f"{owner.__module__}.{owner.__qualname__}"
 
 
 def _name_of(correction: Callable[[], None]) -> str:
