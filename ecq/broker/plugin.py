@@ -26,6 +26,7 @@ from ecq.broker.access import AccessControl
 from ecq.broker.drain import drain_node
 from ecq.broker.observers import QueueEvents
 from ecq.broker.sessions import QueueSessions
+from ecq.broker.stored_sessions import StoredSessions
 from ecq.broker.writes import EcqWrites
 from ecq.config import EcqSettings, split_host_port
 from ecq.ops import admin
@@ -67,6 +68,7 @@ class EcqPlugin(BaseTopicPlugin):
         self.stream_health: Any = None  # ecq.store.jetstream_health.StreamHealth with backend: jetstream
         self._spreading: asyncio.Future | None = None  # the leader spread at start
         self.cluster_state: Any = None  # ecq.broker.cluster_state.ClusterState with backend: jetstream
+        self.stored_sessions: Any = None  # ecq.broker.stored_sessions.StoredSessions with backend: leveldb
         cluster = self.settings.backend == "jetstream"
         self.metrics = EcqMetrics({
             **({"ecq_nats_connected": self._nats_connected} if cluster else {}),
@@ -119,6 +121,8 @@ class EcqPlugin(BaseTopicPlugin):
         await self.engine.start()
         if self.settings.backend == "jetstream":
             await self._join_cluster()
+        else:
+            self.stored_sessions = StoredSessions.load(self.settings, self.engine.store)
         if self.settings.admin_bind:
             host, port = split_host_port(self.settings.admin_bind)
             try:
@@ -156,21 +160,32 @@ class EcqPlugin(BaseTopicPlugin):
             self.cluster_state.retain(topic, data, qos)
 
     def session_message_queued(self, clientid: str, topic: str, qos: int, data: bytes) -> None:
-        """Store a message queued for an offline persistent session in the cluster."""
-        if self.cluster_state is not None:
-            self.cluster_state.queue_message(clientid, topic, qos, data)
+        """Store a message queued for an offline persistent session in the session store."""
+        if self.session_store is not None:
+            self.session_store.queue_message(clientid, topic, qos, data)
+
+    def queue_for_stored_sessions(self, topic: str, data: bytes, qos: int) -> None:
+        """Queue a message for the stored sessions no CONNECT claimed since the start (LevelDB only)."""
+        if self.stored_sessions is not None:
+            self.stored_sessions.queue_for_stored(topic, data, qos)
+
+    @property
+    def session_store(self) -> Any:
+        """Where persistent sessions outlive the broker (ecq.broker.session_state.SessionStore), None before start."""
+        return self.cluster_state if self.cluster_state is not None else self.stored_sessions
 
     def session_queue_taken(self, clientid: str) -> None:
-        """Drop the cluster's copy of a persistent session's queue, which is being sent."""
-        if self.cluster_state is not None:
-            self.cluster_state.drop_queue(clientid)
+        """Drop the session store's copy of a persistent session's queue, which is being sent."""
+        if self.session_store is not None:
+            self.session_store.drop_queue(clientid)
 
     async def session_expired(self, clientid: str) -> None:
         """A persistent session ended by its MQTT 5 Session Expiry Interval (MQTT 5.0 section 3.1.2.11.2): in a
         cluster its stored subscriptions and queue are deleted and this broker stops answering for ``clientid``, so
         that no broker resumes it, also after this one died."""
-        if self.cluster_state is not None:
-            self.cluster_state.forget_session(clientid)
+        if self.session_store is not None:
+            self.session_store.forget_session(clientid)
+        if self.bus is not None:
             await self.bus.disown(clientid)
 
     async def claim_session(self, clientid: str, clean: bool) -> Any:
@@ -179,7 +194,7 @@ class EcqPlugin(BaseTopicPlugin):
         here, the one stored in the cluster; None without a cluster or for a clean session (which is then discarded
         everywhere, MQTT 3.1.1 section 3.1.2.4)."""
         if self.bus is None:
-            return None
+            return self.stored_sessions.claim(clientid, clean) if self.stored_sessions is not None else None
         state = await self.bus.claim(clientid, clean)
         if clean:
             self.cluster_state.forget_session(clientid)
@@ -191,8 +206,8 @@ class EcqPlugin(BaseTopicPlugin):
     def session_discarded(self, clientid: str) -> None:
         """A CONNECT of another username did not resume ``clientid``'s session (``amqtt_hooks.session_owners``): the
         cluster forgets its copy, so that no broker resumes it later."""
-        if self.cluster_state is not None:
-            self.cluster_state.forget_session(clientid)
+        if self.session_store is not None:
+            self.session_store.forget_session(clientid)
 
     async def _release_to_cluster(self, clientid: str, clean: bool) -> Any:
         from ecq.broker.cluster_state import SessionState
@@ -207,14 +222,14 @@ class EcqPlugin(BaseTopicPlugin):
         held, messages = handed
         return SessionState(True, held.subscriptions, messages, held.username)
 
-    def _store_session(self, clientid: str) -> None:
-        """Write ``clientid``'s persistent session (owner, subscriptions) to the cluster while this broker answers
-        for it."""
-        if self.cluster_state is None or not self.bus.holds(clientid):
+    def store_session(self, clientid: str) -> None:
+        """Write ``clientid``'s persistent session (owner, subscriptions, expiry) to the session store (in a cluster:
+        while this broker answers for it)."""
+        if self.session_store is None or (self.bus is not None and not self.bus.holds(clientid)):
             return
         held = hooks.persistent_session(self.context, clientid)
         if held is not None:
-            self.cluster_state.save_session(clientid, held)
+            self.session_store.save_session(clientid, held)
 
     def forward_to_cluster(self, topic: str, data: bytes, qos: int) -> None:
         """Send a message of an ordinary topic broadcast here to the cluster's other brokers."""
@@ -232,8 +247,11 @@ class EcqPlugin(BaseTopicPlugin):
         log.info("ECQ ready: %s", self.settings.describe(hooks.listener_addresses(self.context)))
 
     async def on_broker_pre_shutdown(self) -> None:
-        """Stop delivering and end a running GC pass; unacked messages stay stored for the next run."""
+        """Stop delivering and end a running GC pass; unacked messages stay stored for the next run, and so do the
+        persistent sessions, offline from now on (their expiry runs from the shutdown)."""
         self.engine.stop_delivering()
+        if self.stored_sessions is not None:
+            self.stored_sessions.save_at_shutdown(hooks.persistent_sessions(self.context))
 
     async def close(self) -> None:
         """Stop the admin API, close the engine (queued writes committed), then flush events (amqtt calls this last)."""
@@ -409,16 +427,15 @@ class EcqPlugin(BaseTopicPlugin):
     async def on_broker_client_subscribed(self, client_id: str, topic: str, qos: int) -> None:
         """Start delivering once the SUBACK for ``$ECQ/<clientid>/#`` went out."""
         await self.sessions.subscribed(client_id, topic)
-        self._store_session(client_id)
 
     async def on_broker_client_unsubscribed(self, client_id: str, topic: str) -> None:
         """Stop delivering when the consumer unsubscribes from its queue."""
         await self.sessions.unsubscribed(client_id, topic)
-        self._store_session(client_id)
+        self.store_session(client_id)
 
     async def on_broker_client_disconnected(self, client_id: str, client_session: Session) -> None:
         """Detach a consumer whose connection closed (see QueueSessions.disconnected); in a cluster, store a
         persistent session's subscriptions once more (their stored copy expires ``session_expiry`` after)."""
         await self.sessions.disconnected(client_id, client_session.clean_session is False)
         if client_session.clean_session is False:
-            self._store_session(client_id)
+            self.store_session(client_id)

@@ -60,7 +60,8 @@ from ecq.broker.amqtt_hooks import (acks, authentication, bad_clients, cluster, 
                                     session_owners, shared_subscriptions, start_up, target, websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import (PersistentSession, broadcast_from_cluster, discard_session,
-                                           hand_over_session, persistent_session, set_retained_from_cluster)
+                                           hand_over_session, persistent_session, persistent_sessions,
+                                           set_retained_from_cluster)
 from ecq.broker.amqtt_hooks.drain import close_listeners, open_connections, received_unread, stop_reading
 from ecq.broker.amqtt_hooks.conformance import set_session_expiry
 from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge_soon, client_id, close_connection, connection_is_open,
@@ -77,8 +78,8 @@ __all__ = ["EcqHooksTarget", "PersistentSession", "ProtocolViolation", "SERVER_S
            "Subscription", "acknowledge_soon", "broadcast_from_cluster", "client_id", "close_connection",
            "close_listeners", "cluster_form", "connection_is_open", "count_routed_publishes", "delivery_fits",
            "discard_session", "from_cluster_form", "hand_over_session", "install", "listener_addresses",
-           "live_connection", "open_connections", "persistent_session", "publish_qos1", "qos2_receipts",
-           "receive_maximum", "received_unread", "send_disconnect", "send_soon", "set_listen_backlog",
+           "live_connection", "open_connections", "persistent_session", "persistent_sessions", "publish_qos1",
+           "qos2_receipts", "receive_maximum", "received_unread", "send_disconnect", "send_soon", "set_listen_backlog",
            "set_retained_from_cluster", "set_session_expiry", "shorten_subscriptions_repr", "stop_reading"]
 
 

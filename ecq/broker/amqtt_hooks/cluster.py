@@ -22,18 +22,22 @@ from amqtt.mqtt.constants import QOS_1, QOS_2
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker.amqtt_hooks.mqtt5_messages import Subscription, subscriptions_of
+from ecq.broker.amqtt_hooks.mqtt5_sessions import expiry_of
 from ecq.broker.amqtt_hooks.session_owners import mark_owner_unknown
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic
 
 
 class PersistentSession(NamedTuple):
-    """What the cluster keeps of a persistent session beside its queued messages: ``username``, its owner's (the
-    username of the CONNECT that made it; None for none) and ``subscriptions`` ``[(filter, granted QoS, MQTT 5
-    options or None)]``."""
+    """What a session store keeps of a persistent session beside its queued messages: ``username``, its owner's (the
+    username of the CONNECT that made it; None for none), ``subscriptions`` ``[(filter, granted QoS, MQTT 5
+    options or None)]``, ``expiry_s`` its MQTT 5 Session Expiry Interval in seconds (None for a 3.1.1 session: the
+    broker's ``session_expiry``) and ``offline`` True once its connection ended."""
 
     username: str | None
     subscriptions: list[tuple[str, int, Subscription | None]]
+    expiry_s: int | None = None
+    offline: bool = False
 
 
 _FROM_CLUSTER: contextvars.ContextVar[bool] = contextvars.ContextVar("ecq_from_cluster", default=False)
@@ -137,15 +141,29 @@ def _install_session(broker: Broker, clientid: str, state: Any) -> None:
 
 
 def persistent_session(context: BrokerContext, clientid: str) -> PersistentSession | None:
-    """``clientid``'s persistent session on this broker as the cluster keeps it (its owner's username and its
-    subscriptions with their MQTT 5 options); None when it has none."""
+    """``clientid``'s persistent session on this broker as a session store keeps it (its owner's username, its
+    subscriptions with their MQTT 5 options, its expiry, whether it is offline); None when it has none."""
     session, _handler = context._broker_instance._sessions.get(clientid, (None, None))
     if session is None or session.clean_session is not False:
         return None
     options = subscriptions_of(session)
     return PersistentSession(session.username, [
         (topic_filter, qos, options.get(topic_filter)) for topic_filter, holders in context.subscriptions.items()
-        for holder, qos in holders if holder is session])
+        for holder, qos in holders if holder is session], expiry_of(session),
+        session.transitions.state != "connected")
+
+
+def persistent_sessions(context: BrokerContext) -> dict[str, PersistentSession]:
+    """Every persistent session on this broker (:func:`persistent_session`) by client id, read in one pass over the
+    subscriptions."""
+    held: dict[int, list[tuple[str, int, Subscription | None]]] = {}
+    for topic_filter, holders in context.subscriptions.items():
+        for holder, qos in holders:
+            held.setdefault(id(holder), []).append((topic_filter, qos, subscriptions_of(holder).get(topic_filter)))
+    return {clientid: PersistentSession(session.username, held.get(id(session), []), expiry_of(session),
+                                        session.transitions.state != "connected")
+            for clientid, (session, _handler) in context._broker_instance._sessions.items()
+            if session.clean_session is False}
 
 
 async def hand_over_session(context: BrokerContext, clientid: str) -> tuple[PersistentSession,

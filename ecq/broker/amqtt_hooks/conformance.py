@@ -121,8 +121,11 @@ def retained_only_for_new_subscriptions() -> None:
 
 
 async def _handle_subscribe(broker: Broker, session: Any, handler: BrokerProtocolHandler, subscribe: Any) -> None:
-    """amqtt's SUBSCRIBE handling (grant each filter, SUBACK, CLIENT_SUBSCRIBED) with conformant retained sends."""
+    """amqtt's SUBSCRIBE handling (grant each filter, SUBACK, CLIENT_SUBSCRIBED) with conformant retained sends; a
+    persistent session is stored before its SUBACK (:meth:`EcqHooksTarget.store_session`), so a broker killed after
+    it still has the subscription."""
     granted = [await broker.add_subscription(subscription, session) for subscription in subscribe.topics]
+    find_target(broker.plugins_manager).store_session(session.client_id)
     await handler.mqtt_acknowledge_subscription(subscribe.packet_id, granted)
     for (topic_filter, requested_qos), qos in zip(subscribe.topics, granted, strict=True):
         if qos == SUBACK_FAILURE:
@@ -295,7 +298,9 @@ async def _fan_out(broker: Broker, plugin: EcqHooksTarget, broadcast: dict[str, 
     topic, publish_qos = broadcast["topic"], broadcast.get("qos", 2)
     if publish_qos is None:
         publish_qos = 2
-    for session, granted in _subscribers(broker, topic).values():
+    subscribers = _subscribers(broker, topic)
+    plugin.queue_for_stored_sessions(topic, broadcast["data"], publish_qos)  # those amqtt does not hold, same step
+    for session, granted in subscribers.values():
         qos = min(publish_qos, granted)
         if not await broker._topic_filtering(session, topic=topic, action=Action.RECEIVE):
             continue
