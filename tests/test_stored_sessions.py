@@ -8,12 +8,15 @@ marker published after it must come first."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
 import pytest
 
-from tests.harness import BrokerProcess, Client, wait_until, write
+from ecq.store.leveldb_sessions import LevelDbSessions
+from tests.harness import BrokerProcess, Client, RawClient, wait_until, write
+from tests.mqtt_wire import subscribe_packet
 from tests.test_mqtt5 import V5Client
 from tests.test_session_owners import authenticated, passwd, persistent  # noqa: F401 (passwd: a fixture)
 
@@ -73,19 +76,49 @@ def test_a_persistent_session_is_back_after_a_restart(make_broker, connect, prot
     assert "Traceback" not in broker.log()
 
 
-@pytest.mark.parametrize("how", ["sigterm", "kill9"])
-def test_a_message_queued_while_offline_survives_kill9_after_its_puback(make_broker, connect, how):
-    broker = make_broker()
-    device = session_client("3.1.1", broker.port, "meter7")
-    device.subscribe("cmd/meter7")
-    device.close()
+def test_a_subscription_acknowledged_is_kept_across_kill9(make_broker):
+    """Every SUBACK a persistent session got is kept by a broker killed right after it (``sync_writes``: each record
+    fsynced, which holds a write behind the SUBACK long enough for the kill to land before it)."""
+    broker = make_broker(sync_writes=True)
+    count = 50
+    devices = [RawClient(broker.port, f"s{i}", clean_session=False) for i in range(count)]
+    for i, device in enumerate(devices):
+        device.send_raw(subscribe_packet(1, (f"cmd/s{i}", 1)))
+    assert all(device.receive()[0] == 0x90 for device in devices)
+    broker.kill()
+    for device in devices:
+        device.close()
+    store = broker.open_store()
+    try:
+        assert {clientid for clientid, _record in LevelDbSessions(store).records()} == {f"s{i}" for i in range(count)}
+    finally:
+        store.close()
+
+
+def test_a_message_queued_while_offline_is_kept_across_kill9_after_its_puback(make_broker, connect):
+    """A PUBACK goes out once the message is queued for every offline session it matches: a broker killed right
+    after it has the message in each one's stored queue (``sync_writes``: each fsynced, so that the fan-out to
+    200 sessions takes long enough for the kill to land inside it were the PUBACK sent first)."""
+    broker = make_broker(sync_writes=True)
+    count = 200
+    for i in range(count):
+        device = RawClient(broker.port, f"f{i}", clean_session=False)
+        assert device.subscribe(b"fleet/all")[0] == 0x90
+        device.close()
     producer = connect(broker.port, "backend")
-    producer.publish("cmd/meter7", b"first")
-    producer.publish("cmd/meter7", b"second")  # PUBACKed after the first was queued (arrival order)
-    broker = restart(broker, how)
-    device = session_client("3.1.1", broker.port, "meter7")
+    producer.publish("fleet/all", b"to every device")
+    broker.kill()
+    store = broker.open_store()
+    try:
+        sessions = LevelDbSessions(store)
+        assert [len(sessions.messages(f"f{i}")) for i in range(count)] == [1] * count
+    finally:
+        store.close()
+    broker.start()
+    device = Client(broker.port, f"f{count - 1}", clean_session=False)
     assert device.session_present
-    assert received(device, 2)[0] == ("cmd/meter7", b"first")
+    assert received(device, 1) == [("fleet/all", b"to every device")]
+    device.close()
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -167,4 +200,33 @@ def test_thousands_of_sessions_restored_lazily(make_broker, connect):
         device = Client(broker.port, clientid, clean_session=False)
         assert device.session_present, clientid
         assert received(device, 1) == [(f"cmd/{clientid}", clientid.encode())]
+        device.close()
+
+
+def test_start_up_with_100000_stored_sessions(broker_process, connect):
+    """Start-up reads the records, not amqtt Sessions: 100,000 sessions stored (as a broker writes them, through
+    ecq.store.leveldb_sessions) are indexed in seconds, and any one of them is restored at its CONNECT."""
+    broker = broker_process()
+    count, offline_ms = 100_000, int(time.time() * 1000)
+    store = broker.open_store()
+    try:
+        table = LevelDbSessions(store)
+        for i in range(count):
+            record = {"username": None, "subscriptions": [[f"cmd/m{i}/#", 1], [f"$ECQ/m{i}/#", 1]],
+                      "expiry_s": None, "offline_ms": offline_ms}
+            table.put(f"m{i}", json.dumps(record).encode())
+    finally:
+        store.close()
+    began = time.monotonic()
+    broker.start()
+    line = re.findall(r"ECQ stored sessions: .*", broker.log())[-1]
+    print(f"\nstart-up with {count} stored sessions: {time.monotonic() - began:.2f} s to accept; {line}")
+    assert line.startswith(f"ECQ stored sessions: {count} to restore")
+    producer = connect(broker.port, "backend")
+    producer.publish("cmd/m77777/x", b"for m77777")
+    device = Client(broker.port, "m77777", clean_session=False)
+    try:
+        assert device.session_present
+        assert received(device, 1) == [("cmd/m77777/x", b"for m77777")]
+    finally:
         device.close()
