@@ -138,16 +138,22 @@ def test_an_expired_session_is_not_restored(make_broker, connect, protocol):
 
 def test_a_clean_session_discards_the_stored_one(make_broker, connect):
     broker = make_broker()
-    device = session_client("3.1.1", broker.port, "van2")
-    device.subscribe("cmd/van2")
-    device.close()
+    for clientid in ("van2", "van3"):
+        device = session_client("3.1.1", broker.port, clientid)
+        device.subscribe(f"cmd/{clientid}")
+        device.close()
     broker = restart(broker, "kill9")
     clean = connect(broker.port, "van2")
     assert not clean.session_present
     clean.close()
     producer = connect(broker.port, "backend")
     producer.publish("cmd/van2", b"for nobody")
+    producer.publish("cmd/van3", b"for van3")
     broker = restart(broker, "sigterm")
+    kept = session_client("3.1.1", broker.port, "van3")
+    assert kept.session_present  # the one no clean CONNECT discarded
+    assert received(kept, 1) == [("cmd/van3", b"for van3")]
+    kept.close()
     device = session_client("3.1.1", broker.port, "van2")
     assert not device.session_present
     device.subscribe("cmd/van2")
