@@ -8,15 +8,18 @@ marker published after it must come first."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
 
 import pytest
 
+from ecq.store.jsapi import token
 from ecq.store.leveldb_sessions import LevelDbSessions
 from tests.harness import BrokerProcess, Client, RawClient, wait_until, write
 from tests.mqtt_wire import subscribe_packet
+from tests.test_cluster_state import kv_value, queued_while_offline, started, stored_count
 from tests.test_mqtt5 import V5Client
 from tests.test_session_owners import authenticated, passwd, persistent  # noqa: F401 (passwd: a fixture)
 
@@ -236,3 +239,26 @@ def test_start_up_with_100000_stored_sessions(broker_process, connect):
         assert received(device, 1) == [("cmd/m77777/x", b"for m77777")]
     finally:
         device.close()
+
+
+def test_on_a_cluster_a_session_survives_a_restart_of_every_node(cluster_nodes, connect, jetstream_options,
+                                                                  nats_cluster):
+    """The same adopt-on-CONNECT path, with the cluster's store: JetStream keeps the session while every ECQ node is
+    killed and started again."""
+    node1, node2 = started(cluster_nodes())
+    device = connect(node1.port, "fleetcar", clean_session=False)
+    device.subscribe("$ECQ/fleetcar/#")
+    device.close()
+    queued_while_offline(connect, node1, node2, "fleetcar", 2)  # and fleetcar/# subscribed in the same session
+    namespace = jetstream_options["jetstream_namespace"]
+    assert wait_until(lambda: b"fleetcar/#" in (asyncio.run(kv_value(nats_cluster.urls, f"{namespace}_sessions",
+                                                                     token("fleetcar"))) or b""), 5, 0.1)
+    assert wait_until(lambda: asyncio.run(stored_count(nats_cluster.urls, f"{namespace}_SESSIONS")) == 2, 5, 0.1)
+    for node in (node1, node2):
+        node.kill()
+    started([node1, node2])
+    write(connect(node1.port, "backend"), "fleetcar", "k", "queue entry")
+    device = connect(node2.port, "fleetcar", clean_session=False)
+    assert device.session_present
+    assert sorted(received(device, 3)) == [("$ECQ/fleetcar/k", b"queue entry"), ("fleetcar/m", b"m0"),
+                                           ("fleetcar/m", b"m1")]
