@@ -317,7 +317,7 @@ async def _all(work, port: int, clientids: list[str], at_once: int) -> list:
     async def one(clientid: str):
         async with gate:
             return await work(port, clientid)
-    return await asyncio.wait_for(asyncio.gather(*(one(c) for c in clientids)), STORM_BOUND_S * 2)
+    return await asyncio.wait_for(asyncio.gather(*(one(c) for c in clientids)), STORM_BOUND_S)
 
 
 def test_a_reconnect_storm_after_a_restart_brings_every_consumer_back(broker_process, connect):
@@ -327,7 +327,7 @@ def test_a_reconnect_storm_after_a_restart_brings_every_consumer_back(broker_pro
     producer = connect(broker.port, "backend")
     producer.publish_many([(f"$ECQ/w/{c}/pending", b"x") for c in clientids])
     producer.close()
-    assert broker.stop() == 0
+    broker.kill()  # SIGTERM of 2,000 offline sessions is amqtt's quadratic stop (issue 32), not this test's subject
     broker.start()
     logged_before = len(broker.log())
     began = time.monotonic()
