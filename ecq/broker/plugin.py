@@ -191,8 +191,8 @@ class EcqPlugin(BaseTopicPlugin):
     async def claim_session(self, clientid: str, clean: bool) -> Any:
         """At a CONNECT, take ``clientid`` over from the cluster (see ClusterBus.claim): returns the persistent
         session (a SessionState, with its owner) another broker handed over or, when no broker answered and none is
-        here, the one stored in the cluster; None without a cluster or for a clean session (which is then discarded
-        everywhere, MQTT 3.1.1 section 3.1.2.4)."""
+        here, the one stored in the cluster; on one broker the one stored before a restart (StoredSessions.claim);
+        None for a clean session (which is then discarded everywhere, MQTT 3.1.1 section 3.1.2.4)."""
         if self.bus is None:
             return self.stored_sessions.claim(clientid, clean) if self.stored_sessions is not None else None
         state = await self.bus.claim(clientid, clean)
@@ -434,8 +434,8 @@ class EcqPlugin(BaseTopicPlugin):
         self.store_session(client_id)
 
     async def on_broker_client_disconnected(self, client_id: str, client_session: Session) -> None:
-        """Detach a consumer whose connection closed (see QueueSessions.disconnected); in a cluster, store a
-        persistent session's subscriptions once more (their stored copy expires ``session_expiry`` after)."""
+        """Detach a consumer whose connection closed (see QueueSessions.disconnected); store a persistent session
+        once more, now offline (its expiry counts from here)."""
         await self.sessions.disconnected(client_id, client_session.clean_session is False)
         if client_session.clean_session is False:
             self.store_session(client_id)

@@ -9,7 +9,8 @@ amqtt keeps retained messages and sessions in its own process too: retained mess
 handed to the plugin for the cluster and the cluster's are written into amqtt's table
 (:func:`set_retained_from_cluster`); a CONNECT first claims its clientid from the cluster, so a persistent
 session held by another broker is moved here before amqtt looks it up (:func:`adopt_sessions_from_the_cluster`,
-:func:`hand_over_session`).
+:func:`hand_over_session`). On one broker the same path restores a session stored before a restart
+(``ecq.broker.stored_sessions``), and the offline queues go to that store (:func:`store_offline_queues_in_the_cluster`).
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def adopt_sessions_from_the_cluster() -> None:
     its queued messages, is installed here as an offline session, which amqtt then resumes when its owner
     connects (``session_owners``). A CleanSession=1 CONNECT has the other broker discard it (section 3.1.2.4).
     amqtt alone found only sessions of its own process: a client reconnecting to another broker lost its
-    session."""
+    session, and on one broker every restart lost them all (the claim now restores the one the embedded store
+    kept)."""
     original = BrokerProtocolHandler.init_from_connect
 
     async def init_from_connect(cls: type, reader: Any, writer: Any, plugins_manager: Any,
@@ -199,9 +201,10 @@ async def discard_session(context: BrokerContext, clientid: str) -> None:
 def store_offline_queues_in_the_cluster() -> None:
     """amqtt 0.12.1 queues the QoS 1/2 messages of an offline persistent session in its own process only
     (``Broker._retain_broadcast_message``) and sends them on reconnect (``_publish_session_retained_messages``): when
-    that broker died, they were lost with it. MQTT 3.1.1 section 3.1.2.4 keeps them with the session, so each one
-    queued is also handed to the plugin for the cluster (:meth:`EcqHooksTarget.session_message_queued`), and the
-    cluster's copy is dropped when the queue is taken for sending (:meth:`EcqHooksTarget.session_queue_taken`)."""
+    that broker died or restarted, they were lost with it. MQTT 3.1.1 section 3.1.2.4 keeps them with the session,
+    so each one queued is also handed to the plugin for its session store, the cluster's or the embedded one
+    (:meth:`EcqHooksTarget.session_message_queued`), and the stored copy is dropped when the queue is taken for
+    sending (:meth:`EcqHooksTarget.session_queue_taken`)."""
     original_queue = Broker._retain_broadcast_message
     original_send = Broker._publish_session_retained_messages
 
