@@ -431,7 +431,6 @@ class EcqPlugin(BaseTopicPlugin):
     async def on_broker_client_unsubscribed(self, client_id: str, topic: str) -> None:
         """Stop delivering when the consumer unsubscribes from its queue."""
         await self.sessions.unsubscribed(client_id, topic)
-        self.store_session(client_id)
 
     async def on_broker_client_disconnected(self, client_id: str, client_session: Session) -> None:
         """Detach a consumer whose connection closed (see QueueSessions.disconnected); store a persistent session

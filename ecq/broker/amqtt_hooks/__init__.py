@@ -121,6 +121,7 @@ def install(plugin_class: type[EcqHooksTarget]) -> None:
     conformance.route_what_was_read_before_the_disconnect()  # outside keep_the_new_connection's: on takeovers too
     conformance.end_clean_sessions_with_their_connection()
     conformance.conformant_fan_out()
+    conformance.store_persistent_sessions_before_their_acknowledgements()
     shared_subscriptions.take_shared_subscriptions()  # its fan-out side is conformance._subscribers'
     conformance.resend_unacked_on_reconnect()
     conformance.enforce_keepalive()

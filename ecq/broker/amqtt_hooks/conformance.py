@@ -140,6 +140,34 @@ async def _handle_subscribe(broker: Broker, session: Any, handler: BrokerProtoco
         await asyncio.gather(*sends, return_exceptions=True)
 
 
+def store_persistent_sessions_before_their_acknowledgements() -> None:
+    """amqtt 0.12.1 keeps sessions in its process only. ECQ stores a persistent session (``store_session``: the
+    plugin's session store) before its SUBACK (:func:`_handle_subscribe`) and, here, before its CONNACK
+    (``BrokerProtocolHandler.mqtt_connack_authorize``, an accepted CONNECT) and its UNSUBACK
+    (``mqtt_acknowledge_unsubscription``, after amqtt deleted the filters): a broker killed just after an
+    acknowledgement has the session as the client was told it is (MQTT 3.1.1 sections 3.1.2.4, 3.2.2.2, 3.10.4)."""
+    original_connack = BrokerProtocolHandler.mqtt_connack_authorize
+    original_unsuback = BrokerProtocolHandler.mqtt_acknowledge_unsubscription
+
+    async def mqtt_connack_authorize(handler: BrokerProtocolHandler, authorize: bool) -> None:
+        if authorize:
+            _store(handler)
+        await original_connack(handler, authorize)
+
+    async def mqtt_acknowledge_unsubscription(handler: BrokerProtocolHandler, packet_id: int) -> None:
+        _store(handler)
+        await original_unsuback(handler, packet_id)
+
+    BrokerProtocolHandler.mqtt_connack_authorize = mqtt_connack_authorize
+    BrokerProtocolHandler.mqtt_acknowledge_unsubscription = mqtt_acknowledge_unsubscription
+
+
+def _store(handler: BrokerProtocolHandler) -> None:
+    plugin = find_target(handler.plugins_manager)
+    if plugin is not None and handler.session is not None and handler.session.clean_session is False:
+        plugin.store_session(handler.session.client_id)
+
+
 def offline_messages_not_retained() -> None:
     """amqtt 0.12.1's ``Broker._publish_session_retained_messages`` sends the messages queued for a
     disconnected session with RETAIN=1. They were not published retained, and MQTT 3.1.1 section 3.3.1.3
