@@ -765,7 +765,8 @@ class BrokerMachine(RuleBasedStateMachine):
     def broker_restarts(self, kill, producer, inflight):
         """SIGTERM or kill -9 right after pipelined writes whose acknowledgements were not read; then a restart.
         Writes acknowledged before the end are stored; the others may be (a prefix per queue, in arrival order).
-        Every connection ends, and with it every MQTT session (amqtt keeps sessions in memory)."""
+        Every connection ends; clean sessions end with them, persistent ones are kept (stored before each CONNACK,
+        SUBACK and UNSUBACK, ecq.broker.stored_sessions)."""
         link = self._producer(producer)
         made = [self._new_write(self.cids[cid], key, qos) for cid, key, qos in inflight]
         sent = self._publishes(made)
@@ -792,7 +793,7 @@ class BrokerMachine(RuleBasedStateMachine):
             other.wire.close()
             self._end(other)
         self.producers.clear()
-        self.sessions.clear()
+        self.sessions = {cid: s for cid, s in self.sessions.items() if s is not None and s.persistent}
 
     def _stop_cleanly(self) -> None:
         """SIGTERM: the broker exits 0 within 15 s (docs/configuration.md, "Running the broker"); if not, it is

@@ -1,6 +1,7 @@
 """This broker as one of a cluster's brokers (``backend: jetstream``): it joins the cluster at start (the bus between
-brokers, the cluster's KV state, the streams' health, the leaders spread), and keeps the cluster told of what follows a
-client across brokers (retained messages, persistent sessions and their offline queues, messages of ordinary topics).
+brokers, the cluster's KV state, the streams' health, the leaders spread), keeps the cluster told of what follows a
+client across brokers (retained messages, messages of ordinary topics), and hands a persistent session over to the
+broker where its client id connects (:meth:`_release_to_cluster`; the sessions are kept by :mod:`.session_keeper`).
 Without a cluster every call is a no-op. The bus is :mod:`ecq.broker.bus`, the stored state
 :mod:`ecq.broker.cluster_state`; amqtt's side of the hand-over is ``ecq.broker.amqtt_hooks.cluster``.
 """
@@ -99,47 +100,8 @@ class ClusterNode:
         if self.state is not None:
             self.state.retain(topic, data, qos)
 
-    def session_message_queued(self, clientid: str, topic: str, qos: int, data: bytes) -> None:
-        """Store a message queued for an offline persistent session in the cluster."""
-        if self.state is not None:
-            self.state.queue_message(clientid, topic, qos, data)
-
-    def session_queue_taken(self, clientid: str) -> None:
-        """Drop the cluster's copy of a persistent session's queue, which is being sent."""
-        if self.state is not None:
-            self.state.drop_queue(clientid)
-
-    async def session_expired(self, clientid: str) -> None:
-        """A persistent session ended by its MQTT 5 Session Expiry Interval (MQTT 5.0 section 3.1.2.11.2): in a
-        cluster its stored subscriptions and queue are deleted and this broker stops answering for ``clientid``, so
-        that no broker resumes it, also after this one died."""
-        if self.state is not None:
-            self.state.forget_session(clientid)
-            await self.bus.disown(clientid)
-
-    async def claim_session(self, clientid: str, clean: bool) -> Any:
-        """At a CONNECT, take ``clientid`` over from the cluster (see ClusterBus.claim): returns the persistent
-        session (a SessionState, with its owner) another broker handed over or, when no broker answered and none is
-        here, the one stored in the cluster; None without a cluster or for a clean session (which is then discarded
-        everywhere, MQTT 3.1.1 section 3.1.2.4)."""
-        if self.bus is None:
-            return None
-        state = await self.bus.claim(clientid, clean)
-        if clean:
-            self.state.forget_session(clientid)
-            return None
-        if state is None and self.bus.connected and hooks.persistent_session(self._context, clientid) is None:
-            state = await self.bus.link.submit(self.state.load_session(clientid))
-        return state
-
-    def session_discarded(self, clientid: str) -> None:
-        """A CONNECT of another username did not resume ``clientid``'s session (``amqtt_hooks.session_owners``): the
-        cluster forgets its copy, so that no broker resumes it later."""
-        if self.state is not None:
-            self.state.forget_session(clientid)
-
     async def _release_to_cluster(self, clientid: str, clean: bool) -> Any:
-        from ecq.broker.cluster_state import SessionState
+        from ecq.broker.session_state import SessionState
         await self._sessions.release(clientid)
         if clean:
             await hooks.discard_session(self._context, clientid)
@@ -150,12 +112,3 @@ class ClusterNode:
             return SessionState(False)
         held, messages = handed
         return SessionState(True, held.subscriptions, messages, held.username)
-
-    def store_session(self, clientid: str) -> None:
-        """Write ``clientid``'s persistent session (owner, subscriptions) to the cluster while this broker answers
-        for it."""
-        if self.state is None or not self.bus.holds(clientid):
-            return
-        held = hooks.persistent_session(self._context, clientid)
-        if held is not None:
-            self.state.save_session(clientid, held)

@@ -29,18 +29,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
 import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
-from ecq.broker.amqtt_hooks import PersistentSession, Subscription, cluster_form, from_cluster_form
+from ecq.broker.amqtt_hooks import PersistentSession, cluster_form, from_cluster_form
+from ecq.broker.session_state import (SessionState, retained_message, retained_value,  # noqa: F401 (bus, tests)
+                                      subscriptions_value)
 from ecq.config import EcqSettings
 from ecq.store.jsapi import REQUEST_TIMEOUT_S, JetStreamApi, Retry, token, until, untoken
 from ecq.store.link import NatsLink
@@ -48,87 +48,12 @@ from ecq.store.protocol import StoreError
 
 log = logging.getLogger(__name__)
 
-NO_QOS = 3                 # the QoS byte of a retained message stored without a QoS (amqtt's ``qos=None``)
-WITH_MQTT5 = 0x80          # the QoS byte's flag: an MQTT 5.0 message's cluster form follows it
 MQTT5_HEADER = "Ecq-Mqtt5"  # the NATS header of an MQTT 5.0 message's cluster form (here and on the bus)
 LOAD_TIMEOUT_S = 10.0      # how long a starting broker waits for the retained messages and buckets
 CLOSE_TIMEOUT_S = 5.0      # how long a stopping broker waits for its last writes
 SETTLE_TIMEOUT_S = 1.0     # how long a takeover's answer waits for this broker's pending writes
 LEADER_READ_TIMEOUT_S = 2.0  # a read of a stored session retried through a leader election
 KV_OPERATION = b"KV-Operation"  # the header of a KV delete or purge marker
-
-
-@dataclass
-class SessionState:
-    """A persistent session as one broker hands it to another: ``username`` its owner's (None for none; a CONNECT of
-    another username does not resume it, ``amqtt_hooks.session_owners``), ``owner_known`` False for a session
-    stored by a broker that did not record its owner (none resumes it), ``subscriptions`` ``[(filter, granted QoS,
-    MQTT 5.0 options or None)]`` (``amqtt_hooks.Subscription``: No Local, Retain As Published, Retain Handling,
-    Subscription Identifier) and ``messages`` ``[(topic, QoS, payload)]`` queued for it, oldest first (a payload
-    may be an MQTT 5.0 one, with its properties); ``present`` False when there is none."""
-
-    present: bool
-    subscriptions: list[tuple[str, int, Subscription | None]] = field(default_factory=list)
-    messages: list[tuple[str, int, bytes]] = field(default_factory=list)
-    username: str | None = None
-    owner_known: bool = True
-
-    def to_bytes(self) -> bytes:
-        """JSON: the owner, the subscriptions (:func:`subscriptions_value`), payloads in base64, each followed by its
-        cluster form (null for none)."""
-        return json.dumps({"present": self.present, "username": self.username,
-                           "subscriptions": subscriptions_value(self.subscriptions),
-                           "messages": [[t, q, base64.b64encode(d).decode(), cluster_form(d)]
-                                        for t, q, d in self.messages]}).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> SessionState:
-        """Inverse of :meth:`to_bytes`; from a broker of an earlier version (no ``username``), a session of no known
-        owner. Raises ValueError (or KeyError, TypeError) for anything else."""
-        raw = json.loads(data)
-        return cls._of(raw, bool(raw["present"]), [_message(*entry) for entry in raw["messages"]])
-
-    @classmethod
-    def from_kv(cls, value: bytes) -> SessionState:
-        """The session of an ``NS_sessions`` value (see the module's docstring), without its messages; a list of
-        subscriptions alone (from a broker of an earlier version) is a session of no known owner. Raises
-        ValueError (or KeyError, TypeError) for anything else."""
-        raw = json.loads(value)
-        return cls._of({"subscriptions": raw} if isinstance(raw, list) else raw, True, [])
-
-    @classmethod
-    def _of(cls, raw: dict[str, Any], present: bool, messages: list[tuple[str, int, bytes]]) -> SessionState:
-        return cls(present, read_subscriptions(raw["subscriptions"]), messages, _username(raw.get("username")),
-                   owner_known="username" in raw)
-
-
-def subscriptions_value(subscriptions: list[tuple[str, int, Subscription | None]]) -> list[list[Any]]:
-    """The JSON of a session's subscriptions: ``[filter, QoS]``, followed for an MQTT 5.0 subscription by its options
-    ``{"no_local": bool, "retain_as_published": bool, "retain_handling": 0-2, "subscription_id": int or null}``."""
-    return [[f, q] if options is None else [f, q, dataclasses.asdict(options)] for f, q, options in subscriptions]
-
-
-def read_subscriptions(value: list[list[Any]]) -> list[tuple[str, int, Subscription | None]]:
-    """Inverse of :func:`subscriptions_value` (``[filter, QoS]`` alone from a broker of an earlier version). Raises
-    ValueError, KeyError or TypeError for anything else."""
-    return [(str(entry[0]), int(entry[1]), _subscription(entry[2]) if len(entry) > 2 else None) for entry in value]
-
-
-def _subscription(options: dict[str, Any]) -> Subscription:
-    subscription_id = options["subscription_id"]
-    return Subscription(bool(options["no_local"]), bool(options["retain_as_published"]),
-                        int(options["retain_handling"]), None if subscription_id is None else int(subscription_id))
-
-
-def _username(value: Any) -> str | None:
-    if value is not None and not isinstance(value, str):
-        raise TypeError(f"a username of type {type(value).__name__}")
-    return value
-
-
-def _message(topic: str, qos: int, data: str, form: str | None = None) -> tuple[str, int, bytes]:
-    """One message of :meth:`SessionState.to_bytes` (three elements from a broker of an earlier version)."""
-    return str(topic), int(qos), from_cluster_form(base64.b64decode(data), form)
 
 
 class ClusterState:
@@ -323,31 +248,6 @@ class ClusterState:
                             self._writes.qsize(), exc)
         for task in self._tasks:
             self._link.loop.call_soon_threadsafe(task.cancel)
-
-
-def retained_value(payload: bytes, qos: int | None) -> bytes:
-    """The ``NS_retained`` value of a retained message (see the module's docstring)."""
-    qos_byte = NO_QOS if qos is None else qos
-    if (form := cluster_form(payload)) is None:
-        return bytes([qos_byte]) + payload
-    encoded = form.encode()
-    return bytes([qos_byte | WITH_MQTT5]) + len(encoded).to_bytes(4, "big") + encoded + payload
-
-
-def retained_message(value: bytes) -> tuple[bytes, int | None]:
-    """``(payload, QoS or None)`` of an ``NS_retained`` value, the inverse of :func:`retained_value`. Raises
-    ValueError for a value it did not write."""
-    qos_byte, form = value[0], None
-    body = bytes(value[1:])
-    if qos_byte & WITH_MQTT5:
-        qos_byte &= ~WITH_MQTT5
-        length = int.from_bytes(body[:4], "big")
-        if len(body) < 4 + length:
-            raise ValueError(f"a value of {len(value)} bytes announces {length} bytes of MQTT 5 properties")
-        form, body = body[4:4 + length].decode("ascii", errors="replace"), body[4 + length:]
-    if qos_byte not in (0, 1, 2, NO_QOS):
-        raise ValueError(f"QoS byte {value[0]:#x}")
-    return from_cluster_form(body, form), None if qos_byte == NO_QOS else qos_byte
 
 
 async def _bucket(js: Any, name: str, replicas: int, ttl: float | None) -> Any:

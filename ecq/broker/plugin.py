@@ -2,9 +2,9 @@
 
 The amqtt lifecycle only: it builds the node's parts, and each amqtt event or call of the amqtt corrections
 (``EcqHooksTarget``) becomes one call to the part that owns it: the queues (:class:`ecq.queue.engine.QueueEngine`),
-takeover (:mod:`.sessions`), writes (:mod:`.writes`), the ACL (:mod:`.access`), the cluster (:mod:`.cluster_node`),
-metrics (:mod:`.node_metrics`), the admin API (:mod:`.controls`), queue events (:mod:`.observers`). Options:
-:class:`ecq.config.EcqSettings`.
+takeover (:mod:`.sessions`), persistent sessions kept (:mod:`.session_keeper`), writes (:mod:`.writes`), the ACL
+(:mod:`.access`), the cluster (:mod:`.cluster_node`), metrics (:mod:`.node_metrics`), the admin API
+(:mod:`.controls`), queue events (:mod:`.observers`). Options: :class:`ecq.config.EcqSettings`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ecq.broker.cluster_node import ClusterNode
 from ecq.broker.controls import NodeControls
 from ecq.broker.node_metrics import NodeMetrics
 from ecq.broker.observers import QueueEvents
+from ecq.broker.session_keeper import SessionKeeper
 from ecq.broker.sessions import QueueSessions
 from ecq.broker.writes import EcqWrites
 from ecq.config import EcqSettings
@@ -36,12 +37,10 @@ log = logging.getLogger(__name__)
 
 
 class EcqPlugin(BaseTopicPlugin):
-    """amqtt broker plugin for exclusive compacted queues.
-
-    Raises (through amqtt's PluginInitError) pydantic.ValidationError for a bad option,
-    ecq.store.protocol.StoreError when the data directory cannot be opened or its old layout cannot be moved
-    (ecq.store.layout.LayoutError), ecq.broker.acl.AclError for a bad ACL file.
-    """
+    """amqtt broker plugin for exclusive compacted queues. Raises (through amqtt's PluginInitError)
+    pydantic.ValidationError for a bad option, ecq.store.protocol.StoreError when the data directory cannot be opened
+    or its old layout moved (ecq.store.layout.LayoutError), ecq.broker.acl.AclError for a bad ACL file, and
+    ecq.broker.amqtt_hooks.AmqttSeamError when the installed amqtt is not the one ECQ corrects."""
 
     # amqtt fills this dataclass from the YAML mapping (and refuses unknown keys); EcqSettings validates it.
     Config = dataclasses.make_dataclass(
@@ -59,6 +58,7 @@ class EcqPlugin(BaseTopicPlugin):
         self.start_error: Exception | None = None  # raised by ecq.broker.amqtt_hooks from Broker.start
         self.sessions = QueueSessions(context, self.engine)
         self.cluster = ClusterNode(self.settings, context, self.engine, self.sessions)
+        self.kept_sessions = SessionKeeper(self.settings, context, self.cluster)
         self.metrics = NodeMetrics(self.settings, context, self.engine, self.cluster,
                                    lambda: self.controls.event_stats(), lambda: self.controls.ready()[0])
         self.writes = EcqWrites(self.settings, self.engine, self.access, self.metrics.ecq, lambda: self.events)
@@ -71,12 +71,11 @@ class EcqPlugin(BaseTopicPlugin):
                  self.settings.effective_pool_size())
 
     async def on_broker_pre_start(self) -> None:
-        """Start event recording, the queue engine, the cluster and the admin API.
+        """Start event recording, the queue engine, the cluster, the stored sessions and the admin API.
 
-        amqtt awaits this before it opens its listeners, so once the MQTT port accepts, ECQ is ready.
-        amqtt 0.12.1 runs it in a task and ignores its exception, so a failure (the store cannot be read,
-        the admin address is taken) is kept in ``start_error``; ecq.broker.amqtt_hooks raises it from Broker.start.
-        """
+        amqtt awaits this before it opens its listeners, so once the MQTT port accepts, ECQ is ready. amqtt 0.12.1
+        runs it in a task and ignores its exception, so a failure (the store cannot be read, the admin address is
+        taken) is kept in ``start_error``; ecq.broker.amqtt_hooks raises it from Broker.start."""
         try:
             if self.events and await self.events.start():
                 self.engine.observers.append(self.events)
@@ -85,19 +84,20 @@ class EcqPlugin(BaseTopicPlugin):
             await self.engine.start()
             if self.settings.backend == "jetstream":
                 await self.cluster.join()
+            self.kept_sessions.start(self.engine)
             await self.controls.serve_admin_api(self.metrics.ecq)
         except Exception as exc:
             self.start_error = exc
 
     async def on_broker_post_start(self) -> None:
-        """Widen the MQTT listeners' accept queue to ``listen_backlog`` once amqtt opened them, then log in one
-        line where everything is: MQTT listeners, admin API, data and lake directories, writer agents."""
+        """Widen the listeners' accept queue to ``listen_backlog``, then log in one line where everything is."""
         hooks.set_listen_backlog(self.context, self.settings.listen_backlog)
         log.info("ECQ ready: %s", self.settings.describe(hooks.listener_addresses(self.context)))
 
     async def on_broker_pre_shutdown(self) -> None:
-        """Stop delivering and end a running GC pass; unacked messages stay stored for the next run."""
+        """Stop delivering and end a running GC pass; unacked messages and persistent sessions stay stored."""
         self.engine.stop_delivering()
+        self.kept_sessions.save_at_shutdown()
 
     async def close(self) -> None:
         """Stop the admin API, leave the cluster, close the engine (writes committed), flush events (amqtt's last)."""
@@ -110,10 +110,7 @@ class EcqPlugin(BaseTopicPlugin):
 
     async def topic_filtering(self, *, session: Session | None = None, topic: str | None = None,
                               action: Action | None = None) -> bool:
-        """amqtt's topic filter hook: apply the ACL file to PUBLISH and SUBSCRIBE (RECEIVE is not filtered).
-
-        A denied PUBLISH is dropped by amqtt with the publisher kept; a denied SUBSCRIBE gets SUBACK 0x80.
-        """
+        """amqtt's topic filter: the ACL judges PUBLISH (denied: dropped) and SUBSCRIBE (denied: SUBACK 0x80)."""
         if session is None or topic is None or action not in (Action.PUBLISH, Action.SUBSCRIBE):
             return True
         return self.access.allows(session, action.value, topic)
@@ -127,19 +124,16 @@ class EcqPlugin(BaseTopicPlugin):
     async def on_broker_client_subscribed(self, client_id: str, topic: str, qos: int) -> None:
         """Start delivering once the SUBACK for ``$ECQ/<clientid>/#`` went out."""
         await self.sessions.subscribed(client_id, topic)
-        self.cluster.store_session(client_id)
 
     async def on_broker_client_unsubscribed(self, client_id: str, topic: str) -> None:
         """Stop delivering when the consumer unsubscribes from its queue."""
         await self.sessions.unsubscribed(client_id, topic)
-        self.cluster.store_session(client_id)
 
     async def on_broker_client_disconnected(self, client_id: str, client_session: Session) -> None:
-        """Detach a consumer whose connection closed (see QueueSessions.disconnected); in a cluster, store a
-        persistent session's subscriptions once more (their stored copy expires ``session_expiry`` after)."""
+        """Detach a consumer whose connection closed (QueueSessions.disconnected); keep a persistent session."""
         await self.sessions.disconnected(client_id, client_session.clean_session is False)
         if client_session.clean_session is False:
-            self.cluster.store_session(client_id)
+            self.kept_sessions.store_session(client_id)
 
     # --- what the amqtt corrections call (ecq.broker.amqtt_hooks.EcqHooksTarget, documented there) ----------
 
@@ -166,19 +160,25 @@ class EcqPlugin(BaseTopicPlugin):
         self.cluster.retained_changed(topic, data, qos)
 
     async def claim_session(self, clientid: str, clean: bool) -> Any:
-        return await self.cluster.claim_session(clientid, clean)
+        return await self.kept_sessions.claim(clientid, clean)
+
+    def store_session(self, clientid: str) -> None:
+        self.kept_sessions.store_session(clientid)
 
     def session_discarded(self, clientid: str) -> None:
-        self.cluster.session_discarded(clientid)
+        self.kept_sessions.discarded(clientid)
 
     def session_message_queued(self, clientid: str, topic: str, qos: int, data: bytes) -> None:
-        self.cluster.session_message_queued(clientid, topic, qos, data)
+        self.kept_sessions.message_queued(clientid, topic, qos, data)
+
+    def queue_for_stored_sessions(self, topic: str, data: bytes, qos: int) -> None:
+        self.kept_sessions.queue_for_stored(topic, data, qos)
 
     def session_queue_taken(self, clientid: str) -> None:
-        self.cluster.session_queue_taken(clientid)
+        self.kept_sessions.queue_taken(clientid)
 
     async def session_expired(self, clientid: str) -> None:
-        await self.cluster.session_expired(clientid)
+        await self.kept_sessions.expired(clientid)
 
     def count_fast_path(self, publishes: int, pubacks: int) -> None:
         self.metrics.count_fast_path(publishes, pubacks)

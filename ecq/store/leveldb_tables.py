@@ -13,13 +13,19 @@ index    ``i`` S(clientid) U64(seqno)              U64 publish ms, U32 payload b
                                                    [NUL, U64 expiry ms: only an entry that has one]
 payload  ``p`` S(clientid) S(key) U64(seqno) U64(ms)  payload bytes
 expiry   ``e`` U64(expiry ms) S(clientid) U64(seqno)  empty: GC's list of entries with an expiry, soonest first
+session  ``c`` S(clientid)                         a persistent MQTT session's record (JSON, see
+                                                   ecq.broker.session_state: owner, subscriptions, expiry)
+session  ``q`` S(clientid) U64(order)              a QoS 1/2 message of an ordinary topic queued for that
+queue                                              session while offline (ecq.broker.session_state), oldest
+                                                   first; ``order`` a nanosecond clock then a counter
 =======  ========================================  ==================================================
 
 All timestamps are milliseconds since the Unix epoch (a seqno row written before ECQ kept the last publish time
 holds the seqno alone, read as published at 0). An entry's own expiry time (an MQTT 5 write's Message Expiry
 Interval, MQTT 5.0 section 3.3.2.3.3) follows its key in the index row after a NUL, which no key holds
 (ecq.queue.topics refuses it); an entry without one, every entry written before ECQ kept expiries among them,
-has neither that suffix nor an expiry row.
+has neither that suffix nor an expiry row. The session tables (ecq.store.leveldb_sessions) are written outside the
+queues' commits, one small write each, and read at start (every ``c`` row) and at a client's CONNECT.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from ecq.store.protocol import AckState, ExpiredRow, IndexEntry
 U64 = struct.Struct(">Q")
 INDEX_VALUE = struct.Struct(">QI")  # publish ms, payload size in bytes; the key follows
 SEQNO, STATE, INDEX, PAYLOAD, EXPIRY = b"s", b"a", b"i", b"p", b"e"
+SESSION, SESSION_QUEUE = b"c", b"q"
 EXPIRES = b"\x00"  # in an index value, between the key and the entry's expiry ms
 MAX_U64 = b"\xff" * 8
 INDEX_END = bytes([INDEX[0] + 1])  # first key after the index table

@@ -73,7 +73,8 @@ from ecq.broker.amqtt_hooks import (acks, authentication, bad_clients, cluster, 
                                     shared_subscriptions, start_up, target, websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import (PersistentSession, broadcast_from_cluster, discard_session,
-                                           hand_over_session, persistent_session, set_retained_from_cluster)
+                                           hand_over_session, persistent_session, persistent_sessions,
+                                           set_retained_from_cluster)
 from ecq.broker.amqtt_hooks.drain import close_listeners, open_connections, received_unread, stop_reading
 from ecq.broker.amqtt_hooks.connection_cap import connections
 from ecq.broker.amqtt_hooks.conformance import set_session_expiry
@@ -92,9 +93,10 @@ __all__ = ["AmqttSeamError", "CORRECTIONS", "EcqHooksTarget", "PersistentSession
            "SERVER_SHUTTING_DOWN", "SESSION_TAKEN_OVER", "Subscription", "acknowledge_soon", "broadcast_from_cluster",
            "client_id", "close_connection", "close_listeners", "cluster_form", "connection_is_open", "connections",
            "count_routed_publishes", "delivery_fits", "discard_session", "from_cluster_form", "hand_over_session",
-           "install", "listener_addresses", "live_connection", "open_connections", "persistent_session", "publish_qos1",
-           "qos2_receipts", "receive_maximum", "received_unread", "send_disconnect", "send_soon", "set_listen_backlog",
-           "set_retained_from_cluster", "set_session_expiry", "shorten_subscriptions_repr", "stop_reading"]
+           "install", "listener_addresses", "live_connection", "open_connections", "persistent_session",
+           "persistent_sessions", "publish_qos1", "qos2_receipts", "receive_maximum", "received_unread",
+           "send_disconnect", "send_soon", "set_listen_backlog", "set_retained_from_cluster", "set_session_expiry",
+           "shorten_subscriptions_repr", "stop_reading"]
 
 
 # Every correction of amqtt, in the order of wrapping: where two replace the same method, the later one wraps the
@@ -140,6 +142,7 @@ CORRECTIONS: tuple[Callable[[], None], ...] = (
     conformance.route_what_was_read_before_the_disconnect,  # outside keep_the_new_connection's: on takeovers too
     conformance.end_clean_sessions_with_their_connection,
     conformance.conformant_fan_out,
+    conformance.store_persistent_sessions_before_their_acknowledgements,
     shared_subscriptions.take_shared_subscriptions,  # its fan-out side is conformance._subscribers'
     conformance.resend_unacked_on_reconnect,
     conformance.enforce_keepalive,

@@ -9,7 +9,8 @@ amqtt keeps retained messages and sessions in its own process too: retained mess
 handed to the plugin for the cluster and the cluster's are written into amqtt's table
 (:func:`set_retained_from_cluster`); a CONNECT first claims its clientid from the cluster, so a persistent
 session held by another broker is moved here before amqtt looks it up (:func:`adopt_sessions_from_the_cluster`,
-:func:`hand_over_session`).
+:func:`hand_over_session`). On one broker the same path restores a session stored before a restart
+(``ecq.broker.stored_sessions``), and the offline queues go to that store (:func:`store_offline_queues_in_the_cluster`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker.amqtt_hooks.fleet_scale import filters_of, note_subscription
 from ecq.broker.amqtt_hooks.mqtt5_messages import Subscription, subscriptions_of
+from ecq.broker.amqtt_hooks.mqtt5_sessions import expiry_of
 from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.session_owners import mark_owner_unknown
 from ecq.broker.amqtt_hooks.target import HandedOverSession, find_target
@@ -30,12 +32,15 @@ from ecq.queue.topics import is_ecq_topic
 
 
 class PersistentSession(NamedTuple):
-    """What the cluster keeps of a persistent session beside its queued messages: ``username``, its owner's (the
-    username of the CONNECT that made it; None for none) and ``subscriptions`` ``[(filter, granted QoS, MQTT 5
-    options or None)]``."""
+    """What a session store keeps of a persistent session beside its queued messages: ``username``, its owner's (the
+    username of the CONNECT that made it; None for none), ``subscriptions`` ``[(filter, granted QoS, MQTT 5
+    options or None)]``, ``expiry_s`` its MQTT 5 Session Expiry Interval in seconds (None for a 3.1.1 session: the
+    broker's ``session_expiry``) and ``offline`` True once its connection ended."""
 
     username: str | None
     subscriptions: list[tuple[str, int, Subscription | None]]
+    expiry_s: int | None = None
+    offline: bool = False
 
 
 _FROM_CLUSTER: contextvars.ContextVar[bool] = contextvars.ContextVar("ecq_from_cluster", default=False)
@@ -100,7 +105,8 @@ def adopt_sessions_from_the_cluster() -> None:
     its queued messages, is installed here as an offline session, which amqtt then resumes when its owner
     connects (``session_owners``). A CleanSession=1 CONNECT has the other broker discard it (section 3.1.2.4).
     amqtt alone found only sessions of its own process: a client reconnecting to another broker lost its
-    session."""
+    session, and on one broker every restart lost them all (the claim now restores the one the embedded store
+    kept)."""
     original = BrokerProtocolHandler.init_from_connect
 
     async def init_from_connect(cls: type, reader: Any, writer: Any, plugins_manager: Any,
@@ -140,15 +146,23 @@ def _install_session(broker: Broker, clientid: str, state: HandedOverSession) ->
 
 
 def persistent_session(context: BrokerContext, clientid: str) -> PersistentSession | None:
-    """``clientid``'s persistent session on this broker as the cluster keeps it (its owner's username and its
-    subscriptions with their MQTT 5 options); None when it has none."""
+    """``clientid``'s persistent session on this broker as a session store keeps it (its owner's username, its
+    subscriptions with their MQTT 5 options, its expiry, whether it is offline); None when it has none."""
     session, _handler = context._broker_instance._sessions.get(clientid, (None, None))
     if session is None or session.clean_session is not False:
         return None
     options, held = subscriptions_of(session), filters_of(context._broker_instance, clientid)
     return PersistentSession(session.username, [
         (topic_filter, qos, options.get(topic_filter)) for topic_filter in held
-        for holder, qos in context.subscriptions.get(topic_filter, ()) if holder is session])
+        for holder, qos in context.subscriptions.get(topic_filter, ()) if holder is session], expiry_of(session),
+        session.transitions.state != "connected")
+
+
+def persistent_sessions(context: BrokerContext) -> dict[str, PersistentSession]:
+    """Every persistent session on this broker (:func:`persistent_session`) by client id."""
+    return {clientid: persistent_session(context, clientid)
+            for clientid, (session, _handler) in context._broker_instance._sessions.items()
+            if session.clean_session is False}
 
 
 async def hand_over_session(context: BrokerContext, clientid: str) -> tuple[PersistentSession,
@@ -184,9 +198,10 @@ async def discard_session(context: BrokerContext, clientid: str) -> None:
 def store_offline_queues_in_the_cluster() -> None:
     """amqtt 0.12.1 queues the QoS 1/2 messages of an offline persistent session in its own process only
     (``Broker._retain_broadcast_message``) and sends them on reconnect (``_publish_session_retained_messages``): when
-    that broker died, they were lost with it. MQTT 3.1.1 section 3.1.2.4 keeps them with the session, so each one
-    queued is also handed to the plugin for the cluster (:meth:`EcqHooksTarget.session_message_queued`), and the
-    cluster's copy is dropped when the queue is taken for sending (:meth:`EcqHooksTarget.session_queue_taken`)."""
+    that broker died or restarted, they were lost with it. MQTT 3.1.1 section 3.1.2.4 keeps them with the session,
+    so each one queued is also handed to the plugin for its session store, the cluster's or the embedded one
+    (:meth:`EcqHooksTarget.session_message_queued`), and the stored copy is dropped when the queue is taken for
+    sending (:meth:`EcqHooksTarget.session_queue_taken`)."""
     original_queue = Broker._retain_broadcast_message
     original_send = Broker._publish_session_retained_messages
 

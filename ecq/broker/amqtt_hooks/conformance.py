@@ -117,8 +117,11 @@ def retained_only_for_new_subscriptions() -> None:
 
 
 async def _handle_subscribe(broker: Broker, session: Any, handler: BrokerProtocolHandler, subscribe: Any) -> None:
-    """amqtt's SUBSCRIBE handling (grant each filter, SUBACK, CLIENT_SUBSCRIBED) with conformant retained sends."""
+    """amqtt's SUBSCRIBE handling (grant each filter, SUBACK, CLIENT_SUBSCRIBED) with conformant retained sends; a
+    persistent session is stored before its SUBACK (:meth:`EcqHooksTarget.store_session`), so a broker killed after
+    it still has the subscription."""
     granted = [await broker.add_subscription(subscription, session) for subscription in subscribe.topics]
+    find_target(broker.plugins_manager).store_session(session.client_id)
     await handler.mqtt_acknowledge_subscription(subscribe.packet_id, granted)
     for (topic_filter, requested_qos), qos in zip(subscribe.topics, granted, strict=True):
         if qos == SUBACK_FAILURE:
@@ -131,6 +134,34 @@ async def _handle_subscribe(broker: Broker, session: Any, handler: BrokerProtoco
                                       retain=True)
                  for topic, message in list(broker.retained_messages.items()) if broker._matches(topic, topic_filter)]
         await asyncio.gather(*sends, return_exceptions=True)
+
+
+def store_persistent_sessions_before_their_acknowledgements() -> None:
+    """amqtt 0.12.1 keeps sessions in its process only. ECQ stores a persistent session (``store_session``: the
+    plugin's session store) before its SUBACK (:func:`_handle_subscribe`) and, here, before its CONNACK
+    (``BrokerProtocolHandler.mqtt_connack_authorize``, an accepted CONNECT) and its UNSUBACK
+    (``mqtt_acknowledge_unsubscription``, after amqtt deleted the filters): a broker killed just after an
+    acknowledgement has the session as the client was told it is (MQTT 3.1.1 sections 3.1.2.4, 3.2.2.2, 3.10.4)."""
+    original_connack = BrokerProtocolHandler.mqtt_connack_authorize
+    original_unsuback = BrokerProtocolHandler.mqtt_acknowledge_unsubscription
+
+    async def mqtt_connack_authorize(handler: BrokerProtocolHandler, authorize: bool) -> None:
+        if authorize:
+            _store(handler)
+        await original_connack(handler, authorize)
+
+    async def mqtt_acknowledge_unsubscription(handler: BrokerProtocolHandler, packet_id: int) -> None:
+        _store(handler)
+        await original_unsuback(handler, packet_id)
+
+    replace(BrokerProtocolHandler, "mqtt_connack_authorize", mqtt_connack_authorize)
+    replace(BrokerProtocolHandler, "mqtt_acknowledge_unsubscription", mqtt_acknowledge_unsubscription)
+
+
+def _store(handler: BrokerProtocolHandler) -> None:
+    plugin = find_target(handler.plugins_manager)
+    if plugin is not None and handler.session is not None and handler.session.clean_session is False:
+        plugin.store_session(handler.session.client_id)
 
 
 def offline_messages_not_retained() -> None:
@@ -291,7 +322,9 @@ async def _fan_out(broker: Broker, plugin: EcqHooksTarget, broadcast: dict[str, 
     topic, publish_qos = broadcast["topic"], broadcast.get("qos", 2)
     if publish_qos is None:
         publish_qos = 2
-    for session, granted in _subscribers(broker, topic).values():
+    subscribers = _subscribers(broker, topic)
+    plugin.queue_for_stored_sessions(topic, broadcast["data"], publish_qos)  # those amqtt does not hold, same step
+    for session, granted in subscribers.values():
         qos = min(publish_qos, granted)
         if not await broker._topic_filtering(session, topic=topic, action=Action.RECEIVE):
             continue

@@ -84,7 +84,10 @@ async def _route_qos1(handler: BrokerProtocolHandler, packet: PublishPacket,
                       acknowledged: Callable[[Callable[[], None] | None], None]) -> None:
     """amqtt's incoming QoS 1 flow (``_handle_qos1_message_flow``: the message to the broker's delivery queue,
     then PUBACK), with the PUBACK handed to ``acknowledged`` to leave in arrival order (on an MQTT 5 connection it
-    ends the PUBLISH's count against the server's Receive Maximum, ``acknowledge_soon``)."""
+    ends the PUBLISH's count against the server's Receive Maximum, ``acknowledge_soon``) once the message is routed
+    (``flow.count_publishes_read`` counted it): amqtt sent it before the fan-out, so a broker killed just after the
+    PUBACK lost a message that an offline persistent session was to keep in the store (MQTT 3.1.1 section 4.3.2:
+    the receiver has taken ownership of the message when it sends PUBACK)."""
     message = IncomingApplicationMessage(packet.packet_id, packet.topic_name, QOS_1, packet.data, packet.retain_flag)
     message.publish_packet = packet
     try:
@@ -92,7 +95,11 @@ async def _route_qos1(handler: BrokerProtocolHandler, packet: PublishPacket,
     except BaseException:
         acknowledged(None)
         raise
-    acknowledged(functools.partial(acknowledge_soon, handler, QOS_1, packet.packet_id))
+    puback = functools.partial(acknowledged, functools.partial(acknowledge_soon, handler, QOS_1, packet.packet_id))
+    if (routing := getattr(packet, "_ecq_routing", None)) is None:
+        puback()
+    else:
+        routing.inbound.when_routed(routing.seq, puback)
 
 
 async def _route_qos2(handler: BrokerProtocolHandler, packet: PublishPacket,

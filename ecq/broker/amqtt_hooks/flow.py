@@ -29,7 +29,7 @@ import logging
 import socket
 import struct
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,6 +216,16 @@ class Inbound:
         waiter = asyncio.get_running_loop().create_future()
         self._routed.append((seq, waiter))
         await waiter
+
+    def when_routed(self, seq: int, then: Callable[[], None]) -> None:
+        """Call ``then()`` once every PUBLISH counted up to ``seq`` was routed (at once if they are), in the order
+        of ``seq``: call it as the PUBLISH ``seq`` is read."""
+        if next(iter(self._unrouted), seq + 1) > seq:
+            then()
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        waiter.add_done_callback(lambda _done: then())
+        self._routed.append((seq, waiter))
 
 
 def _resolve(future: asyncio.Future) -> None:

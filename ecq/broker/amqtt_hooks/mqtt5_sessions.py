@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 SERVER_SHUTTING_DOWN, KEEP_ALIVE_TIMEOUT, SESSION_TAKEN_OVER = 0x8B, 0x8D, 0x8E
 _PENDING = "ecq_mqtt5_pending_end"  # the key of amqtt's Session.attributes that holds its _Offline
 _ENDED, _TAKEN_OVER, _OFFLINE = "ended", "taken over", "offline"  # a session at the end of one of its connections
+_EXPIRY = "ecq_session_expiry_s"  # the key of amqtt's Session.attributes holding a v5 session's expiry interval
 _tasks: set[asyncio.Task] = set()  # wills and expiries in progress (a reference keeps each task alive)
 
 
@@ -106,6 +107,12 @@ def take_disconnect_expiry(context: Any, packet: Any) -> bool:
     return True
 
 
+def expiry_of(session: Any) -> int | None:
+    """The Session Expiry Interval (seconds) of amqtt's ``session`` as its last v5 connection left it (a DISCONNECT
+    may have changed it), or None for a session of MQTT 3.1.1 connections (the broker's ``session_expiry``)."""
+    return session.attributes.get(_EXPIRY)
+
+
 def _options(handler: Any) -> SessionOptions | None:
     context = context_of(handler)
     return None if context is None else context.session
@@ -168,6 +175,9 @@ def expire_sessions_one_by_one() -> None:
             offline.cancel()  # resumed: its Will is not published (section 3.1.3.2.2), its expiry is off
         if (options := _options(handler)) is not None:
             session.clean_session = options.expiry_s == 0
+            session.attributes[_EXPIRY] = options.expiry_s
+        else:
+            session.attributes.pop(_EXPIRY, None)
         return handler, session
 
     async def handle_disconnect(broker: Broker, session: Any, handler: BrokerProtocolHandler,
@@ -176,6 +186,7 @@ def expire_sessions_one_by_one() -> None:
         options = _options(handler)
         if options is None or _end_of_connection(broker, session) != _OFFLINE:
             return  # 3.1.1, or the session ended or went to a newer connection: nothing left to expire
+        session.attributes[_EXPIRY] = options.expiry_s
         if options.expiry_s == 0:
             await broker._cleanup_session(session.client_id)
             return

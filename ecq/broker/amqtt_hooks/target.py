@@ -24,7 +24,7 @@ _target_class: type | None = None
 
 
 class HandedOverSession(Protocol):
-    """A persistent session as the cluster hands it to this broker (``ecq.broker.cluster_state.SessionState``):
+    """A persistent session as the cluster hands it to this broker (``ecq.broker.session_state.SessionState``):
     ``present`` False when there is none; ``username`` its owner's (None for none), ``owner_known`` False when the
     broker that stored it did not record its owner; ``subscriptions`` ``[(filter, granted QoS, MQTT 5.0 options or
     None)]``; ``messages`` ``[(topic, QoS, payload)]`` queued for it, oldest first."""
@@ -80,22 +80,29 @@ class EcqHooksTarget(Protocol):
         one)."""
 
     async def claim_session(self, clientid: str, clean: bool) -> HandedOverSession | None:
-        """Claim ``clientid`` from the cluster at its CONNECT (``clean``: its CleanSession flag): the persistent
-        session another broker or the cluster's store held for it, or None (none, or no cluster)."""
+        """Claim ``clientid`` at its CONNECT (``clean``: its CleanSession flag): the persistent session another
+        broker or the session store (the cluster's, or LevelDB's after a restart) held for it, or None."""
+
+    def store_session(self, clientid: str) -> None:
+        """Write ``clientid``'s persistent session (owner, subscriptions, expiry) to the session store; nothing for a
+        clean session."""
 
     def session_discarded(self, clientid: str) -> None:
         """A persistent session was discarded at a CONNECT of another username, which did not resume it: forget it in
-        the cluster (no-op without one)."""
+        the session store."""
 
     def session_message_queued(self, clientid: str, topic: str, qos: int, data: bytes) -> None:
-        """Store a message queued for an offline persistent session in the cluster (no-op without one)."""
+        """Store a message queued for an offline persistent session in the session store."""
+
+    def queue_for_stored_sessions(self, topic: str, data: bytes, qos: int) -> None:
+        """Queue a message of an ordinary topic, fanned out at ``qos``, for the persistent sessions stored by an
+        earlier run of the broker that no CONNECT has claimed yet (no-op on a cluster)."""
 
     def session_queue_taken(self, clientid: str) -> None:
-        """Drop the cluster's copy of a persistent session's queue: it is being sent (no-op without a cluster)."""
+        """Drop the session store's copy of a persistent session's queue: it is being sent."""
 
     async def session_expired(self, clientid: str) -> None:
-        """A persistent session ended by its MQTT 5 Session Expiry Interval: forget it in the cluster (no-op without
-        one)."""
+        """A persistent session ended by its MQTT 5 Session Expiry Interval: forget it in the session store."""
 
     def session_message_dropped(self, clientid: str, topic: str, reason: str) -> None:
         """Count a message of an ordinary topic dropped from a persistent session at a bound

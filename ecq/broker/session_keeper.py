@@ -1,0 +1,101 @@
+"""Where this broker's persistent sessions outlive their connection and the broker itself: the backend's
+:class:`~ecq.broker.session_state.SessionStore`, the cluster's (``cluster_state.ClusterState``, JetStream KV and
+stream, shared by every broker) or the embedded LevelDB store's (:class:`~ecq.broker.stored_sessions.StoredSessions`,
+restored lazily after a restart). The plugin's session calls from ``amqtt_hooks`` (a session stored, claimed at a
+CONNECT, discarded, expired, its offline queue) land here, one method each; the cluster's hand-over between brokers is
+:mod:`ecq.broker.bus` and amqtt's side of it ``ecq.broker.amqtt_hooks.cluster``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from amqtt.broker import BrokerContext
+
+from ecq.broker import amqtt_hooks as hooks
+from ecq.broker.cluster_node import ClusterNode
+from ecq.broker.stored_sessions import StoredSessions
+from ecq.config import EcqSettings
+from ecq.queue.engine import QueueEngine
+
+
+class SessionKeeper:
+    """The persistent sessions of one broker (``context``) in its backend's session store; the store is there from
+    :meth:`start` on (the cluster's once ``cluster`` joined)."""
+
+    def __init__(self, settings: EcqSettings, context: BrokerContext, cluster: ClusterNode) -> None:
+        self._settings, self._context, self._cluster = settings, context, cluster
+        self.stored: StoredSessions | None = None  # backend: leveldb
+
+    def start(self, engine: QueueEngine) -> None:
+        """On LevelDB, read the stored sessions' records into their index (StoredSessions.load); in a cluster nothing:
+        the cluster's KV is read at each claim."""
+        if self._settings.backend != "jetstream":
+            self.stored = StoredSessions.load(self._settings, engine.store)
+
+    @property
+    def store(self) -> Any:
+        """The backend's SessionStore, None before :meth:`start` (and before the cluster joined)."""
+        return self._cluster.state if self._cluster.state is not None else self.stored
+
+    def save_at_shutdown(self) -> None:
+        """Store every persistent session once more, offline from now on (their expiry runs from the shutdown); the
+        cluster's copies are kept by the other brokers' claims, so only LevelDB needs this."""
+        if self.stored is not None:
+            self.stored.save_at_shutdown(hooks.persistent_sessions(self._context))
+
+    def store_session(self, clientid: str) -> None:
+        """Write ``clientid``'s persistent session (owner, subscriptions, expiry) to the store (in a cluster: while
+        this broker answers for it); nothing for a clean session."""
+        bus = self._cluster.bus
+        if self.store is None or (bus is not None and not bus.holds(clientid)):
+            return
+        held = hooks.persistent_session(self._context, clientid)
+        if held is not None:
+            self.store.save_session(clientid, held)
+
+    async def claim(self, clientid: str, clean: bool) -> Any:
+        """At a CONNECT: the persistent session (a SessionState, with its owner) another broker handed over or, when
+        none answered and none is here, the one in the cluster's store; on one broker the one stored before a restart
+        (StoredSessions.claim); None for a clean session, which is then discarded everywhere (MQTT 3.1.1 section
+        3.1.2.4)."""
+        bus = self._cluster.bus
+        if bus is None:
+            return self.stored.claim(clientid, clean) if self.stored is not None else None
+        state = await bus.claim(clientid, clean)
+        if clean:
+            self.store.forget_session(clientid)
+            return None
+        if state is None and bus.connected and hooks.persistent_session(self._context, clientid) is None:
+            state = await bus.link.submit(self.store.load_session(clientid))
+        return state
+
+    def discarded(self, clientid: str) -> None:
+        """A CONNECT of another username did not resume ``clientid``'s session (``amqtt_hooks.session_owners``): the
+        store forgets it, so that no broker resumes it later."""
+        if self.store is not None:
+            self.store.forget_session(clientid)
+
+    async def expired(self, clientid: str) -> None:
+        """A persistent session ended by its MQTT 5 Session Expiry Interval (MQTT 5.0 section 3.1.2.11.2): its stored
+        subscriptions and queue are deleted and, in a cluster, this broker stops answering for ``clientid``, so that
+        no broker resumes it, also after this one died."""
+        if self.store is not None:
+            self.store.forget_session(clientid)
+        if self._cluster.bus is not None:
+            await self._cluster.bus.disown(clientid)
+
+    def message_queued(self, clientid: str, topic: str, qos: int, data: bytes) -> None:
+        """Store a message queued for an offline persistent session."""
+        if self.store is not None:
+            self.store.queue_message(clientid, topic, qos, data)
+
+    def queue_for_stored(self, topic: str, data: bytes, qos: int) -> None:
+        """Queue a message for the stored sessions no CONNECT claimed since the start (LevelDB only)."""
+        if self.stored is not None:
+            self.stored.queue_for_stored(topic, data, qos)
+
+    def queue_taken(self, clientid: str) -> None:
+        """Drop the store's copy of a persistent session's queue, which is being sent."""
+        if self.store is not None:
+            self.store.drop_queue(clientid)

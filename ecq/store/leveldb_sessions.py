@@ -1,0 +1,86 @@
+"""Persistent MQTT sessions in the embedded LevelDB store, beside the queues (the ``session`` and ``session queue``
+tables of :mod:`ecq.store.leveldb_tables`): one record per session and the messages queued for it while it was
+offline, as opaque bytes (their encodings are ``ecq.broker.session_state``'s). Each call is one small LevelDB
+write or prefix read, run on the caller's thread (the broker's loop: a put is a few microseconds, with the GIL
+released by plyvel) through :meth:`LevelDbStore.run`, so none meets a reopen after a full disk.
+
+A write is in LevelDB's log when the call returns, so a broker killed with SIGKILL right after keeps it; only a
+power loss can take it (with ``sync_writes: true`` every write is fsynced, as the queues' commits are).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+
+from ecq.store.leveldb import LevelDbStore
+from ecq.store.leveldb_tables import SESSION, SESSION_QUEUE, U64, encode_s, read_s
+
+
+class LevelDbSessions:
+    """The session tables of ``store`` (an open LevelDbStore). Raises what plyvel raises (plyvel.Error,
+    RuntimeError once the store is closed)."""
+
+    def __init__(self, store: LevelDbStore) -> None:
+        self._store = store
+        self._order = itertools.count(time.time_ns())  # queued messages' keys: after those of an earlier run
+
+    def put(self, clientid: str, record: bytes) -> None:
+        """Store ``clientid``'s session record, replacing the one stored."""
+        self._store.run(lambda: self._db.put(SESSION + encode_s(clientid), record, sync=self._store._sync))
+
+    def get(self, clientid: str) -> bytes | None:
+        """``clientid``'s session record, or None."""
+        return self._store.run(self._db.get, SESSION + encode_s(clientid))
+
+    def records(self) -> Iterator[tuple[str, bytes]]:
+        """Every stored session as ``(clientid, record)``, in clientid byte order (read in one pass under the gate,
+        so a long scan holds off a reopen: call it at start)."""
+        def scan() -> list[tuple[str, bytes]]:
+            return [(read_s(key, 1)[0], value) for key, value in self._db.iterator(prefix=SESSION)]
+        return iter(self._store.run(scan))
+
+    def delete(self, clientid: str) -> None:
+        """Delete ``clientid``'s session record and queued messages, in one write batch."""
+        def delete() -> None:
+            with self._db.write_batch(sync=self._store._sync) as batch:
+                batch.delete(SESSION + encode_s(clientid))
+                for key in self._db.iterator(prefix=self._queue(clientid), include_value=False):
+                    batch.delete(key)
+        self._store.run(delete)
+
+    def queue(self, clientid: str, message: bytes, bound: int) -> int:
+        """Queue ``message`` for ``clientid``, keeping at most ``bound`` (>= 1) messages: the oldest beyond it are
+        deleted in the same write batch. Returns how many were deleted."""
+        prefix = self._queue(clientid)
+
+        def queue() -> int:
+            held = list(self._db.iterator(prefix=prefix, include_value=False))
+            dropped = held[:max(0, len(held) - bound + 1)]
+            with self._db.write_batch(sync=self._store._sync) as batch:
+                for key in dropped:
+                    batch.delete(key)
+                batch.put(prefix + U64.pack(next(self._order)), message)
+            return len(dropped)
+        return self._store.run(queue)
+
+    def messages(self, clientid: str) -> list[bytes]:
+        """The messages queued for ``clientid``, oldest first."""
+        return self._store.run(lambda: list(self._db.iterator(prefix=self._queue(clientid), include_key=False)))
+
+    def drop_queue(self, clientid: str) -> None:
+        """Delete the messages queued for ``clientid`` (they were taken for sending)."""
+        def drop() -> None:
+            with self._db.write_batch(sync=self._store._sync) as batch:
+                for key in self._db.iterator(prefix=self._queue(clientid), include_value=False):
+                    batch.delete(key)
+        self._store.run(drop)
+
+    @property
+    def _db(self):  # the store's current database: a reopen after a full disk replaces it
+        return self._store._db
+
+    @staticmethod
+    def _queue(clientid: str) -> bytes:
+        return SESSION_QUEUE + encode_s(clientid)

@@ -1,0 +1,341 @@
+"""Persistent sessions survive a restart on the embedded LevelDB store (issue 32, point 4;
+``ecq.broker.stored_sessions``), over TCP against real ``ecq broker`` processes restarted on the same data dir, after
+SIGTERM and after kill -9: a client reconnecting with CleanSession 0 (MQTT 5: Clean Start 0, Session Expiry > 0) gets
+CONNACK session present 1, the QoS 1 messages of ordinary topics queued while it was offline (before the restart,
+and after it before it came back) and its ECQ queue, all without SUBSCRIBE; an expired session, one a clean session
+discarded and one of another username are not resumed. Where a test shows that something is NOT delivered, a
+marker published after it must come first."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import struct
+import time
+
+import pytest
+
+from ecq.store.jsapi import token
+from ecq.store.leveldb_sessions import LevelDbSessions
+from tests.harness import BrokerProcess, Client, RawClient, wait_until, write
+from tests.mqtt_wire import DISCONNECT_PACKET, connect_packet, puback_packet, subscribe_packet
+from tests.test_cluster_state import kv_value, queued_while_offline, started, stored_count
+from tests.test_mqtt5 import V5Client
+from tests.test_session_owners import authenticated, passwd, persistent  # noqa: F401 (passwd: a fixture)
+
+PROTOCOLS = ("3.1.1", "5")
+
+
+def restart(broker: BrokerProcess, how: str) -> BrokerProcess:
+    """Stop ``broker`` (SIGTERM, clean exit checked; or kill -9) and start it again on the same data dir and port."""
+    if how == "sigterm":
+        assert broker.stop() == 0
+    else:
+        broker.kill()
+    return broker.start()
+
+
+def session_client(protocol: str, port: int, clientid: str, **options) -> Client | V5Client:
+    """A persistent session of ``clientid`` (3.1.1: CleanSession 0; 5: Clean Start 0, Session Expiry ``expiry_s``,
+    600 s by default)."""
+    expiry_s = options.pop("expiry_s", 600)
+    if protocol == "3.1.1":  # its expiry is the broker's session_expiry
+        return Client(port, clientid, clean_session=False, **options)
+    return V5Client(port, clientid, clean_start=False, SessionExpiryInterval=expiry_s, **options)
+
+
+def received(client: Client | V5Client, count: int) -> list[tuple[str, bytes]]:
+    return [(m.topic, bytes(m.payload)) for m in client.expect(count)]
+
+
+@pytest.mark.parametrize("how", ["sigterm", "kill9"])
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_persistent_session_is_back_after_a_restart(make_broker, connect, protocol, how):
+    broker = make_broker()
+    device = session_client(protocol, broker.port, "car1")
+    device.subscribe("cmd/car1/#", **({} if protocol == "3.1.1" else {"subscription_id": 7}))
+    device.subscribe("$ECQ/car1/#")
+    device.close()
+    producer = connect(broker.port, "backend")
+    producer.publish("cmd/car1/a", b"queued before the restart")
+    write(producer, "car1", "k1", "queue entry")
+    producer.close()
+    broker = restart(broker, how)
+    producer = connect(broker.port, "backend")
+    producer.publish("cmd/car1/b", b"queued after the restart")
+    device = session_client(protocol, broker.port, "car1")
+    try:
+        assert device.session_present
+        messages = device.expect(3)
+        assert sorted((m.topic, bytes(m.payload)) for m in messages) == [
+            ("$ECQ/car1/k1", b"queue entry"), ("cmd/car1/a", b"queued before the restart"),
+            ("cmd/car1/b", b"queued after the restart")]
+        if protocol == "5":  # the subscription's options came back with it
+            assert [m.properties.SubscriptionIdentifier for m in messages if m.topic.startswith("cmd/")] == [[7], [7]]
+        producer.publish("cmd/car1/c", b"live")  # its subscriptions are amqtt's again
+        assert received(device, 1) == [("cmd/car1/c", b"live")]
+    finally:
+        device.close()
+    assert "Traceback" not in broker.log()
+
+
+def test_a_subscription_acknowledged_is_kept_across_kill9(make_broker):
+    """Every SUBACK a persistent session got is kept by a broker killed right after it (``sync_writes``: each record
+    fsynced, which holds a write behind the SUBACK long enough for the kill to land before it)."""
+    broker = make_broker(sync_writes=True)
+    count = 50
+    devices = [RawClient(broker.port, f"s{i}", clean_session=False) for i in range(count)]
+    for i, device in enumerate(devices):
+        device.send_raw(subscribe_packet(1, (f"cmd/s{i}", 1)))
+    assert all(device.receive()[0] == 0x90 for device in devices)
+    broker.kill()
+    for device in devices:
+        device.close()
+    store = broker.open_store()
+    try:
+        assert {clientid for clientid, _record in LevelDbSessions(store).records()} == {f"s{i}" for i in range(count)}
+    finally:
+        store.close()
+
+
+def test_a_message_queued_while_offline_is_kept_across_kill9_after_its_puback(make_broker, connect):
+    """A PUBACK goes out once the message is queued for every offline session it matches: a broker killed right
+    after it has the message in each one's stored queue (``sync_writes``: each fsynced, so that the fan-out to
+    200 sessions takes long enough for the kill to land inside it were the PUBACK sent first)."""
+    broker = make_broker(sync_writes=True)
+    count = 200
+    for i in range(count):
+        device = RawClient(broker.port, f"f{i}", clean_session=False)
+        assert device.subscribe(b"fleet/all")[0] == 0x90
+        device.close()
+    producer = connect(broker.port, "backend")
+    producer.publish("fleet/all", b"to every device")
+    broker.kill()
+    store = broker.open_store()
+    try:
+        sessions = LevelDbSessions(store)
+        assert [len(sessions.messages(f"f{i}")) for i in range(count)] == [1] * count
+    finally:
+        store.close()
+    broker.start()
+    device = Client(broker.port, f"f{count - 1}", clean_session=False)
+    assert device.session_present
+    assert received(device, 1) == [("fleet/all", b"to every device")]
+    device.close()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_an_expired_session_is_not_restored(make_broker, connect, protocol):
+    broker = make_broker(session_expiry="2s")
+    device = session_client(protocol, broker.port, "old1", expiry_s=2)
+    device.subscribe("cmd/old1")
+    device.close()
+    gone_at = time.monotonic() + 2.5
+    broker.stop()
+    wait_until(lambda: time.monotonic() > gone_at, 5)
+    broker.start()
+    device = session_client(protocol, broker.port, "old1")
+    assert not device.session_present
+    assert re.search(r"0 to restore at their CONNECT, 1 expired", broker.log())
+
+
+def test_a_clean_session_discards_the_stored_one(make_broker, connect):
+    broker = make_broker()
+    for clientid in ("van2", "van3"):
+        device = session_client("3.1.1", broker.port, clientid)
+        device.subscribe(f"cmd/{clientid}")
+        device.close()
+    broker = restart(broker, "kill9")
+    clean = connect(broker.port, "van2")
+    assert not clean.session_present
+    clean.close()
+    producer = connect(broker.port, "backend")
+    producer.publish("cmd/van2", b"for nobody")
+    producer.publish("cmd/van3", b"for van3")
+    broker = restart(broker, "sigterm")
+    kept = session_client("3.1.1", broker.port, "van3")
+    assert kept.session_present  # the one no clean CONNECT discarded
+    assert received(kept, 1) == [("cmd/van3", b"for van3")]
+    kept.close()
+    device = session_client("3.1.1", broker.port, "van2")
+    assert not device.session_present
+    device.subscribe("cmd/van2")
+    producer = connect(broker.port, "backend")
+    producer.publish("cmd/van2", b"marker")
+    assert received(device, 1) == [("cmd/van2", b"marker")]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_restored_session_is_resumed_only_by_its_owner(broker_process, passwd, protocol):
+    broker = authenticated(broker_process(), passwd).start()
+    bob = persistent(protocol, broker.port, "bob", "bob")
+    bob.subscribe("$ECQ/bob/#")
+    bob.close()
+    backend = Client(broker.port, "backend", username="backend", password="backend-secret")
+    write(backend, "bob", "k1", "for bob")
+    backend.close()
+    broker = restart(broker, "kill9")
+    bob = persistent(protocol, broker.port, "bob", "bob", manual_ack=True)  # k1 stays pending
+    assert bob.session_present
+    assert received(bob, 1) == [("$ECQ/bob/k1", b"for bob")]
+    bob.close()
+    broker = restart(broker, "kill9")
+    alice = persistent(protocol, broker.port, "bob", "alice")
+    assert not alice.session_present
+    time.sleep(1.0)  # shows only that nothing came
+    assert alice.messages.empty()
+    alice.close()
+    bob = persistent(protocol, broker.port, "bob", "bob")
+    assert not bob.session_present  # alice's CONNECT discarded it, as it does before a restart
+    bob.close()
+
+
+def test_thousands_of_sessions_restored_lazily(make_broker, connect):
+    broker = make_broker()
+    count = 2000
+    clients = [f"dev{i}" for i in range(count)]
+    for clientid in clients:
+        device = Client(broker.port, clientid, clean_session=False)
+        device.subscribe(f"cmd/{clientid}")
+        device.close()
+    broker.kill()
+    began = time.monotonic()
+    broker.start()
+    print(f"\nstart-up with {count} stored sessions: {time.monotonic() - began:.2f} s to accept; broker's own line: "
+          + re.findall(r"ECQ stored sessions: .*", broker.log())[-1])
+    producer = connect(broker.port, "backend")
+    producer.publish_many([(f"cmd/{c}", c.encode()) for c in clients])
+    for clientid in clients[::97]:
+        device = Client(broker.port, clientid, clean_session=False)
+        assert device.session_present, clientid
+        assert received(device, 1) == [(f"cmd/{clientid}", clientid.encode())]
+        device.close()
+
+
+def test_start_up_with_100000_stored_sessions(broker_process, connect):
+    """Start-up reads the records, not amqtt Sessions: 100,000 sessions stored (as a broker writes them, through
+    ecq.store.leveldb_sessions) are indexed in seconds, and any one of them is restored at its CONNECT."""
+    broker = broker_process()
+    count, offline_ms = 100_000, int(time.time() * 1000)
+    store = broker.open_store()
+    try:
+        table = LevelDbSessions(store)
+        for i in range(count):
+            record = {"username": None, "subscriptions": [[f"cmd/m{i}/#", 1], [f"$ECQ/m{i}/#", 1]],
+                      "expiry_s": None, "offline_ms": offline_ms}
+            table.put(f"m{i}", json.dumps(record).encode())
+    finally:
+        store.close()
+    began = time.monotonic()
+    broker.start()
+    line = re.findall(r"ECQ stored sessions: .*", broker.log())[-1]
+    print(f"\nstart-up with {count} stored sessions: {time.monotonic() - began:.2f} s to accept; {line}")
+    assert line.startswith(f"ECQ stored sessions: {count} to restore")
+    producer = connect(broker.port, "backend")
+    producer.publish("cmd/m77777/x", b"for m77777")
+    device = Client(broker.port, "m77777", clean_session=False)
+    try:
+        assert device.session_present
+        assert received(device, 1) == [("cmd/m77777/x", b"for m77777")]
+    finally:
+        device.close()
+
+
+def test_on_a_cluster_a_session_survives_a_restart_of_every_node(cluster_nodes, connect, jetstream_options,
+                                                                  nats_cluster):
+    """The same adopt-on-CONNECT path, with the cluster's store: JetStream keeps the session while every ECQ node is
+    killed and started again."""
+    node1, node2 = started(cluster_nodes())
+    device = connect(node1.port, "fleetcar", clean_session=False)
+    device.subscribe("$ECQ/fleetcar/#")
+    device.close()
+    queued_while_offline(connect, node1, node2, "fleetcar", 2)  # and fleetcar/# subscribed in the same session
+    namespace = jetstream_options["jetstream_namespace"]
+    assert wait_until(lambda: b"fleetcar/#" in (asyncio.run(kv_value(nats_cluster.urls, f"{namespace}_sessions",
+                                                                     token("fleetcar"))) or b""), 5, 0.1)
+    assert wait_until(lambda: asyncio.run(stored_count(nats_cluster.urls, f"{namespace}_SESSIONS")) == 2, 5, 0.1)
+    for node in (node1, node2):
+        node.kill()
+    started([node1, node2])
+    write(connect(node1.port, "backend"), "fleetcar", "k", "queue entry")
+    device = connect(node2.port, "fleetcar", clean_session=False)
+    assert device.session_present
+    assert sorted(received(device, 3)) == [("$ECQ/fleetcar/k", b"queue entry"), ("fleetcar/m", b"m0"),
+                                           ("fleetcar/m", b"m1")]
+
+
+# --- the reconnect storm (issue 32, point 6, at a modest size) ----------------------------------------------------
+
+STORM = 2000
+PORT_PROBE = "No data to decode MQTT packet fixed header"  # amqtt's line for the harness's check that the port accepts
+STORM_BOUND_S = 60.0  # every device back with its pending entry (issue 32 asks 30 s at 19,800 on a quiet machine)
+
+
+async def _packet(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """The next packet of an asyncio stream: (first byte, body)."""
+    first = (await reader.readexactly(1))[0]
+    size, shift = 0, 0
+    while True:
+        byte = (await reader.readexactly(1))[0]
+        size |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            break
+    return first, await reader.readexactly(size)
+
+
+async def _subscribe_and_leave(port: int, clientid: str) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(connect_packet(clientid, clean_session=False) + subscribe_packet(1, (f"$ECQ/{clientid}/#", 1)))
+    assert (await _packet(reader))[0] == 0x20 and (await _packet(reader))[0] == 0x90
+    writer.write(DISCONNECT_PACKET)
+    await reader.read()  # the broker closes after DISCONNECT
+    writer.close()
+
+
+async def _come_back(port: int, clientid: str) -> tuple[bool, bytes]:
+    """Reconnect ``clientid`` with CleanSession 0, acknowledge its first delivery: (session present, its topic)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(connect_packet(clientid, clean_session=False))
+        first, connack = await _packet(reader)
+        assert first == 0x20 and connack[1] == 0, connack
+        first, publish = await _packet(reader)
+        assert first & 0xF0 == 0x30, first
+        size = struct.unpack_from(">H", publish)[0]
+        writer.write(puback_packet(struct.unpack_from(">H", publish, 2 + size)[0]))
+        await writer.drain()
+        return bool(connack[0] & 1), publish[2:2 + size]
+    finally:
+        writer.close()
+
+
+async def _all(work, port: int, clientids: list[str], at_once: int) -> list:
+    gate = asyncio.Semaphore(at_once)
+
+    async def one(clientid: str):
+        async with gate:
+            return await work(port, clientid)
+    return await asyncio.wait_for(asyncio.gather(*(one(c) for c in clientids)), STORM_BOUND_S)
+
+
+def test_a_reconnect_storm_after_a_restart_brings_every_consumer_back(broker_process, connect):
+    broker = broker_process(max_open_files=STORM + 1000).start()
+    clientids = [f"storm{i}" for i in range(STORM)]
+    asyncio.run(_all(_subscribe_and_leave, broker.port, clientids, 100))
+    producer = connect(broker.port, "backend")
+    producer.publish_many([(f"$ECQ/w/{c}/pending", b"x") for c in clientids])
+    producer.close()
+    broker.kill()  # SIGTERM of 2,000 offline sessions is amqtt's quadratic stop (issue 32), not this test's subject
+    broker.start()
+    logged_before = len(broker.log())
+    began = time.monotonic()
+    back = asyncio.run(_all(_come_back, broker.port, clientids, STORM))
+    took = time.monotonic() - began
+    print(f"\nreconnect storm: {STORM} persistent consumers back with their pending entry in {took:.2f} s")
+    assert back == [(True, f"$ECQ/{c}/pending".encode()) for c in clientids]
+    assert took < STORM_BOUND_S
+    problems = [line for line in broker.log()[logged_before:].splitlines() if (" ERROR " in line or "Traceback" in line)
+                and PORT_PROBE not in line]
+    assert problems == []
