@@ -47,7 +47,7 @@ SUBACK_FAILURE = 0x80
 _ACK = struct.Struct(">BBH")  # PUBACK, PUBREC, PUBCOMP: first byte, remaining length 2, packet id (section 3.4-3.7)
 _ACK_TYPES = {1: 0x40, 2: 0x50}  # the acknowledgement of an incoming PUBLISH by QoS: PUBACK, PUBREC
 _unsent: dict[BrokerProtocolHandler, list[bytes]] = {}  # packets queued by send_soon, per connection
-_SENT_PACKET_IDS = "_ecq_sent_packet_ids"  # the attribute of amqtt's Session: seqno -> packet id, not yet acked
+_SENT_PACKET_IDS = "ecq_sent_packet_ids"  # the key of amqtt's Session.attributes: seqno -> packet id, not acked
 REMEMBERED_PACKET_IDS = 1024  # per session; at most reader_batch_size (31) are in flight when a connection drops
 
 
@@ -298,11 +298,7 @@ def _mqtt5_delivery(session: Any, packet_id: int, topic: str, payload: bytes, se
 
 def _sent_packet_ids(session: Any) -> dict[int, int]:
     """Seqno -> packet id of the deliveries ``session`` sent and got no PUBACK for, oldest first (made empty)."""
-    sent = getattr(session, _SENT_PACKET_IDS, None)
-    if sent is None:
-        sent = {}
-        setattr(session, _SENT_PACKET_IDS, sent)
-    return sent
+    return session.attributes.setdefault(_SENT_PACKET_IDS, {})
 
 
 def _delivery_packet_id(session: Any, seqno: int | None) -> tuple[int, bool]:

@@ -26,7 +26,7 @@ import mqtt5
 
 from ecq.broker.amqtt_hooks.mqtt5_packets import Mqtt5Context
 
-_SESSION_SUBSCRIPTIONS = "_ecq_mqtt5_subscriptions"  # the attribute of amqtt's Session that holds them
+_SESSION_SUBSCRIPTIONS = "ecq_mqtt5_subscriptions"  # the key of amqtt's Session.attributes that holds them
 _FORWARDED = ("user_properties", "payload_format_indicator", "content_type", "response_topic", "correlation_data")
 
 
@@ -135,11 +135,7 @@ class Subscription:
 
 def subscriptions_of(session: Any) -> dict[str, Subscription]:
     """The v5 subscriptions of amqtt's ``session`` by filter (created empty); a 3.1.1 session has none."""
-    subscriptions = getattr(session, _SESSION_SUBSCRIPTIONS, None)
-    if subscriptions is None:
-        subscriptions = {}
-        setattr(session, _SESSION_SUBSCRIPTIONS, subscriptions)
-    return subscriptions
+    return session.attributes.setdefault(_SESSION_SUBSCRIPTIONS, {})
 
 
 def publish_bytes(context: Mqtt5Context, packet: Any) -> bytes:
