@@ -82,10 +82,10 @@ class Consumer:
     """Delivery state of the queue of ``clientid``; at most one attached connection at a time."""
 
     __slots__ = ("clientid", "state", "connection", "_sending", "inflight", "saves_pending", "_save_due", "_rewinds",
-                 "_rewind_waiters", "_store", "_pool", "_publish", "_observer", "_read_store", "attempts",
+                 "_rewind_waiters", "_store", "_pool", "_publish", "_observer", "_read_store", "resends",
                  "_read_deadline", "_window", "_retention_s", "_inflight_max", "_tombstones", "_acked_tombstones",
                  "_read_cursor", "_ready", "_newest", "_handed", "_told", "_reading", "_unreadable", "_wake",
-                 "_pump_task", "_fits", "skipped", "_sent_before_ms", "_sent_before_left")  # one per queue: no dict
+                 "_pump_task", "_fits", "skipped")  # one per queue: no dict
 
     def __init__(self, clientid: str, state: AckState, *, store: QueueStore, pool: WriterPool, publish: Publish,
                  observer: DeliveryObserver, read: Read, read_deadline: SharedDeadline, window: int,

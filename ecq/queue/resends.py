@@ -15,6 +15,8 @@ class Resends:
     before this time (Unix ms; 0: none) may have been sent by a consumer of this queue that this one does not know
     of, up to ``window`` of them (at most a window was in flight)."""
 
+    __slots__ = ("attempts", "_sent_before_ms", "_sent_before_left")  # one per queue, as its Consumer
+
     def __init__(self, sent_before_ms: int, window: int) -> None:
         self.attempts: dict[int, int] = {}
         self._sent_before_ms = sent_before_ms
