@@ -7,6 +7,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
+from amqtt.broker import Broker
+from amqtt.session import Session
+
+from ecq.broker.amqtt_hooks import persistent_session
+from ecq.broker.amqtt_hooks.fleet_scale import note_subscription
 from tests.test_mqtt_conformance import Mqtt
 
 
@@ -58,3 +64,38 @@ def test_offline_sessions_expire_on_time_from_their_last_disconnect(make_broker)
     returned = time.monotonic()
     time.sleep(expiry_s + 1.5)
     assert not Mqtt(broker.port, "returns", clean=False).session_present
+
+
+class _CountedWalks(list):
+    """amqtt's list of a filter's (session, QoS) subscribers, counting the walks through it."""
+
+    walks = 0
+
+    def __iter__(self):
+        _CountedWalks.walks += 1
+        return super().__iter__()
+
+
+def _persistent(clientid: str) -> Session:
+    session = Session()
+    session.client_id, session.clean_session = clientid, False
+    return session
+
+
+@pytest.mark.timeout(30)
+async def test_a_clients_subscriptions_are_read_from_its_own_filters():
+    """What the session store keeps of one client (``persistent_session``: its filters and their granted QoS) comes
+    from the client's own index entries, not from a walk of each filter's subscribers: with 1,000 devices on
+    ``fleet/#`` it would read all of theirs. A real amqtt Broker's maps, filled as the cluster's hand-over fills them."""
+    broker = Broker({"listeners": {"default": {"type": "tcp", "bind": "127.0.0.1:0"}}})
+    device = _persistent("device")
+    crowd = [(_persistent(f"other-{n}"), 1) for n in range(1000)]
+    broker._sessions["device"] = (device, None)
+    broker._subscriptions["fleet/#"] = _CountedWalks([*crowd, (device, 1)])
+    broker._subscriptions["own/device"] = _CountedWalks([(device, 0)])
+    note_subscription(broker, "device", "fleet/#", 1)
+    note_subscription(broker, "device", "own/device", 0)
+
+    held = persistent_session(broker.plugins_manager.context, "device")
+    assert held is not None and held.subscriptions == [("fleet/#", 1, None), ("own/device", 0, None)]
+    assert _CountedWalks.walks == 0

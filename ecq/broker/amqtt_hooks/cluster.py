@@ -22,7 +22,7 @@ from amqtt.broker import Broker, BrokerContext, RetainedApplicationMessage
 from amqtt.mqtt.constants import QOS_1, QOS_2
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
-from ecq.broker.amqtt_hooks.fleet_scale import filters_of, note_subscription
+from ecq.broker.amqtt_hooks.fleet_scale import granted_of, note_subscription
 from ecq.broker.amqtt_hooks.mqtt5_messages import Subscription, subscriptions_of
 from ecq.broker.amqtt_hooks.mqtt5_sessions import expiry_of
 from ecq.broker.amqtt_hooks.seam import replace
@@ -137,7 +137,7 @@ def _install_session(broker: Broker, clientid: str, state: HandedOverSession) ->
         holders = broker._subscriptions.setdefault(topic_filter, [])
         holders[:] = [(s, q) for s, q in holders if s.client_id != clientid]
         holders.append((session, qos))
-        note_subscription(broker, clientid, topic_filter)
+        note_subscription(broker, clientid, topic_filter, qos)
         if subscription is not None:
             options[topic_filter] = subscription
     for topic, qos, data in state.messages:
@@ -151,11 +151,10 @@ def persistent_session(context: BrokerContext, clientid: str) -> PersistentSessi
     session, _handler = context._broker_instance._sessions.get(clientid, (None, None))
     if session is None or session.clean_session is not False:
         return None
-    options, held = subscriptions_of(session), filters_of(context._broker_instance, clientid)
-    return PersistentSession(session.username, [
-        (topic_filter, qos, options.get(topic_filter)) for topic_filter in held
-        for holder, qos in context.subscriptions.get(topic_filter, ()) if holder is session], expiry_of(session),
-        session.transitions.state != "connected")
+    options, held = subscriptions_of(session), granted_of(context._broker_instance, clientid)
+    return PersistentSession(session.username, [(topic_filter, qos, options.get(topic_filter))
+                                                for topic_filter, qos in held.items()],
+                             expiry_of(session), session.transitions.state != "connected")
 
 
 def persistent_sessions(context: BrokerContext) -> dict[str, PersistentSession]:

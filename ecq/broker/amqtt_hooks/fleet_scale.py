@@ -32,7 +32,7 @@ from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE
 from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import find_target
 
-_FILTERS_OF_CLIENTS = "_ecq_filters_of_clients"  # the Broker attribute holding client id -> {topic filter: None}
+_FILTERS_OF_CLIENTS = "_ecq_filters_of_clients"  # the Broker attribute holding client id -> {topic filter: QoS}
 _EXPIRIES = "_ecq_expiries"  # the Broker attribute holding its _Expiries
 
 
@@ -93,13 +93,20 @@ def filters_of(broker: Broker, clientid: str) -> list[str]:
     return list(_filters_of_clients(broker).get(clientid, ()))
 
 
-def note_subscription(broker: Broker, clientid: str, topic_filter: str) -> None:
-    """Record that ``clientid`` holds ``topic_filter``: for code that adds to amqtt's subscriptions map itself
-    rather than through ``Broker.add_subscription`` (the cluster's hand-over of a session)."""
-    _filters_of_clients(broker).setdefault(clientid, {})[topic_filter] = None
+def granted_of(broker: Broker, clientid: str) -> dict[str, int]:
+    """``{topic filter: granted QoS}`` of the subscriptions ``clientid`` holds in ``broker``'s subscriptions map, in
+    the order subscribed, as :func:`filters_of` reads them: the QoS amqtt keeps in the map, read without walking any
+    filter's subscribers."""
+    return dict(_filters_of_clients(broker).get(clientid, {}))
 
 
-def _filters_of_clients(broker: Broker) -> dict[str, dict[str, None]]:
+def note_subscription(broker: Broker, clientid: str, topic_filter: str, qos: int) -> None:
+    """Record that ``clientid`` holds ``topic_filter`` at ``qos``: for code that adds to amqtt's subscriptions map
+    itself rather than through ``Broker.add_subscription`` (the cluster's hand-over of a session)."""
+    _filters_of_clients(broker).setdefault(clientid, {})[topic_filter] = qos
+
+
+def _filters_of_clients(broker: Broker) -> dict[str, dict[str, int]]:
     index = getattr(broker, _FILTERS_OF_CLIENTS, None)
     if index is None:
         index = {}
@@ -111,10 +118,11 @@ def index_subscriptions_by_client() -> None:
     """amqtt 0.12.1's ``Broker._del_all_subscriptions``, which deletes a session's subscriptions when the session
     ends (expiry, clean session, the broker's stop), tries every topic filter of the broker, each through
     ``_del_subscription``'s walk of its subscribers: deleting N sessions cost N x all filters, and a SIGTERM with
-    8,000 offline sessions took 24-64 s. So the filters each client id holds are kept beside the map (recorded
-    when amqtt's ``add_subscription`` grants one, dropped when ``_del_subscription`` deletes one), and a session's
-    deletion goes through its own filters only. amqtt matches a session's subscriptions by client id, so does
-    the index."""
+    8,000 offline sessions took 24-64 s. So the filters each client id holds are kept beside the map with their
+    granted QoS (recorded when amqtt's ``add_subscription`` grants one, dropped when ``_del_subscription`` deletes
+    one), and a session's deletion, like the reading of its subscriptions for the session store, goes through its
+    own filters only. amqtt matches a session's subscriptions by client id, so does the index; a filter the client
+    holds already keeps the QoS amqtt keeps (it appends a client id once and never changes its QoS)."""
     original_add = Broker.add_subscription
     original_del = Broker._del_subscription
     original_del_all = Broker._del_all_subscriptions
@@ -122,7 +130,7 @@ def index_subscriptions_by_client() -> None:
     async def add_subscription(broker: Broker, subscription: tuple[str, int], session: Any) -> int:
         granted = await original_add(broker, subscription, session)
         if granted < SUBACK_FAILURE and find_target(broker.plugins_manager) is not None:
-            note_subscription(broker, session.client_id, subscription[0])
+            _filters_of_clients(broker).setdefault(session.client_id, {}).setdefault(subscription[0], granted)
         return granted
 
     def del_subscription(broker: Broker, a_filter: str, session: Any) -> int:
