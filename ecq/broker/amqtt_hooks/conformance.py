@@ -118,10 +118,10 @@ def retained_only_for_new_subscriptions() -> None:
 
 async def _handle_subscribe(broker: Broker, session: Any, handler: BrokerProtocolHandler, subscribe: Any) -> None:
     """amqtt's SUBSCRIBE handling (grant each filter, SUBACK, CLIENT_SUBSCRIBED) with conformant retained sends; a
-    persistent session is stored before its SUBACK (:meth:`EcqHooksTarget.store_session`), so a broker killed after
-    it still has the subscription."""
+    persistent session is stored before its SUBACK (:func:`_store`), so a broker killed after it still has the
+    subscription."""
     granted = [await broker.add_subscription(subscription, session) for subscription in subscribe.topics]
-    find_target(broker.plugins_manager).store_session(session.client_id)
+    _store(handler)
     await handler.mqtt_acknowledge_subscription(subscribe.packet_id, granted)
     for (topic_filter, requested_qos), qos in zip(subscribe.topics, granted, strict=True):
         if qos == SUBACK_FAILURE:
@@ -159,6 +159,9 @@ def store_persistent_sessions_before_their_acknowledgements() -> None:
 
 
 def _store(handler: BrokerProtocolHandler) -> None:
+    """Have the plugin store the persistent session of ``handler``'s connection (:meth:`EcqHooksTarget.store_session`)
+    before an acknowledgement tells the client it is so: the one way the SUBACK, CONNACK and UNSUBACK paths store it;
+    nothing for a clean session or a broker without the plugin."""
     plugin = find_target(handler.plugins_manager)
     if plugin is not None and handler.session is not None and handler.session.clean_session is False:
         plugin.store_session(handler.session.client_id)
