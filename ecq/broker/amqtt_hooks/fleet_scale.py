@@ -103,15 +103,25 @@ def granted_of(broker: Broker, clientid: str) -> dict[str, int]:
 def note_subscription(broker: Broker, clientid: str, topic_filter: str, qos: int) -> None:
     """Record that ``clientid`` holds ``topic_filter`` at ``qos``: for code that adds to amqtt's subscriptions map
     itself rather than through ``Broker.add_subscription`` (the cluster's hand-over of a session)."""
-    _filters_of_clients(broker).setdefault(clientid, {})[topic_filter] = qos
+    _held_by(broker, clientid)[topic_filter] = qos
 
 
 def _filters_of_clients(broker: Broker) -> dict[str, dict[str, int]]:
-    index = getattr(broker, _FILTERS_OF_CLIENTS, None)
-    if index is None:
-        index = {}
-        setattr(broker, _FILTERS_OF_CLIENTS, index)
-    return index
+    return _kept_on(broker, _FILTERS_OF_CLIENTS, dict)
+
+
+def _kept_on(broker: Broker, name: str, make: Any) -> Any:
+    """What this module keeps on ``broker`` under the attribute ``name``, made by ``make()`` at its first use."""
+    kept = getattr(broker, name, None)
+    if kept is None:
+        kept = make()
+        setattr(broker, name, kept)
+    return kept
+
+
+def _held_by(broker: Broker, clientid: str) -> dict[str, int]:
+    """``clientid``'s entry in the index, ``{topic filter: granted QoS}``, made empty if it has none."""
+    return _filters_of_clients(broker).setdefault(clientid, {})
 
 
 def index_subscriptions_by_client() -> None:
@@ -130,7 +140,7 @@ def index_subscriptions_by_client() -> None:
     async def add_subscription(broker: Broker, subscription: tuple[str, int], session: Any) -> int:
         granted = await original_add(broker, subscription, session)
         if granted < SUBACK_FAILURE and find_target(broker.plugins_manager) is not None:
-            _filters_of_clients(broker).setdefault(session.client_id, {}).setdefault(subscription[0], granted)
+            _held_by(broker, session.client_id).setdefault(subscription[0], granted)
         return granted
 
     def del_subscription(broker: Broker, a_filter: str, session: Any) -> int:
@@ -188,11 +198,7 @@ class _Expiries:
 
 
 def _expiries(broker: Broker) -> _Expiries:
-    expiries = getattr(broker, _EXPIRIES, None)
-    if expiries is None:
-        expiries = _Expiries()
-        setattr(broker, _EXPIRIES, expiries)
-    return expiries
+    return _kept_on(broker, _EXPIRIES, _Expiries)
 
 
 def _deadline(broker: Broker, session: Any) -> float | None:
