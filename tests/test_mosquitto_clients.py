@@ -16,13 +16,14 @@ def mosquitto_pub(port: int, topic: str, message: str, qos: int = 1) -> None:
 
 
 class MosquittoSub:
-    """mosquitto_sub in the background (line-buffered through stdbuf); -d shows the SUBACK."""
+    """mosquitto_sub in the background (line-buffered through stdbuf); -d shows the SUBACK; ``persistent``: ``-c``,
+    a persistent session (CleanSession 0)."""
 
-    def __init__(self, port: int, client_id: str, topic: str, qos: int = 1) -> None:
+    def __init__(self, port: int, client_id: str, topic: str, qos: int = 1, persistent: bool = False) -> None:
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
             ["stdbuf", "-oL", "mosquitto_sub", "-h", "127.0.0.1", "-p", str(port), "-i", client_id,
-             "-q", str(qos), "-t", topic, "-d", "-F", "MSG %t %p q%q"],
+             "-q", str(qos), "-t", topic, "-d", "-F", "MSG %t %p q%q", *(["-c"] if persistent else [])],
             stdout=subprocess.PIPE, text=True)
         threading.Thread(target=self._read, daemon=True).start()
         assert wait_until(lambda: any("received SUBACK" in line for line in self.lines), 10), self.lines

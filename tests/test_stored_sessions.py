@@ -21,6 +21,7 @@ from ecq.store.leveldb_sessions import LevelDbSessions
 from tests.harness import BrokerProcess, Client, RawClient, wait_until, write
 from tests.mqtt_wire import DISCONNECT_PACKET, connect_packet, puback_packet, subscribe_packet
 from tests.test_cluster_state import kv_value, queued_while_offline, started, stored_count
+from tests.test_mosquitto_clients import MosquittoSub, mosquitto_pub
 from tests.test_mqtt5 import V5Client
 from tests.test_session_owners import authenticated, passwd, persistent  # noqa: F401 (passwd: a fixture)
 
@@ -47,6 +48,38 @@ def session_client(protocol: str, port: int, clientid: str, **options) -> Client
 
 def received(client: Client | V5Client, count: int) -> list[tuple[str, bytes]]:
     return [(m.topic, bytes(m.payload)) for m in client.expect(count)]
+
+
+@pytest.mark.timeout(60)
+def test_mosquitto_sub_gets_what_was_queued_across_a_sigterm_restart_exactly_once(make_broker):
+    """A real ``mosquitto_sub -c -i <id> -q 1`` (its defaults otherwise) away while one message is published before
+    the broker's SIGTERM restart and one after it (``mosquitto_pub -q 1``): started again, it gets each exactly once,
+    before what is published after its return. It subscribes again on every start (it cannot do otherwise), which
+    brings nothing queued: what was published while it was away reaches it only through its resumed session, sent
+    before the SUBACK of that new SUBSCRIBE."""
+    broker = make_broker()
+    device = MosquittoSub(broker.port, "meter7", "cmd/meter7/#", persistent=True)
+    try:
+        mosquitto_pub(broker.port, "cmd/meter7/a", "online")
+        assert device.wait_messages(1) == ["cmd/meter7/a online q1"]
+    finally:
+        device.close()  # SIGTERM: mosquitto_sub sends DISCONNECT
+    mosquitto_pub(broker.port, "cmd/meter7/b", "queued before the restart")
+    broker = restart(broker, "sigterm")
+    mosquitto_pub(broker.port, "cmd/meter7/c", "queued after the restart")
+    device = MosquittoSub(broker.port, "meter7", "cmd/meter7/#", persistent=True)
+    try:
+        mosquitto_pub(broker.port, "cmd/meter7/d", "after its return")
+        device.wait_messages(3)
+        assert wait_until(lambda: "cmd/meter7/d after its return q1" in device.messages(), 10), device.lines
+        assert device.messages() == ["cmd/meter7/b queued before the restart q1",
+                                     "cmd/meter7/c queued after the restart q1", "cmd/meter7/d after its return q1"]
+        # session present 1 (its -d line shows CONNACK's return code only): the queue came before the SUBACK
+        assert device.lines.index("MSG cmd/meter7/c queued after the restart q1") < device.lines.index(
+            "Client meter7 received SUBACK"), device.lines
+    finally:
+        device.close()
+    assert "Traceback" not in broker.log()
 
 
 @pytest.mark.parametrize("how", ["sigterm", "kill9"])
