@@ -1,4 +1,4 @@
-"""``max_connections`` (issue 32, point 7), over TCP and WebSocket against real ``ecq broker`` processes: with a cap
+"""``max_connections`` (issue 32, point 7), over TCP, WebSocket and TLS against real ``ecq broker`` processes: with a cap
 of 3 and 3 clients connected, a 4th CONNECT gets CONNACK 0x03 Server unavailable (MQTT 3.1.1 section 3.2.2.3; MQTT 5:
 0x97 Quota exceeded) with session present 0 and is closed, its persistent session untouched; once a client leaves
 the next one is accepted; a takeover of a connected client id is accepted at the cap; the cap counts every listener.
@@ -18,6 +18,7 @@ from tests.harness import metrics_text
 from tests.mqtt_wire import (CONNACK, PINGREQ_PACKET, PINGRESP, PUBACK, PUBLISH, SUBACK, WireClient, connect_packet,
                              puback_packet, publish_packet, subscribe_packet)
 from tests.test_mqtt5 import v5_packet
+from tests.test_transports import certificate, listener  # noqa: F401 (certificate: a fixture)
 
 CAP = 3
 WAIT_S = 10.0
@@ -72,10 +73,13 @@ def refused_3_1_1(port: int, client_id: str, transport: str = "tcp", clean_sessi
         client.close()
 
 
-def paho_connack(port: int, client_id: str, protocol: int) -> str:
-    """The CONNACK paho-mqtt (``protocol`` MQTTv311 or MQTTv5) reads for ``client_id``, as paho names its code."""
+def paho_connack(port: int, client_id: str, protocol: int, ca: str | None = None) -> str:
+    """The CONNACK paho-mqtt (``protocol`` MQTTv311 or MQTTv5; over TLS trusting ``ca``, a PEM file, if given) reads
+    for ``client_id``, as paho names its code."""
     client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=protocol,
                          reconnect_on_failure=False)
+    if ca is not None:
+        client.tls_set(ca_certs=ca)
     answered, reasons = threading.Event(), []
     client.on_connect = lambda _c, _u, _flags, reason, _p: (reasons.append(reason), answered.set())
     client.connect("127.0.0.1", port, keepalive=30)
@@ -166,3 +170,19 @@ def test_the_cap_counts_every_listener(capped, wire):
     over_ws.close()
     connections_drop_to(broker, CAP - 1)
     wire(broker.port, "tcp3")
+
+
+@pytest.mark.parametrize("protocol, refusal", [(mqtt.MQTTv311, "Server unavailable"), (mqtt.MQTTv5, "Quota exceeded")])
+def test_the_cap_holds_on_a_tls_listener(broker_process, connect, certificate, protocol, refusal):
+    """Over TLS (amqtt's ``ssl`` listener, paho trusting the test certificate): two TLS clients and one TCP client
+    fill the cap, a 4th CONNECT over TLS gets the refusal, and is accepted once a TLS client left."""
+    tls_port = free_port()
+    broker = broker_process(max_connections=CAP,
+                            listeners={"tls": listener("tls", tls_port, certificate)}).start()
+    ca = certificate[0]
+    first = connect(tls_port, "tls1", ca=ca)
+    connect(tls_port, "tls2", ca=ca), connect(broker.port, "tcp1")
+    assert paho_connack(tls_port, "tls3", protocol, ca=ca) == refusal
+    first.close()
+    connections_drop_to(broker, CAP - 1)
+    assert paho_connack(tls_port, "tls3", protocol, ca=ca) == "Success"
