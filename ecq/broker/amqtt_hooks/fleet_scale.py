@@ -6,7 +6,8 @@ thousands of devices connected each connect cost milliseconds more per thousand,
 took 24-64 s and an idle broker used a share of a core for nothing (issue 32). Here:
 
 - a CONNECT does not walk the subscriptions at all (:func:`connect_without_walking_every_filter`);
-- each client id's filters are kept beside amqtt's map (:func:`filters_of`), so a session's deletion costs its own
+- each client id's filters and their granted QoS are kept beside amqtt's map (:func:`filters_of`,
+  :func:`granted_of`), so a session's deletion, and the reading of it for the session store, costs its own
   subscriptions (:func:`index_subscriptions_by_client`);
 - offline sessions are forgotten from a heap of their deadlines, not from a scan each second
   (:func:`expire_sessions_from_their_deadlines`).
