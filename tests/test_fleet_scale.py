@@ -86,7 +86,8 @@ def _persistent(clientid: str) -> Session:
 async def test_a_clients_subscriptions_are_read_from_its_own_filters():
     """What the session store keeps of one client (``persistent_session``: its filters and their granted QoS) comes
     from the client's own index entries, not from a walk of each filter's subscribers: with 1,000 devices on
-    ``fleet/#`` it would read all of theirs. A real amqtt Broker's maps, filled as the cluster's hand-over fills them."""
+    ``fleet/#`` it would read all of theirs. A real amqtt Broker's maps, filled as the cluster's hand-over fills
+    them."""
     broker = Broker({"listeners": {"default": {"type": "tcp", "bind": "127.0.0.1:0"}}})
     device = _persistent("device")
     crowd = [(_persistent(f"other-{n}"), 1) for n in range(1000)]

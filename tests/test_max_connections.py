@@ -1,8 +1,8 @@
-"""``max_connections`` (issue 32, point 7), over TCP, WebSocket and TLS against real ``ecq broker`` processes: with a cap
-of 3 and 3 clients connected, a 4th CONNECT gets CONNACK 0x03 Server unavailable (MQTT 3.1.1 section 3.2.2.3; MQTT 5:
-0x97 Quota exceeded) with session present 0 and is closed, its persistent session untouched; once a client leaves
-the next one is accepted; a takeover of a connected client id is accepted at the cap; the cap counts every listener.
-Raw sockets check the bytes, paho (3.1.1 and v5) that real clients read the refusal.
+"""``max_connections`` (issue 32, point 7), over TCP, WebSocket and TLS against real ``ecq broker`` processes: with a
+cap of 3 and 3 clients connected, a 4th CONNECT gets CONNACK 0x03 Server unavailable (MQTT 3.1.1 section 3.2.2.3;
+MQTT 5: 0x97 Quota exceeded) with session present 0 and is closed, its persistent session untouched; once a client
+leaves the next one is accepted; a takeover of a connected client id is accepted at the cap; the cap counts every
+listener. Raw sockets check the bytes, paho (3.1.1 and v5) that real clients read the refusal.
 """
 
 from __future__ import annotations
