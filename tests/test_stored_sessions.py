@@ -127,9 +127,11 @@ def test_a_subscription_acknowledged_is_kept_across_kill9(make_broker):
         device.close()
     store = broker.open_store()
     try:
-        assert {clientid for clientid, _record in LevelDbSessions(store).records()} == {f"s{i}" for i in range(count)}
+        stored = {clientid: json.loads(record)["subscriptions"]
+                  for clientid, record in LevelDbSessions(store).records()}
     finally:
         store.close()
+    assert stored == {f"s{i}": [[f"cmd/s{i}", 1]] for i in range(count)}  # the record of each CONNACK, and its SUBACK
 
 
 def test_a_message_queued_while_offline_is_kept_across_kill9_after_its_puback(make_broker, connect):
