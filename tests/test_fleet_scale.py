@@ -12,8 +12,8 @@ from amqtt.broker import Broker
 from amqtt.session import Session
 
 from ecq.broker.amqtt_hooks import persistent_session
-from ecq.broker.amqtt_hooks.fleet_scale import note_subscription
-from tests.test_mqtt_conformance import Mqtt
+from ecq.broker.amqtt_hooks.fleet_scale import _add_subscription, note_subscription
+from tests.test_mqtt_conformance import PUBACK, Mqtt
 
 
 def test_a_deleted_session_takes_only_its_own_subscriptions(make_broker):
@@ -66,6 +66,32 @@ def test_offline_sessions_expire_on_time_from_their_last_disconnect(make_broker)
     assert not Mqtt(broker.port, "returns", clean=False).session_present
 
 
+@pytest.mark.parametrize(("first_qos", "second_qos"), [(0, 1), (1, 0)])
+def test_a_subscribe_to_a_filter_held_replaces_its_qos(make_broker, first_qos, second_qos):
+    """MQTT 3.1.1 section 3.8.4: a SUBSCRIBE to a filter the client holds replaces that subscription, its maximum QoS
+    included; amqtt 0.12.1 granted the new QoS in the SUBACK and kept delivering at the old one. A persistent session
+    keeps the new QoS across its reconnect too."""
+    broker = make_broker()
+    reader = Mqtt(broker.port, "reader", clean=False)
+    assert reader.subscribe("meters/+/reading", first_qos) == first_qos
+    assert reader.subscribe("meters/+/reading", second_qos, packet_id=2) == second_qos
+    sender = Mqtt(broker.port, "sender")
+    sender.publish("meters/7/reading", b"41", qos=1)
+    first = reader.next_publish()
+    assert first.qos == second_qos
+    if first.qos:
+        reader.ack(PUBACK, first.packet_id)  # PUBACK, so that it is not sent again after the reconnect
+    reader.disconnect()
+
+    sender.publish("meters/7/reading", b"42", qos=1, packet_id=2)
+    back = Mqtt(broker.port, "reader", clean=False)
+    assert back.session_present
+    queued_while_away = [b"42"] if second_qos else []  # a QoS 0 subscription queues nothing offline
+    sender.publish("meters/7/reading", b"43", qos=1, packet_id=3)
+    received = [back.next_publish() for _ in range(len(queued_while_away) + 1)]
+    assert [(p.payload, p.qos) for p in received] == [(payload, second_qos) for payload in [*queued_while_away, b"43"]]
+
+
 class _CountedWalks(list):
     """amqtt's list of a filter's (session, QoS) subscribers, counting the walks through it."""
 
@@ -100,3 +126,22 @@ async def test_a_clients_subscriptions_are_read_from_its_own_filters():
     held = persistent_session(broker.plugins_manager.context, "device")
     assert held is not None and held.subscriptions == [("fleet/#", 1, None), ("own/device", 0, None)]
     assert _CountedWalks.walks == 0
+
+
+@pytest.mark.timeout(30)
+async def test_a_subscribe_to_a_shared_filter_walks_its_subscribers_only_to_replace_a_qos():
+    """A SUBSCRIBE to a filter 1,000 devices hold already costs the client's own index entry, not a walk of the 1,000
+    (amqtt's test of whether the client held it); only a SUBSCRIBE replacing the client's own subscription walks them,
+    to change its QoS (MQTT 3.1.1 section 3.8.4). A real amqtt Broker's maps, through the correction itself."""
+    broker = Broker({"listeners": {"default": {"type": "tcp", "bind": "127.0.0.1:0"}}})
+    device = _persistent("device")
+    broker._subscriptions["fleet/#"] = _CountedWalks([(_persistent(f"other-{n}"), 1) for n in range(1000)])
+    _CountedWalks.walks = 0
+
+    assert await _add_subscription(broker, ("fleet/#", 1), device) == 1
+    assert _CountedWalks.walks == 0
+    assert await _add_subscription(broker, ("fleet/#", 0), device) == 0
+    assert _CountedWalks.walks == 1
+    assert [qos for session, qos in broker._subscriptions["fleet/#"] if session is device] == [0]
+    assert len(broker._subscriptions["fleet/#"]) == 1001
+    assert await _add_subscription(broker, ("fleet/#/bad", 1), device) == 0x80

@@ -24,6 +24,7 @@ from math import floor
 from typing import Any
 
 from amqtt.broker import Broker
+from amqtt.contexts import Action
 from amqtt.errors import BrokerError
 from amqtt.events import BrokerEvents
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
@@ -133,16 +134,15 @@ def index_subscriptions_by_client() -> None:
     granted QoS (recorded when amqtt's ``add_subscription`` grants one, dropped when ``_del_subscription`` deletes
     one), and a session's deletion, like the reading of its subscriptions for the session store, goes through its
     own filters only. amqtt matches a session's subscriptions by client id, so does the index; a filter the client
-    holds already keeps the QoS amqtt keeps (it appends a client id once and never changes its QoS)."""
+    holds already has its QoS replaced by a new SUBSCRIBE (:func:`_add_subscription`)."""
     original_add = Broker.add_subscription
     original_del = Broker._del_subscription
     original_del_all = Broker._del_all_subscriptions
 
     async def add_subscription(broker: Broker, subscription: tuple[str, int], session: Any) -> int:
-        granted = await original_add(broker, subscription, session)
-        if granted < SUBACK_FAILURE and find_target(broker.plugins_manager) is not None:
-            _held_by(broker, session.client_id).setdefault(subscription[0], granted)
-        return granted
+        if find_target(broker.plugins_manager) is None:
+            return await original_add(broker, subscription, session)
+        return await _add_subscription(broker, subscription, session)
 
     def del_subscription(broker: Broker, a_filter: str, session: Any) -> int:
         deleted = original_del(broker, a_filter, session)
@@ -164,6 +164,36 @@ def index_subscriptions_by_client() -> None:
     replace(Broker, "add_subscription", add_subscription)
     replace(Broker, "_del_subscription", del_subscription)
     replace(Broker, "_del_all_subscriptions", del_all_subscriptions)
+
+
+async def _add_subscription(broker: Broker, subscription: tuple[str, int], session: Any) -> int:
+    """amqtt 0.12.1's ``Broker.add_subscription`` with two corrections. It walked every subscriber of the filter to
+    learn whether the client held it already (a SUBSCRIBE to a filter 10,000 devices share read all 10,000): the
+    client's own index entry answers that. And a SUBSCRIBE to a filter the client held kept the old QoS while its
+    SUBACK granted the new one; MQTT 3.1.1 section 3.8.4 (MQTT 5.0 section 3.8.4 the same) says the new subscription
+    completely replaces the old, so its QoS is taken (only then are the subscribers walked, to find it). amqtt's
+    checks come first, unchanged: a malformed filter (MQTT 3.1.1 section 4.7.1) or one the ACL refuses is 0x80, and
+    the QoS is capped by amqtt's ``max-qos``. Returns the granted QoS (0-2) or 0x80."""
+    topic_filter, qos = subscription
+    if not _well_formed(topic_filter) or not await broker._topic_filtering(session, topic_filter, Action.SUBSCRIBE):
+        return SUBACK_FAILURE
+    max_qos = broker.config.get("max-qos", qos)
+    granted = min(qos, max_qos) if isinstance(max_qos, int) else qos
+    subscribers = broker._subscriptions.setdefault(topic_filter, [])
+    held = _held_by(broker, session.client_id)
+    if topic_filter in held:
+        subscribers[:] = [(s, granted) if s.client_id == session.client_id else (s, q) for s, q in subscribers]
+    else:
+        subscribers.append((session, granted))
+    held[topic_filter] = granted
+    return granted
+
+
+def _well_formed(topic_filter: str) -> bool:
+    """MQTT 3.1.1 section 4.7.1: ``#`` alone in the last level, ``+`` alone in its level (amqtt's own test)."""
+    levels = topic_filter.split("/")
+    return (all("#" not in level or (level == "#" and index == len(levels) - 1) for index, level in enumerate(levels))
+            and all("+" not in level or level == "+" for level in levels))
 
 
 class _Expiries:
