@@ -237,3 +237,6 @@ def test_bench_lists_the_fleet_scenario_and_refuses_a_fleet_size_below_one():
     refused = run("bench", "--scenario", "fleet", "--fleet-sizes", "200,0")
     assert refused.returncode == 2
     assert "'200,0' is not a comma-separated list of whole numbers above 0" in refused.stderr
+    unknown = run("bench", "--scenario", "fleet", "--fleet-brokers", "ecq,emqx")
+    assert unknown.returncode == 2
+    assert "'ecq,emqx' is not a comma-separated list of ecq, amqtt, mosquitto" in unknown.stderr

@@ -312,15 +312,19 @@ class Worker:
                 "start_ns": start_ns, "timed_out": not done}
 
     async def resume(self, target: Target, clientids: list[str], wait_s: float, concurrency: int) -> dict[str, Any]:
-        """Persistent devices connect again (clean session 0) WITHOUT subscribing: how many get session present 1,
-        and how many receive a message within ``wait_s``; then they disconnect."""
+        """Persistent devices connect again (clean session 0) WITHOUT subscribing, all at once (``concurrency``
+        CONNECTs in flight): how many get session present 1, how many receive a message within ``wait_s`` of the
+        first CONNECT, and when the last of them had it (``all_received_s``, None if some never did); then they
+        disconnect."""
+        started = time.monotonic()
         connected = await self.connect(target, clientids, False, None, wait_s, concurrency)
-        ends = time.monotonic() + wait_s
+        ends = started + wait_s
         while time.monotonic() < ends and any(d.received == 0 for d in self.devices.values()):
             await asyncio.sleep(0.05)
         received = sum(1 for d in self.devices.values() if d.received)
+        all_received_s = round(time.monotonic() - started, 2) if received == len(clientids) else None
         await self.disconnect()
-        return {**connected, "received": received}
+        return {**connected, "received": received, "all_received_s": all_received_s}
 
 
 COMMANDS = {"connect": Worker.connect, "disconnect": Worker.disconnect, "publish": Worker.publish,
