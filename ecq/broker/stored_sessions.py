@@ -28,6 +28,7 @@ take them).
 from __future__ import annotations
 
 import gc
+import heapq
 import json
 import logging
 import time
@@ -113,6 +114,7 @@ class StoredSessions:
         self._settings, self._table = settings, table
         self._filters = FilterIndex()
         self._unclaimed: dict[str, tuple[int, tuple[str, ...]]] = {}  # clientid -> (expires ms, its indexed filters)
+        self._deadlines: list[tuple[int, str]] = []  # (expires ms, clientid) of each indexing, earliest first
         self._started_ms = _now_ms()
 
     @classmethod
@@ -161,9 +163,7 @@ class StoredSessions:
 
     def save_session(self, clientid: str, session: PersistentSession) -> None:
         """Store the record of ``clientid``'s session (see the module's docstring)."""
-        record = {"username": session.username, "subscriptions": subscriptions_value(session.subscriptions),
-                  "expiry_s": session.expiry_s, "offline_ms": _now_ms() if session.offline else None}
-        self._write(f"session of {clientid!r}", self._table.put, clientid, json.dumps(record).encode())
+        self._write(f"session of {clientid!r}", self._table.put, clientid, _record(session, _now_ms()))
 
     def save_at_shutdown(self, sessions: dict[str, PersistentSession]) -> None:
         """Store every persistent session the broker holds as offline from now (a stopping broker ends every
@@ -209,6 +209,33 @@ class StoredSessions:
             return None
         return state
 
+    def evict(self, clientid: str, session: PersistentSession, messages: list[tuple[str, int, bytes]]) -> bool:
+        """Keep ``clientid``'s ``session``, whose connection just ended, in the store only, as if an earlier run had
+        stored it: its record as offline from now, its stored queue replaced by ``messages`` ``[(topic, QoS,
+        payload)]`` (those sent and not acknowledged, then those queued), and its filters indexed until its CONNECT
+        (:meth:`claim`) or its expiry (:meth:`sweep`). False, and nothing indexed, when the record could not be
+        written (amqtt keeps the session then)."""
+        offline_ms = _now_ms()
+        if not self._write(f"session of {clientid!r}", self._table.put, clientid, _record(session, offline_ms)):
+            return False
+        self.drop_queue(clientid)
+        for topic, qos, payload in messages:
+            self.queue_message(clientid, topic, qos, payload)
+        self._unindex(clientid)
+        self._index(clientid, self._expires_ms({"expiry_s": session.expiry_s, "offline_ms": offline_ms}),
+                    [(topic_filter, qos) for topic_filter, qos, _options in session.subscriptions])
+        return True
+
+    def due(self) -> list[str]:
+        """The client ids of the stored sessions, not claimed, whose expiry has passed, taken from the heap of their
+        deadlines (a cost per expired session, none per stored one); :meth:`forget_session` ends each."""
+        now_ms, due = _now_ms(), []
+        while self._deadlines and self._deadlines[0][0] <= now_ms:
+            expires_ms, clientid = heapq.heappop(self._deadlines)
+            if self._unclaimed.get(clientid, (None,))[0] == expires_ms:
+                due.append(clientid)
+        return due
+
     def queue_for_stored(self, topic: str, payload: bytes, publish_qos: int) -> None:
         """Queue a message of an ordinary ``topic`` broadcast at ``publish_qos`` for each unclaimed stored session a
         subscription of which takes it, at min(``publish_qos``, highest granted QoS) when that is 1 or 2 (MQTT
@@ -230,6 +257,7 @@ class StoredSessions:
             if not topic_filter.startswith(_NOT_INDEXED):
                 self._filters.add(topic_filter, clientid, qos)
         self._unclaimed[clientid] = (expires_ms, indexed)
+        heapq.heappush(self._deadlines, (expires_ms, clientid))
 
     def _unindex(self, clientid: str) -> None:
         _expires, filters = self._unclaimed.pop(clientid, (0, ()))
@@ -243,11 +271,19 @@ class StoredSessions:
         return int(offline_ms + interval_s * 1000)
 
     @staticmethod
-    def _write(what: str, write: Any, *args: Any) -> None:
+    def _write(what: str, write: Any, *args: Any) -> bool:
         try:
             write(*args)
         except Exception as exc:  # disk full, the store closed at shutdown
             log.warning("ECQ could not store the %s: %s", what, exc or type(exc).__name__)
+            return False
+        return True
+
+
+def _record(session: PersistentSession, now_ms: int) -> bytes:
+    """The stored record of ``session``: owner, subscriptions, expiry, and since when offline (null while online)."""
+    return json.dumps({"username": session.username, "subscriptions": subscriptions_value(session.subscriptions),
+                       "expiry_s": session.expiry_s, "offline_ms": now_ms if session.offline else None}).encode()
 
 
 def _now_ms() -> int:

@@ -161,6 +161,11 @@ def qos2_receipts(handler: BrokerProtocolHandler) -> dict[int, asyncio.Future]:
     return receipts
 
 
+def qos2_writes_pending(session: Any) -> bool:
+    """True while a ``$ECQ/`` QoS 2 write of amqtt's ``session`` waits for its PUBREL (:func:`qos2_receipts`)."""
+    return bool(getattr(session, "_ecq_qos2_receipts", None))
+
+
 def grant_ecq_subscriptions() -> None:
     """Let the plugin's ``grant_subscription`` choose the QoS of a SUBSCRIBE to an ``$ECQ/`` filter, or refuse
     it with SUBACK 0x80, before amqtt's ``Broker.add_subscription`` records it."""

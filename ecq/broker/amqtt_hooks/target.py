@@ -101,6 +101,12 @@ class EcqHooksTarget(Protocol):
     def session_queue_taken(self, clientid: str) -> None:
         """Drop the session store's copy of a persistent session's queue: it is being sent."""
 
+    def session_evicted(self, clientid: str, session: Any, messages: list[tuple[str, int, bytes]]) -> bool:
+        """Keep ``clientid``'s offline persistent ``session`` (``cluster.PersistentSession``) and the ``messages``
+        ``[(topic, QoS, payload)]`` it has not received, oldest first, in the session store only, to be claimed at
+        its next CONNECT; False (nothing kept) when the store does not keep offline sessions (a cluster) or could not
+        take it: amqtt keeps it then."""
+
     async def session_expired(self, clientid: str) -> None:
         """A persistent session ended by its MQTT 5 Session Expiry Interval: forget it in the session store."""
 
