@@ -383,18 +383,42 @@ def test_an_offline_session_lives_in_the_store_and_is_resumed_without_a_restart(
     assert "Traceback" not in broker.log()
 
 
-def test_a_message_in_flight_at_the_disconnect_is_sent_again_from_the_store(make_broker, connect):
+def _publishes(device: RawClient, count: int) -> dict[bytes, tuple[int, bool]]:
+    """The next ``count`` packets, QoS 1 PUBLISHes: topic -> (packet id, DUP)."""
+    got = {}
+    for _ in range(count):
+        header, body = device.receive()
+        assert header & 0xF6 == 0x32, header
+        size = struct.unpack_from(">H", body)[0]
+        got[body[2:2 + size]] = (struct.unpack_from(">H", body, 2 + size)[0], bool(header & 0x08))
+    return got
+
+
+def test_a_session_with_sends_in_flight_keeps_their_packet_ids_then_goes_to_the_store(make_broker, connect):
+    """What was sent and not acknowledged comes again on the reconnect with DUP=1 and its packet id (MQTT 3.1.1
+    section 4.4; the store, as a restart, keeps no packet ids): such a session stays in memory until they are
+    acknowledged, then its next disconnect hands it to the store."""
     broker = make_broker()
     device = RawClient(broker.port, "inf1", clean_session=False)
-    assert device.subscribe(b"cmd/inf1")[0] == 0x90
-    connect(broker.port, "backend").publish("cmd/inf1", b"never acknowledged")
-    assert device.receive_publish()[0] == b"cmd/inf1"  # and no PUBACK
+    assert device.subscribe(b"cmd/inf1")[0] == 0x90 and device.subscribe(b"$ECQ/inf1/#", packet_id=2)[0] == 0x90
+    producer = connect(broker.port, "backend")
+    producer.publish("cmd/inf1", b"never acknowledged")
+    write(producer, "inf1", "k", "queue entry")
+    first = _publishes(device, 2)  # and no PUBACK
+    device.close()
+    device = RawClient(broker.port, "inf1", clean_session=False)
+    again = _publishes(device, 2)
+    assert again == {topic: (packet_id, True) for topic, (packet_id, _dup) in first.items()}
+    assert stored_only(broker) == 0
+    device.puback(*(packet_id for packet_id, _dup in again.values()))
+    assert device.ping()  # the PUBACKs were read
     device.close()
     wait_stored_only(broker, 1)
     device = Client(broker.port, "inf1", clean_session=False)
     try:
         assert device.session_present
-        assert received(device, 1) == [("cmd/inf1", b"never acknowledged")]
+        producer.publish("cmd/inf1", b"marker")
+        assert received(device, 1) == [("cmd/inf1", b"marker")]  # nothing acknowledged came again
     finally:
         device.close()
 

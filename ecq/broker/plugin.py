@@ -168,8 +168,8 @@ class EcqPlugin(BaseTopicPlugin):
     def session_message_queued(self, clientid: str, topic: str, qos: int, data: bytes) -> None:
         self.kept_sessions.message_queued(clientid, topic, qos, data)
 
-    def queue_for_stored_sessions(self, topic: str, data: bytes, qos: int) -> None:
-        self.kept_sessions.queue_for_stored(topic, data, qos)
+    def queue_for_stored_sessions(self, topic: str, data: bytes, qos: int) -> list[tuple[str, str]]:
+        return self.kept_sessions.queue_for_stored(topic, data, qos)
 
     def session_queue_taken(self, clientid: str) -> None:
         self.kept_sessions.queue_taken(clientid)

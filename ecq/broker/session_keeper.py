@@ -109,10 +109,10 @@ class SessionKeeper:
         if self.store is not None:
             self.store.queue_message(clientid, topic, qos, data)
 
-    def queue_for_stored(self, topic: str, data: bytes, qos: int) -> None:
-        """Queue a message for the stored sessions no CONNECT claimed since the start (LevelDB only)."""
-        if self.stored is not None:
-            self.stored.queue_for_stored(topic, data, qos)
+    def queue_for_stored(self, topic: str, data: bytes, qos: int) -> list[tuple[str, str]]:
+        """Queue a message for the stored sessions no CONNECT claimed (LevelDB only): ``[(clientid, topic)]`` of
+        the messages that dropped from full queues."""
+        return self.stored.queue_for_stored(topic, data, qos) if self.stored is not None else []
 
     def queue_taken(self, clientid: str) -> None:
         """Drop the store's copy of a persistent session's queue, which is being sent."""

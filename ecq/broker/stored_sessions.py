@@ -176,10 +176,13 @@ class StoredSessions:
         self._unindex(clientid)
         self._write(f"end of the session of {clientid!r}", self._table.delete, clientid)
 
-    def queue_message(self, clientid: str, topic: str, qos: int, payload: bytes) -> None:
-        """Store a message queued for ``clientid``'s offline session (at most ``session_max_queued``)."""
-        self._write(f"message queued for {clientid!r}", self._table.queue, clientid,
-                    message_value(topic, qos, payload), self._settings.session_max_queued)
+    def queue_message(self, clientid: str, topic: str, qos: int, payload: bytes) -> list[str]:
+        """Store a message queued for ``clientid``'s offline session (at most ``session_max_queued``); returns the
+        topics of the oldest messages dropped for it."""
+        dropped: list[bytes] = []
+        self._write(f"message queued for {clientid!r}", lambda: dropped.extend(self._table.queue(
+            clientid, message_value(topic, qos, payload), self._settings.session_max_queued)))
+        return [_topic_of(value) for value in dropped]
 
     def drop_queue(self, clientid: str) -> None:
         """Delete ``clientid``'s stored queue (it is being sent)."""
@@ -236,20 +239,22 @@ class StoredSessions:
                 due.append(clientid)
         return due
 
-    def queue_for_stored(self, topic: str, payload: bytes, publish_qos: int) -> None:
+    def queue_for_stored(self, topic: str, payload: bytes, publish_qos: int) -> list[tuple[str, str]]:
         """Queue a message of an ordinary ``topic`` broadcast at ``publish_qos`` for each unclaimed stored session a
         subscription of which takes it, at min(``publish_qos``, highest granted QoS) when that is 1 or 2 (MQTT
-        3.1.1 sections 3.1.2.4 and 3.3.5), as amqtt would for an offline session it held."""
+        3.1.1 sections 3.1.2.4 and 3.3.5), as amqtt would for an offline session it held. Returns ``[(clientid,
+        topic)]`` of the messages dropped from full queues (``session_max_queued``: the oldest go)."""
         if publish_qos == 0 or is_ecq_topic(topic) or not self._unclaimed:
-            return
-        now_ms = _now_ms()
+            return []
+        now_ms, dropped = _now_ms(), []
         for clientid, granted in self._filters.match(topic).items():
             if (qos := min(publish_qos, granted)) == 0:
                 continue
             if self._unclaimed[clientid][0] <= now_ms:
                 self.forget_session(clientid)
             else:
-                self.queue_message(clientid, topic, qos, payload)
+                dropped += [(clientid, old) for old in self.queue_message(clientid, topic, qos, payload)]
+        return dropped
 
     def _index(self, clientid: str, expires_ms: int, filters: list[tuple[str, int]]) -> None:
         indexed = tuple(f for f, _qos in filters if not f.startswith(_NOT_INDEXED))
@@ -278,6 +283,14 @@ class StoredSessions:
             log.warning("ECQ could not store the %s: %s", what, exc or type(exc).__name__)
             return False
         return True
+
+
+def _topic_of(value: bytes) -> str:
+    """The topic of a stored queued message (``session_state.message_value``), "?" for one that does not read."""
+    try:
+        return read_message(value)[0]
+    except (ValueError, UnicodeDecodeError):
+        return "?"
 
 
 def _record(session: PersistentSession, now_ms: int) -> bytes:

@@ -23,7 +23,7 @@ from amqtt.mqtt.constants import QOS_1, QOS_2
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker.amqtt_hooks.connection_cap import connections_of
-from ecq.broker.amqtt_hooks.ecq_paths import qos2_writes_pending
+from ecq.broker.amqtt_hooks.ecq_paths import holds_packet_ids
 from ecq.broker.amqtt_hooks.fleet_scale import filters_of, note_subscription
 from ecq.broker.amqtt_hooks.mqtt5_messages import Subscription, subscriptions_of
 from ecq.broker.amqtt_hooks.mqtt5_sessions import expiry_of, will_pending
@@ -197,12 +197,16 @@ def hand_offline_sessions_to_the_store() -> None:
     """amqtt 0.12.1 keeps every offline persistent session in memory, as a ``Session`` with its subscriptions in the
     broker's map, until it expires: about 4.9 KB traced (30-44 KB of RSS) per offline device, where a fleet is
     mostly offline devices (issue 32). So the end of a persistent session's connection (``Broker._handle_disconnect``,
-    outermost: its Will and expiry settled) hands the session, with the messages it has not received
+    outermost: its Will and expiry settled) hands the session, with the messages queued for it
     (:func:`_unreceived`), to the session store (:meth:`EcqHooksTarget.session_evicted`; the embedded LevelDB store
-    takes it, a cluster's keeps it in amqtt's memory to hand it over) and, once the store took it, amqtt forgets it (``_cleanup_session``: its filters through ``fleet_scale``'s index). Its next CONNECT restores it
-    through :func:`adopt_sessions_from_the_cluster`, as a session stored before a restart. Kept in memory instead: a
+    takes it, a cluster's keeps it in amqtt's memory to hand it over) and, once the store took it, amqtt forgets it
+    (``_cleanup_session``: its filters through ``fleet_scale``'s index). Its next CONNECT restores it through
+    :func:`adopt_sessions_from_the_cluster`, as a session stored before a restart. Kept in memory instead: a
     session taken over or with another CONNECT of its client id under way, an MQTT 5 session whose Will waits for its
-    delay, one with a QoS 2 PUBLISH of the client not yet released (PUBREL)."""
+    delay, and one holding packet ids (``ecq_paths.holds_packet_ids``: a send not acknowledged, ordinary or ECQ, a
+    QoS 2 PUBLISH of the client not yet released), which its reconnect to this broker gets again with DUP=1 and the
+    same packet id (MQTT 3.1.1 section 4.4; docs/guarantees.md), as the store, like a restart, could not.
+    """
     original = Broker._handle_disconnect
 
     async def handle_disconnect(broker: Broker, session: Any, handler: BrokerProtocolHandler,
@@ -224,7 +228,7 @@ def _evictable(broker: Broker, session: Any) -> bool:
     return (session.transitions.state == "disconnected"
             and broker._sessions.get(session.client_id, (None, None))[0] is session
             and connections_of(broker, session.client_id) <= 1 and not will_pending(session)
-            and not session.inflight_in and not qos2_writes_pending(session))
+            and not holds_packet_ids(session))
 
 
 async def discard_session(context: BrokerContext, clientid: str) -> None:

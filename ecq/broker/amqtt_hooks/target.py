@@ -94,9 +94,10 @@ class EcqHooksTarget(Protocol):
     def session_message_queued(self, clientid: str, topic: str, qos: int, data: bytes) -> None:
         """Store a message queued for an offline persistent session in the session store."""
 
-    def queue_for_stored_sessions(self, topic: str, data: bytes, qos: int) -> None:
-        """Queue a message of an ordinary topic, fanned out at ``qos``, for the persistent sessions stored by an
-        earlier run of the broker that no CONNECT has claimed yet (no-op on a cluster)."""
+    def queue_for_stored_sessions(self, topic: str, data: bytes, qos: int) -> list[tuple[str, str]]:
+        """Queue a message of an ordinary topic, fanned out at ``qos``, for the persistent sessions held in the
+        session store only, that no CONNECT has claimed yet (none on a cluster); returns ``[(clientid, topic)]`` of
+        the older messages dropped from their full queues (``session_max_queued``)."""
 
     def session_queue_taken(self, clientid: str) -> None:
         """Drop the session store's copy of a persistent session's queue: it is being sent."""
