@@ -312,6 +312,14 @@ class QueueEngine:
         if consumer := self.consumers.get(clientid):
             consumer.detach()
 
+    def forget_if_idle(self, clientid: str) -> None:
+        """Forget ``clientid``'s consumer when it is offline with nothing to keep in memory (no ack save under way,
+        nothing sent and unacked, whose sends its DUP counts): its ack state is in the store, read again at its next
+        attach."""
+        consumer = self.consumers.get(clientid)
+        if consumer is not None and not consumer.online and not consumer.saving and not consumer.resends.attempts:
+            del self.consumers[clientid]
+
     def stop_sending(self, clientid: str) -> None:
         """``clientid`` unsubscribed from its queue: start no new delivery to it, but complete those in flight
         (their PUBACKs are taken and saved; see :meth:`Consumer.stop_sending`)."""
@@ -359,8 +367,8 @@ class QueueEngine:
             if consumer.online and not consumer.inflight:
                 if consumer.behind:
                     consumer.wake()
-            elif not consumer.online and not consumer.saving and not consumer.resends.attempts:
-                del self.consumers[clientid]
+            else:
+                self.forget_if_idle(clientid)
         if self.store.shared and time.monotonic() - self._queues_counted_at >= QUEUE_COUNT_INTERVAL_S:
             await self.count_stored(refresh=True)  # notices keep the counts between two reads
         await self.lag.refresh()
