@@ -126,7 +126,7 @@ class StoredSessions:
         self._settings, self._table = settings, table
         self._filters = FilterIndex()
         self._unclaimed: dict[str, tuple[int, tuple[str, ...]]] = {}  # clientid -> (expires ms, its indexed filters)
-        self._deadlines: list[tuple[int, str]] = []  # (expires ms, clientid) of each indexing, earliest first
+        self._deadlines: list[tuple[int, str]] = []  # (expires ms, clientid) of each indexing (stale ones too), a heap
         self._started_ms = _now_ms()
 
     @classmethod
@@ -275,6 +275,9 @@ class StoredSessions:
                 self._filters.add(topic_filter, clientid, qos)
         self._unclaimed[clientid] = (expires_ms, indexed)
         heapq.heappush(self._deadlines, (expires_ms, clientid))
+        if len(self._deadlines) > 2 * len(self._unclaimed) + 1000:  # claimed and stored again, again: drop the stale
+            self._deadlines = [(expires, cid) for cid, (expires, _filters) in self._unclaimed.items()]
+            heapq.heapify(self._deadlines)
 
     def _unindex(self, clientid: str) -> None:
         _expires, filters = self._unclaimed.pop(clientid, (0, ()))
