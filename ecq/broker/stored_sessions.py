@@ -13,7 +13,8 @@ offline, the messages queued for it as its stored queue, its filters indexed) an
 exactly a session stored by an earlier run: about 1 KiB of memory (the index entries and its deadline) instead of
 amqtt's Session (4.9 KiB traced, 20-40 KiB of RSS). Kept in amqtt's memory instead, as before: a session whose MQTT 5
 Will waits for its delay, and one holding packet ids its reconnect must see again (a send not acknowledged, a
-client's QoS 2 PUBLISH not released: MQTT 3.1.1 section 4.4 resends with the same id, which the store does not keep).
+client's QoS 2 PUBLISH not released: MQTT 3.1.1 section 4.4 resends with the same id, which the store does not keep),
+and a member of a shared subscription group (its group's messages go to it while no member is connected).
 A cluster (``backend: jetstream``) keeps every offline session in memory, to hand it over to another broker.
 
 After a restart, amqtt holds none of them: a session is restored when its client id CONNECTs (:meth:`claim`, through

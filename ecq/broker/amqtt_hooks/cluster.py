@@ -29,6 +29,7 @@ from ecq.broker.amqtt_hooks.mqtt5_messages import Subscription, subscriptions_of
 from ecq.broker.amqtt_hooks.mqtt5_sessions import expiry_of, will_pending
 from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.session_owners import mark_owner_unknown
+from ecq.broker.amqtt_hooks.shared_subscriptions import is_shared
 from ecq.broker.amqtt_hooks.target import HandedOverSession, find_target
 from ecq.queue.topics import is_ecq_topic
 
@@ -203,9 +204,11 @@ def hand_offline_sessions_to_the_store() -> None:
     (``_cleanup_session``: its filters through ``fleet_scale``'s index). Its next CONNECT restores it through
     :func:`adopt_sessions_from_the_cluster`, as a session stored before a restart. Kept in memory instead: a
     session taken over or with another CONNECT of its client id under way, an MQTT 5 session whose Will waits for its
-    delay, and one holding packet ids (``ecq_paths.holds_packet_ids``: a send not acknowledged, ordinary or ECQ, a
-    QoS 2 PUBLISH of the client not yet released), which its reconnect to this broker gets again with DUP=1 and the
-    same packet id (MQTT 3.1.1 section 4.4; docs/guarantees.md), as the store, like a restart, could not.
+    delay, one holding packet ids (``ecq_paths.holds_packet_ids``: a send not acknowledged, ordinary or ECQ, a QoS 2
+    PUBLISH of the client not yet released), which its reconnect to this broker gets again with DUP=1 and the same
+    packet id (MQTT 3.1.1 section 4.4; docs/guarantees.md), as the store, like a restart, could not, and a member of a
+    shared subscription group (``$share/``), which gets the group's messages while no member is connected
+    (``shared_subscriptions``; the stored sessions' index queues nothing for a group).
     """
     original = Broker._handle_disconnect
 
@@ -228,7 +231,7 @@ def _evictable(broker: Broker, session: Any) -> bool:
     return (session.transitions.state == "disconnected"
             and broker._sessions.get(session.client_id, (None, None))[0] is session
             and connections_of(broker, session.client_id) <= 1 and not will_pending(session)
-            and not holds_packet_ids(session))
+            and not holds_packet_ids(session) and not any(map(is_shared, filters_of(broker, session.client_id))))
 
 
 async def discard_session(context: BrokerContext, clientid: str) -> None:
