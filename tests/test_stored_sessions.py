@@ -18,12 +18,16 @@ import pytest
 
 from ecq.store.jsapi import token
 from ecq.store.leveldb_sessions import LevelDbSessions
-from tests.harness import BrokerProcess, Client, RawClient, wait_until, write
+from tests.census_plugin import ANSWER as CENSUS_ANSWER, PLUGIN_PATH as CENSUS
+from tests.harness import BrokerProcess, Client, RawClient, metrics_text, wait_until, write
 from tests.mqtt_wire import DISCONNECT_PACKET, connect_packet, puback_packet, subscribe_packet
 from tests.test_cluster_state import kv_value, queued_while_offline, started, stored_count
+from tests.test_max_connections import metric
 from tests.test_mosquitto_clients import MosquittoSub, mosquitto_pub
 from tests.test_mqtt5 import V5Client
-from tests.test_session_owners import authenticated, passwd, persistent  # noqa: F401 (passwd: a fixture)
+from tests.test_mqtt_conformance import census
+from tests.test_session_owners import (alice_as_bob_gets_nothing_of_his, authenticated, backend_of,  # noqa: F401
+                                       bob_gets_his_queue_back, leave_bob_offline, passwd, persistent)
 
 PROTOCOLS = ("3.1.1", "5")
 
@@ -374,3 +378,129 @@ def test_a_reconnect_storm_after_a_restart_brings_every_consumer_back(broker_pro
     problems = [line for line in broker.log()[logged_before:].splitlines() if (" ERROR " in line or "Traceback" in line)
                 and PORT_PROBE not in line]
     assert problems == []
+
+
+# --- offline sessions in the store while the broker runs (issue 32, point 1) --------------------------------------
+
+def stored_only(broker: BrokerProcess) -> float:
+    """``ecq_sessions_stored``: the offline persistent sessions the broker holds in its store only, not in memory."""
+    return metric(broker, "ecq_sessions_stored")
+
+
+def wait_stored_only(broker: BrokerProcess, count: int) -> None:
+    assert wait_until(lambda: stored_only(broker) == count, 10, 0.05), metrics_text(broker)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_an_offline_session_lives_in_the_store_and_is_resumed_without_a_restart(make_broker, connect, protocol):
+    broker = make_broker()
+    device = session_client(protocol, broker.port, "car7")
+    device.subscribe("cmd/car7/#", **({} if protocol == "3.1.1" else {"subscription_id": 7}))
+    device.subscribe("$ECQ/car7/#")
+    device.close()
+    wait_stored_only(broker, 1)
+    producer = connect(broker.port, "backend")
+    producer.publish("cmd/car7/a", b"queued while offline")
+    write(producer, "car7", "k1", "queue entry")
+    device = session_client(protocol, broker.port, "car7")
+    try:
+        assert device.session_present
+        messages = device.expect(2)
+        assert sorted((m.topic, bytes(m.payload)) for m in messages) == [
+            ("$ECQ/car7/k1", b"queue entry"), ("cmd/car7/a", b"queued while offline")]
+        if protocol == "5":  # the subscription's options came back with it
+            assert [m.properties.SubscriptionIdentifier for m in messages if m.topic.startswith("cmd/")] == [[7]]
+        assert stored_only(broker) == 0  # amqtt holds it again
+        producer.publish("cmd/car7/b", b"live")
+        assert received(device, 1) == [("cmd/car7/b", b"live")]
+    finally:
+        device.close()
+    assert "Traceback" not in broker.log()
+
+
+def _publishes(device: RawClient, count: int) -> dict[bytes, tuple[int, bool]]:
+    """The next ``count`` packets, QoS 1 PUBLISHes: topic -> (packet id, DUP)."""
+    got = {}
+    for _ in range(count):
+        header, body = device.receive()
+        assert header & 0xF6 == 0x32, header
+        size = struct.unpack_from(">H", body)[0]
+        got[body[2:2 + size]] = (struct.unpack_from(">H", body, 2 + size)[0], bool(header & 0x08))
+    return got
+
+
+def test_a_session_with_sends_in_flight_keeps_their_packet_ids_then_goes_to_the_store(make_broker, connect):
+    """What was sent and not acknowledged comes again on the reconnect with DUP=1 and its packet id (MQTT 3.1.1
+    section 4.4; the store, as a restart, keeps no packet ids): such a session stays in memory until they are
+    acknowledged, then its next disconnect hands it to the store."""
+    broker = make_broker()
+    device = RawClient(broker.port, "inf1", clean_session=False)
+    assert device.subscribe(b"cmd/inf1")[0] == 0x90 and device.subscribe(b"$ECQ/inf1/#", packet_id=2)[0] == 0x90
+    producer = connect(broker.port, "backend")
+    producer.publish("cmd/inf1", b"never acknowledged")
+    write(producer, "inf1", "k", "queue entry")
+    first = _publishes(device, 2)  # and no PUBACK
+    device.close()
+    device = RawClient(broker.port, "inf1", clean_session=False)
+    again = _publishes(device, 2)
+    assert again == {topic: (packet_id, True) for topic, (packet_id, _dup) in first.items()}
+    assert stored_only(broker) == 0
+    device.puback(*(packet_id for packet_id, _dup in again.values()))
+    assert device.ping()  # the PUBACKs were read
+    device.close()
+    wait_stored_only(broker, 1)
+    device = Client(broker.port, "inf1", clean_session=False)
+    try:
+        assert device.session_present
+        producer.publish("cmd/inf1", b"marker")
+        assert received(device, 1) == [("cmd/inf1", b"marker")]  # nothing acknowledged came again
+    finally:
+        device.close()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_session_in_the_store_is_resumed_only_by_its_owner(broker_process, passwd, protocol):
+    broker = authenticated(broker_process(), passwd).start()
+    backend = backend_of(broker.port)
+    try:
+        leave_bob_offline(protocol, broker.port, broker.port)
+        wait_stored_only(broker, 1)
+        write(backend, "bob", "secret", b"for bob only")
+        alice_as_bob_gets_nothing_of_his(protocol, broker.port, backend)
+        bob_gets_his_queue_back(protocol, broker.port)
+    finally:
+        backend.close()
+
+
+def test_a_session_in_the_store_ends_at_its_expiry(broker_process, connect):
+    broker = broker_process(heartbeat_interval=0.1).start()
+    device = session_client("5", broker.port, "exp1", expiry_s=2)
+    device.subscribe("cmd/exp1")
+    device.close()
+    wait_stored_only(broker, 1)
+    connect(broker.port, "backend").publish("cmd/exp1", b"queued, then expired")
+    wait_stored_only(broker, 0)  # the heartbeat found its deadline passed
+    assert broker.stop() == 0
+    store = broker.open_store()
+    try:
+        sessions = LevelDbSessions(store)
+        assert (sessions.get("exp1"), sessions.messages("exp1")) == (None, [])
+    finally:
+        store.close()
+    broker.start()
+    device = session_client("5", broker.port, "exp1")
+    assert not device.session_present
+    device.close()
+
+
+def test_offline_consumers_hold_no_amqtt_session(broker_with_plugin, connect):
+    broker = broker_with_plugin(CENSUS)
+    asker = connect(broker.port, "asker")
+    assert asker.subscribe(CENSUS_ANSWER) == 1
+    count = 20
+    for i in range(count):
+        device = Client(broker.port, f"c{i}", clean_session=False)
+        assert device.subscribe(f"$ECQ/c{i}/#") == 1 and device.subscribe(f"cmd/c{i}") == 1
+        device.close()
+    wait_stored_only(broker, count)
+    assert census(asker, connected=1)["referenced"]["sessions"] == 1  # the asker's

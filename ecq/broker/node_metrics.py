@@ -13,6 +13,7 @@ from amqtt.broker import BrokerContext
 
 from ecq.broker import amqtt_hooks as hooks
 from ecq.broker.cluster_node import ClusterNode
+from ecq.broker.session_keeper import SessionKeeper
 from ecq.config import EcqSettings
 from ecq.ops.metrics import EcqMetrics, MetricsObserver
 from ecq.queue.engine import QueueEngine
@@ -24,12 +25,13 @@ DROP_LOG_INTERVAL_S = 10.0  # at most one line per this for outgoing drops, and 
 
 
 class NodeMetrics:
-    """``ecq``: the node's EcqMetrics, its gauges reading ``engine``, ``cluster`` and ``context``'s connections, its
-    counters fed by the engine's observer and by the methods here; ``event_stats`` and ``ready`` are the node's
-    (``BrokerControls``)."""
+    """``ecq``: the node's EcqMetrics, its gauges reading ``engine``, ``cluster``, ``context``'s connections and the
+    sessions ``kept_sessions`` holds in the store only, its counters fed by the engine's observer and by the methods
+    here; ``event_stats`` and ``ready`` are the node's (``BrokerControls``)."""
 
     def __init__(self, settings: EcqSettings, context: BrokerContext, engine: QueueEngine, cluster: ClusterNode,
-                 event_stats: Callable[[], dict[str, Any]], ready: Callable[[], bool]) -> None:
+                 kept_sessions: SessionKeeper, event_stats: Callable[[], dict[str, Any]],
+                 ready: Callable[[], bool]) -> None:
         totals = engine.totals
         on_cluster = settings.backend == "jetstream"
         self.ecq = EcqMetrics({
@@ -40,6 +42,7 @@ class NodeMetrics:
             "ecq_inflight": lambda: totals().inflight,
             "ecq_consumers_online": lambda: totals().online,
             "ecq_connections": lambda: hooks.connections(context),
+            "ecq_sessions_stored": kept_sessions.stored_only,
             "ecq_events_dropped": lambda: event_stats().get("dropped_items", 0),
         }, cluster=on_cluster)
         if on_cluster:

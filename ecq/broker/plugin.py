@@ -1,11 +1,9 @@
-"""The ECQ amqtt broker plugin: enable it by listing ``ecq.broker.plugin.EcqPlugin`` under ``plugins:``.
-
-The amqtt lifecycle only: it builds the node's parts, and each amqtt event or call of the amqtt corrections
-(``EcqHooksTarget``) becomes one call to the part that owns it: the queues (:class:`ecq.queue.engine.QueueEngine`),
-takeover (:mod:`.sessions`), persistent sessions kept (:mod:`.session_keeper`), writes (:mod:`.writes`), the ACL
+"""The ECQ amqtt broker plugin: enable it by listing ``ecq.broker.plugin.EcqPlugin`` under ``plugins:``. The amqtt
+lifecycle only: it builds the node's parts, and each amqtt event or call of the amqtt corrections (``EcqHooksTarget``)
+becomes one call to the part that owns it: the queues (:class:`ecq.queue.engine.QueueEngine`), takeover
+(:mod:`.sessions`), persistent sessions kept (:mod:`.session_keeper`), writes (:mod:`.writes`), the ACL
 (:mod:`.access`), the cluster (:mod:`.cluster_node`), metrics (:mod:`.node_metrics`), the admin API
-(:mod:`.controls`), queue events (:mod:`.observers`). Options: :class:`ecq.config.EcqSettings`.
-"""
+(:mod:`.controls`), queue events (:mod:`.observers`). Options: :class:`ecq.config.EcqSettings`."""
 
 from __future__ import annotations
 
@@ -59,7 +57,7 @@ class EcqPlugin(BaseTopicPlugin):
         self.sessions = QueueSessions(context, self.engine)
         self.cluster = ClusterNode(self.settings, context, self.engine, self.sessions)
         self.kept_sessions = SessionKeeper(self.settings, context, self.cluster)
-        self.metrics = NodeMetrics(self.settings, context, self.engine, self.cluster,
+        self.metrics = NodeMetrics(self.settings, context, self.engine, self.cluster, self.kept_sessions,
                                    lambda: self.controls.event_stats(), lambda: self.controls.ready()[0])
         self.writes = EcqWrites(self.settings, self.engine, self.access, self.metrics.ecq, lambda: self.events)
         self.controls = NodeControls(self.settings, origin, context, self.engine, self.access, self.writes,
@@ -71,11 +69,10 @@ class EcqPlugin(BaseTopicPlugin):
                  self.settings.effective_pool_size())
 
     async def on_broker_pre_start(self) -> None:
-        """Start event recording, the queue engine, the cluster, the stored sessions and the admin API.
-
-        amqtt awaits this before it opens its listeners, so once the MQTT port accepts, ECQ is ready. amqtt 0.12.1
-        runs it in a task and ignores its exception, so a failure (the store cannot be read, the admin address is
-        taken) is kept in ``start_error``; ecq.broker.amqtt_hooks raises it from Broker.start."""
+        """Start event recording, the queue engine, the cluster, the stored sessions and the admin API. amqtt awaits
+        this before it opens its listeners, so once the MQTT port accepts, ECQ is ready. amqtt 0.12.1 runs it in a
+        task and ignores its exception, so a failure (the store unreadable, the admin address taken) is kept in
+        ``start_error``; ecq.broker.amqtt_hooks raises it from Broker.start."""
         try:
             if self.events and await self.events.start():
                 self.engine.observers.append(self.events)
@@ -171,14 +168,17 @@ class EcqPlugin(BaseTopicPlugin):
     def session_message_queued(self, clientid: str, topic: str, qos: int, data: bytes) -> None:
         self.kept_sessions.message_queued(clientid, topic, qos, data)
 
-    def queue_for_stored_sessions(self, topic: str, data: bytes, qos: int) -> None:
-        self.kept_sessions.queue_for_stored(topic, data, qos)
+    def queue_for_stored_sessions(self, topic: str, data: bytes, qos: int) -> list[tuple[str, str]]:
+        return self.kept_sessions.queue_for_stored(topic, data, qos)
 
     def session_queue_taken(self, clientid: str) -> None:
         self.kept_sessions.queue_taken(clientid)
 
     async def session_expired(self, clientid: str) -> None:
         await self.kept_sessions.expired(clientid)
+
+    def session_evicted(self, clientid: str, session: Any, messages: list[tuple[str, int, bytes]]) -> bool:
+        return self.kept_sessions.evicted(clientid, session, messages)
 
     def count_fast_path(self, publishes: int, pubacks: int) -> None:
         self.metrics.count_fast_path(publishes, pubacks)

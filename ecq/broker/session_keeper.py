@@ -13,6 +13,7 @@ from typing import Any
 from amqtt.broker import BrokerContext
 
 from ecq.broker import amqtt_hooks as hooks
+from ecq.broker.amqtt_hooks import PersistentSession
 from ecq.broker.cluster_node import ClusterNode
 from ecq.broker.stored_sessions import StoredSessions
 from ecq.config import EcqSettings
@@ -32,6 +33,7 @@ class SessionKeeper:
         the cluster's KV is read at each claim."""
         if self._settings.backend != "jetstream":
             self.stored = StoredSessions.load(self._settings, engine.store)
+            engine.heartbeat_jobs.append(self.end_expired)
 
     @property
     def store(self) -> Any:
@@ -85,15 +87,32 @@ class SessionKeeper:
         if self._cluster.bus is not None:
             await self._cluster.bus.disown(clientid)
 
+    def evicted(self, clientid: str, session: PersistentSession, messages: list[tuple[str, int, bytes]]) -> bool:
+        """On LevelDB, keep ``clientid``'s offline ``session`` and the ``messages`` it has not received in the store
+        only (StoredSessions.evict); False when it could not, and always in a cluster, which keeps offline sessions in
+        amqtt's memory to hand them over to another broker."""
+        return self.stored is not None and self.stored.evict(clientid, session, messages)
+
+    def stored_only(self) -> int:
+        """How many offline persistent sessions the store holds and memory does not (LevelDB; 0 on a cluster)."""
+        return len(self.stored) if self.stored is not None else 0
+
+    async def end_expired(self) -> None:
+        """End the sessions kept in the store only whose expiry passed, as an expiry ends them (:meth:`expired`);
+        run by the engine's heartbeat."""
+        if self.stored is not None:
+            for clientid in self.stored.due():
+                await self.expired(clientid)
+
     def message_queued(self, clientid: str, topic: str, qos: int, data: bytes) -> None:
         """Store a message queued for an offline persistent session."""
         if self.store is not None:
             self.store.queue_message(clientid, topic, qos, data)
 
-    def queue_for_stored(self, topic: str, data: bytes, qos: int) -> None:
-        """Queue a message for the stored sessions no CONNECT claimed since the start (LevelDB only)."""
-        if self.stored is not None:
-            self.stored.queue_for_stored(topic, data, qos)
+    def queue_for_stored(self, topic: str, data: bytes, qos: int) -> list[tuple[str, str]]:
+        """Queue a message for the stored sessions no CONNECT claimed (LevelDB only): ``[(clientid, topic)]`` of
+        the messages that dropped from full queues."""
+        return self.stored.queue_for_stored(topic, data, qos) if self.stored is not None else []
 
     def queue_taken(self, clientid: str) -> None:
         """Drop the store's copy of a persistent session's queue, which is being sent."""

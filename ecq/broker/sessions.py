@@ -68,7 +68,8 @@ class QueueSessions:
             self._engine.stop_sending(client_id)
 
     async def disconnected(self, client_id: str, persistent: bool) -> None:
-        """Detach a consumer whose connection closed; a newer connection (takeover) keeps or gets it. In a cluster,
+        """Detach a consumer whose connection closed, and forget it if nothing of it must stay in memory
+        (QueueEngine.forget_if_idle); a newer connection (takeover) keeps or gets it. In a cluster,
         this broker keeps answering for a ``persistent`` session (CleanSession=0) so that it can hand it over."""
         if self._connections.get(client_id) is not None and not hooks.connection_is_open(self._connections[client_id]):
             del self._connections[client_id]
@@ -85,6 +86,8 @@ class QueueSessions:
         live = hooks.live_connection(self._context, client_id)
         if hooks.connection_is_open(live) and self._holds_queue_subscription(client_id):
             await self._attach(client_id, live)
+        else:
+            self._engine.forget_if_idle(client_id)  # its ack state is in the store: an offline device costs no Consumer
 
     async def release(self, client_id: str) -> None:
         """Another broker of the cluster took ``client_id`` over: close its connection here (an MQTT 5 client is

@@ -7,6 +7,16 @@ of an ordinary topic queued for it while offline as it is queued (at most ``sess
 dropped), deleted when the queue is taken for sending or the session ends (clean session, another owner, expiry).
 ECQ queues need nothing here: their entries and ack positions are the queue store's.
 
+While the broker runs, amqtt does not hold an offline one either: when a persistent session's connection ends (not
+a takeover), ``amqtt_hooks.cluster.hand_offline_sessions_to_the_store`` hands it here (:meth:`evict`: its record as
+offline, the messages queued for it as its stored queue, its filters indexed) and amqtt forgets it, so that it is
+exactly a session stored by an earlier run: about 1 KiB of memory (the index entries and its deadline) instead of
+amqtt's Session (4.9 KiB traced, 20-40 KiB of RSS). Kept in amqtt's memory instead, as before: a session whose MQTT 5
+Will waits for its delay, and one holding packet ids its reconnect must see again (a send not acknowledged, a
+client's QoS 2 PUBLISH not released: MQTT 3.1.1 section 4.4 resends with the same id, which the store does not keep),
+and a member of a shared subscription group (its group's messages go to it while no member is connected).
+A cluster (``backend: jetstream``) keeps every offline session in memory, to hand it over to another broker.
+
 After a restart, amqtt holds none of them: a session is restored when its client id CONNECTs (:meth:`claim`, through
 the same adopt-on-CONNECT path as a session the cluster hands over, ``amqtt_hooks.cluster``), with CONNACK session
 present 1, its queued messages and its ECQ queue, judged by its owner (``amqtt_hooks.session_owners``). Until then a
@@ -16,11 +26,14 @@ measured: start-up reads about 100,000 records per second (``tests/test_stored_s
 own checksum pass at start reads every row anyway), and an unclaimed session costs its index entries (about 0.5 KB
 for one subscription) instead of an amqtt Session (25 KB); an index lookup walks the topic's levels, not the stored
 sessions. Loading amqtt Sessions eagerly would cost minutes and gigabytes at 1,000,000 sessions; consulting no
-index would lose what was published before the client came back.
+index would lose what was published before the client came back. ``len()`` is what the ``ecq_sessions_stored``
+gauge shows.
 
 A session's expiry is absolute: ``offline_ms`` (when its connection ended; for a session whose broker died while it
 was connected, the start of this broker) plus its interval. Expired sessions are not restored and are deleted when
-met (at start, at a fan-out that matches them, at their CONNECT). Shared subscriptions (``$share/``) are restored
+met (at start, at a fan-out that matches them, at their CONNECT) and otherwise from a heap of their deadlines that
+the engine's heartbeat sweeps (:meth:`due`; ``SessionKeeper.end_expired`` ends each as an MQTT 5 expiry does): no
+timer per session, a cost per expired session only. Shared subscriptions (``$share/``) are restored
 with their session but queue nothing while it is unclaimed (MQTT 5.0 section 4.8.2 lets the group's other members
 take them).
 """
@@ -28,6 +41,7 @@ take them).
 from __future__ import annotations
 
 import gc
+import heapq
 import json
 import logging
 import time
@@ -113,6 +127,7 @@ class StoredSessions:
         self._settings, self._table = settings, table
         self._filters = FilterIndex()
         self._unclaimed: dict[str, tuple[int, tuple[str, ...]]] = {}  # clientid -> (expires ms, its indexed filters)
+        self._deadlines: list[tuple[int, str]] = []  # (expires ms, clientid) of each indexing (stale ones too), a heap
         self._started_ms = _now_ms()
 
     @classmethod
@@ -161,9 +176,7 @@ class StoredSessions:
 
     def save_session(self, clientid: str, session: PersistentSession) -> None:
         """Store the record of ``clientid``'s session (see the module's docstring)."""
-        record = {"username": session.username, "subscriptions": subscriptions_value(session.subscriptions),
-                  "expiry_s": session.expiry_s, "offline_ms": _now_ms() if session.offline else None}
-        self._write(f"session of {clientid!r}", self._table.put, clientid, json.dumps(record).encode())
+        self._write(f"session of {clientid!r}", self._table.put, clientid, _record(session, _now_ms()))
 
     def save_at_shutdown(self, sessions: dict[str, PersistentSession]) -> None:
         """Store every persistent session the broker holds as offline from now (a stopping broker ends every
@@ -176,10 +189,13 @@ class StoredSessions:
         self._unindex(clientid)
         self._write(f"end of the session of {clientid!r}", self._table.delete, clientid)
 
-    def queue_message(self, clientid: str, topic: str, qos: int, payload: bytes) -> None:
-        """Store a message queued for ``clientid``'s offline session (at most ``session_max_queued``)."""
-        self._write(f"message queued for {clientid!r}", self._table.queue, clientid,
-                    message_value(topic, qos, payload), self._settings.session_max_queued)
+    def queue_message(self, clientid: str, topic: str, qos: int, payload: bytes) -> list[str]:
+        """Store a message queued for ``clientid``'s offline session (at most ``session_max_queued``); returns the
+        topics of the oldest messages dropped for it."""
+        dropped: list[bytes] = []
+        self._write(f"message queued for {clientid!r}", lambda: dropped.extend(self._table.queue(
+            clientid, message_value(topic, qos, payload), self._settings.session_max_queued)))
+        return [_topic_of(value) for value in dropped]
 
     def drop_queue(self, clientid: str) -> None:
         """Delete ``clientid``'s stored queue (it is being sent)."""
@@ -209,20 +225,49 @@ class StoredSessions:
             return None
         return state
 
-    def queue_for_stored(self, topic: str, payload: bytes, publish_qos: int) -> None:
+    def evict(self, clientid: str, session: PersistentSession, messages: list[tuple[str, int, bytes]]) -> bool:
+        """Keep ``clientid``'s ``session``, whose connection just ended, in the store only, as if an earlier run had
+        stored it: its record as offline from now, its stored queue replaced by ``messages`` ``[(topic, QoS,
+        payload)]`` (those sent and not acknowledged, then those queued), and its filters indexed until its CONNECT
+        (:meth:`claim`) or its expiry (:meth:`sweep`). False, and nothing indexed, when the record could not be
+        written (amqtt keeps the session then)."""
+        offline_ms = _now_ms()
+        if not self._write(f"session of {clientid!r}", self._table.put, clientid, _record(session, offline_ms)):
+            return False
+        self.drop_queue(clientid)
+        for topic, qos, payload in messages:
+            self.queue_message(clientid, topic, qos, payload)
+        self._unindex(clientid)
+        self._index(clientid, self._expires_ms({"expiry_s": session.expiry_s, "offline_ms": offline_ms}),
+                    [(topic_filter, qos) for topic_filter, qos, _options in session.subscriptions])
+        return True
+
+    def due(self) -> list[str]:
+        """The client ids of the stored sessions, not claimed, whose expiry has passed, taken from the heap of their
+        deadlines (a cost per expired session, none per stored one); :meth:`forget_session` ends each."""
+        now_ms, due = _now_ms(), []
+        while self._deadlines and self._deadlines[0][0] <= now_ms:
+            expires_ms, clientid = heapq.heappop(self._deadlines)
+            if self._unclaimed.get(clientid, (None,))[0] == expires_ms:
+                due.append(clientid)
+        return due
+
+    def queue_for_stored(self, topic: str, payload: bytes, publish_qos: int) -> list[tuple[str, str]]:
         """Queue a message of an ordinary ``topic`` broadcast at ``publish_qos`` for each unclaimed stored session a
         subscription of which takes it, at min(``publish_qos``, highest granted QoS) when that is 1 or 2 (MQTT
-        3.1.1 sections 3.1.2.4 and 3.3.5), as amqtt would for an offline session it held."""
+        3.1.1 sections 3.1.2.4 and 3.3.5), as amqtt would for an offline session it held. Returns ``[(clientid,
+        topic)]`` of the messages dropped from full queues (``session_max_queued``: the oldest go)."""
         if publish_qos == 0 or is_ecq_topic(topic) or not self._unclaimed:
-            return
-        now_ms = _now_ms()
+            return []
+        now_ms, dropped = _now_ms(), []
         for clientid, granted in self._filters.match(topic).items():
             if (qos := min(publish_qos, granted)) == 0:
                 continue
             if self._unclaimed[clientid][0] <= now_ms:
                 self.forget_session(clientid)
             else:
-                self.queue_message(clientid, topic, qos, payload)
+                dropped += [(clientid, old) for old in self.queue_message(clientid, topic, qos, payload)]
+        return dropped
 
     def _index(self, clientid: str, expires_ms: int, filters: list[tuple[str, int]]) -> None:
         indexed = tuple(f for f, _qos in filters if not f.startswith(_NOT_INDEXED))
@@ -230,6 +275,10 @@ class StoredSessions:
             if not topic_filter.startswith(_NOT_INDEXED):
                 self._filters.add(topic_filter, clientid, qos)
         self._unclaimed[clientid] = (expires_ms, indexed)
+        heapq.heappush(self._deadlines, (expires_ms, clientid))
+        if len(self._deadlines) > 2 * len(self._unclaimed) + 1000:  # claimed and stored again, again: drop the stale
+            self._deadlines = [(expires, cid) for cid, (expires, _filters) in self._unclaimed.items()]
+            heapq.heapify(self._deadlines)
 
     def _unindex(self, clientid: str) -> None:
         _expires, filters = self._unclaimed.pop(clientid, (0, ()))
@@ -243,11 +292,27 @@ class StoredSessions:
         return int(offline_ms + interval_s * 1000)
 
     @staticmethod
-    def _write(what: str, write: Any, *args: Any) -> None:
+    def _write(what: str, write: Any, *args: Any) -> bool:
         try:
             write(*args)
         except Exception as exc:  # disk full, the store closed at shutdown
             log.warning("ECQ could not store the %s: %s", what, exc or type(exc).__name__)
+            return False
+        return True
+
+
+def _topic_of(value: bytes) -> str:
+    """The topic of a stored queued message (``session_state.message_value``), "?" for one that does not read."""
+    try:
+        return read_message(value)[0]
+    except (ValueError, UnicodeDecodeError):
+        return "?"
+
+
+def _record(session: PersistentSession, now_ms: int) -> bytes:
+    """The stored record of ``session``: owner, subscriptions, expiry, and since when offline (null while online)."""
+    return json.dumps({"username": session.username, "subscriptions": subscriptions_value(session.subscriptions),
+                       "expiry_s": session.expiry_s, "offline_ms": now_ms if session.offline else None}).encode()
 
 
 def _now_ms() -> int:

@@ -104,6 +104,7 @@ _GAUGE_HELP = {
     "ecq_inflight": "PUBLISHes sent to consumers and not yet acknowledged",
     "ecq_consumers_online": "consumers connected and subscribed to their queue",
     "ecq_connections": "client ids connected to this node, as max_connections counts them",
+    "ecq_sessions_stored": "offline persistent sessions held in the store only, not in memory (0 on a cluster)",
     "ecq_events_dropped": "queue events dropped by the event buffer's overload protection",
 }
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from ecq.config import EcqSettings
@@ -69,6 +69,7 @@ class QueueEngine:
         self._started_ms = now_ms()
         self.forgetting: dict[str, asyncio.Future] = {}  # clientid -> its ForgetQueue, until committed
         self._tasks: list[asyncio.Task] = []
+        self.heartbeat_jobs: list[Callable[[], Awaitable[None]]] = []  # run at the end of each heartbeat, in order
         self.closing = False
         self.lag = LagIndex(store, self.read, self.consumers)  # pending entries per queue (ecq top, metrics)
         self.observers.append(self.lag)
@@ -311,6 +312,14 @@ class QueueEngine:
         if consumer := self.consumers.get(clientid):
             consumer.detach()
 
+    def forget_if_idle(self, clientid: str) -> None:
+        """Forget ``clientid``'s consumer when it is offline with nothing to keep in memory (no ack save under way,
+        nothing sent and unacked, whose sends its DUP counts): its ack state is in the store, read again at its next
+        attach."""
+        consumer = self.consumers.get(clientid)
+        if consumer is not None and not consumer.online and not consumer.saving and not consumer.resends.attempts:
+            del self.consumers[clientid]
+
     def stop_sending(self, clientid: str) -> None:
         """``clientid`` unsubscribed from its queue: start no new delivery to it, but complete those in flight
         (their PUBACKs are taken and saved; see :meth:`Consumer.stop_sending`)."""
@@ -352,16 +361,19 @@ class QueueEngine:
         and forget idle offline ones. Waking every idle consumer cost one store read each: with 1,000
         consumers that stalled delivery for ~400 ms every heartbeat. On a shared store, lost notices are found
         by the store (ecq.store.jetstream_notices) and the consumers of the queues they changed are polled then,
-        so an idle cluster reads nothing here. Last, the lag index re-reads its dirty queues."""
+        so an idle cluster reads nothing here. Then the lag index re-reads its dirty queues; last, ``heartbeat_jobs``
+        run (the broker's periodic work, such as ending expired stored sessions)."""
         for clientid, consumer in list(self.consumers.items()):
             if consumer.online and not consumer.inflight:
                 if consumer.behind:
                     consumer.wake()
-            elif not consumer.online and not consumer.saving and not consumer.resends.attempts:
-                del self.consumers[clientid]
+            else:
+                self.forget_if_idle(clientid)
         if self.store.shared and time.monotonic() - self._queues_counted_at >= QUEUE_COUNT_INTERVAL_S:
             await self.count_stored(refresh=True)  # notices keep the counts between two reads
         await self.lag.refresh()
+        for job in self.heartbeat_jobs:
+            await job()
 
     # --- garbage collection and store health --------------------------------------------------------
 

@@ -50,19 +50,20 @@ class LevelDbSessions:
                     batch.delete(key)
         self._store.run(delete)
 
-    def queue(self, clientid: str, message: bytes, bound: int) -> int:
+    def queue(self, clientid: str, message: bytes, bound: int) -> list[bytes]:
         """Queue ``message`` for ``clientid``, keeping at most ``bound`` (>= 1) messages: the oldest beyond it are
-        deleted in the same write batch. Returns how many were deleted."""
+        deleted in the same write batch. Returns those deleted, oldest first."""
         prefix = self._queue(clientid)
 
-        def queue() -> int:
+        def queue() -> list[bytes]:
             held = list(self._db.iterator(prefix=prefix, include_value=False))
             dropped = held[:max(0, len(held) - bound + 1)]
+            values = [self._db.get(key) for key in dropped]
             with self._db.write_batch(sync=self._store._sync) as batch:
                 for key in dropped:
                     batch.delete(key)
                 batch.put(prefix + U64.pack(next(self._order)), message)
-            return len(dropped)
+            return values
         return self._store.run(queue)
 
     def messages(self, clientid: str) -> list[bytes]:

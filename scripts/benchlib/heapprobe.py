@@ -179,13 +179,14 @@ def main() -> None:
             open_devices(broker.port, "idle", n, persistent=False)
             base.report("idle connections (clean session)", n)
         else:
+            tasks = broker.call(lambda: len(asyncio.all_tasks()))
             consumers = open_devices(broker.port, "dev", n, persistent=True)
             base.report("connected consumers (clean session 0, subscribed $ECQ/<cid>/#)", n)
             for sock in consumers:
                 sock.sendall(DISCONNECT)
                 sock.close()
-            broker.wait_until(lambda: all(s.transitions.state == "disconnected"
-                                          for s, _ in broker.broker._sessions.values()))
+            broker.wait_until(lambda: len(asyncio.all_tasks()) <= tasks and all(  # every connection's task ended
+                s.transitions.state == "disconnected" for s, _ in broker.broker._sessions.values()))
             base.report("offline persistent sessions", n)
         broker.stop()
 

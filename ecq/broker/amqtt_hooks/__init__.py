@@ -57,7 +57,7 @@ amqtt behaviour it replaces. One module per concern:
   options, the v5 PUBLISH ECQ sends; :mod:`.mqtt5_routing`: deliveries on ordinary topics as a v5 client's
   subscriptions and CONNECT ask (expiry, No Local, Retain As Published and Handling, identifiers, size, window).
 
-Several corrections wrap the same amqtt method (``init_from_connect`` seven deep, ``_handle_disconnect`` five): a
+Several corrections wrap the same amqtt method (``init_from_connect`` seven deep, ``_handle_disconnect`` seven): a
 correction wraps what it finds, so the order of :data:`CORRECTIONS` is the order of wrapping (the later one runs
 first), and a comment beside an entry says where that order matters. A new correction is a function that calls
 ``seam.replace`` and an entry in :data:`CORRECTIONS`.
@@ -164,6 +164,7 @@ CORRECTIONS: tuple[Callable[[], None], ...] = (
     mqtt5_sessions.expire_sessions_one_by_one,  # outside end_clean_sessions' and the takeover's _handle_disconnect
     mqtt5_sessions.publish_wills_after_their_delay,  # outside expire_sessions_one_by_one: sees the offline session
     mqtt5_sessions.tell_v5_clients_why_they_are_closed,  # outside enforce_keepalive's handle_read_timeout
+    cluster.hand_offline_sessions_to_the_store,  # outermost _handle_disconnect: the Will and expiry settled first
 )
 
 

@@ -22,11 +22,14 @@ from amqtt.broker import Broker, BrokerContext, RetainedApplicationMessage
 from amqtt.mqtt.constants import QOS_1, QOS_2
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
-from ecq.broker.amqtt_hooks.fleet_scale import granted_of, note_subscription
+from ecq.broker.amqtt_hooks.connection_cap import connections_of
+from ecq.broker.amqtt_hooks.ecq_paths import holds_packet_ids
+from ecq.broker.amqtt_hooks.fleet_scale import filters_of, granted_of, note_subscription
 from ecq.broker.amqtt_hooks.mqtt5_messages import Subscription, subscriptions_of
-from ecq.broker.amqtt_hooks.mqtt5_sessions import expiry_of
+from ecq.broker.amqtt_hooks.mqtt5_sessions import expiry_of, will_pending
 from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.session_owners import mark_owner_unknown
+from ecq.broker.amqtt_hooks.shared_subscriptions import is_shared
 from ecq.broker.amqtt_hooks.target import HandedOverSession, find_target
 from ecq.queue.topics import is_ecq_topic
 
@@ -167,25 +170,67 @@ def persistent_sessions(context: BrokerContext) -> dict[str, PersistentSession]:
 async def hand_over_session(context: BrokerContext, clientid: str) -> tuple[PersistentSession,
                                                                            list[tuple[str, int, bytes]]] | None:
     """Remove ``clientid``'s persistent session from this broker (its connection closed already) and return it
-    (:func:`persistent_session`) with the messages it has not received, oldest first: those sent but not
-    acknowledged (MQTT 3.1.1 section 4.4; they go out again as new messages) then those queued while it was
-    offline (QoS 1 and 2 only, ``$ECQ/`` excluded: ECQ redelivers its queues itself). None, and nothing removed,
-    when it has none here."""
+    (:func:`persistent_session`) with the messages it has not received (:func:`_unreceived`). None, and nothing
+    removed, when it has none here."""
     broker = context._broker_instance
     held = persistent_session(context, clientid)
     if held is None:
         if clientid in broker._sessions:
             await broker._cleanup_session(clientid)
         return None
-    session, _handler = broker._sessions[clientid]
+    messages = _unreceived(broker._sessions[clientid][0])
+    await broker._cleanup_session(clientid)
+    return held, messages
+
+
+def _unreceived(session: Any) -> list[tuple[str, int, bytes]]:
+    """The messages amqtt's ``session`` holds that its client has not received, oldest first, left in place: those
+    sent but not acknowledged (MQTT 3.1.1 section 4.4; they go out again as new messages) then those queued while it
+    was offline (QoS 1 and 2 only, ``$ECQ/`` excluded: ECQ redelivers its queues itself)."""
     messages = [(m.topic, m.qos, bytes(m.data)) for m in session.inflight_out.values()
                 if m.qos in (QOS_1, QOS_2) and not is_ecq_topic(m.topic)
                 and (m.puback_packet if m.qos == QOS_1 else m.pubcomp_packet) is None]
-    while not session.retained_messages.empty():
-        message = session.retained_messages.get_nowait()
-        messages.append((message.topic, message.qos, bytes(message.data)))
-    await broker._cleanup_session(clientid)
-    return held, messages
+    return messages + [(m.topic, m.qos, bytes(m.data)) for m in session.retained_messages.items()]
+
+
+def hand_offline_sessions_to_the_store() -> None:
+    """amqtt 0.12.1 keeps every offline persistent session in memory, as a ``Session`` with its subscriptions in the
+    broker's map, until it expires: about 4.9 KB traced (30-44 KB of RSS) per offline device, where a fleet is
+    mostly offline devices (issue 32). So the end of a persistent session's connection (``Broker._handle_disconnect``,
+    outermost: its Will and expiry settled) hands the session, with the messages queued for it
+    (:func:`_unreceived`), to the session store (:meth:`EcqHooksTarget.session_evicted`; the embedded LevelDB store
+    takes it, a cluster's keeps it in amqtt's memory to hand it over) and, once the store took it, amqtt forgets it
+    (``_cleanup_session``: its filters through ``fleet_scale``'s index). Its next CONNECT restores it through
+    :func:`adopt_sessions_from_the_cluster`, as a session stored before a restart. Kept in memory instead: a
+    session taken over or with another CONNECT of its client id under way, an MQTT 5 session whose Will waits for its
+    delay, one holding packet ids (``ecq_paths.holds_packet_ids``: a send not acknowledged, ordinary or ECQ, a QoS 2
+    PUBLISH of the client not yet released), which its reconnect to this broker gets again with DUP=1 and the same
+    packet id (MQTT 3.1.1 section 4.4; docs/guarantees.md), as the store, like a restart, could not, and a member of a
+    shared subscription group (``$share/``), which gets the group's messages while no member is connected
+    (``shared_subscriptions``; the stored sessions' index queues nothing for a group).
+    """
+    original = Broker._handle_disconnect
+
+    async def handle_disconnect(broker: Broker, session: Any, handler: BrokerProtocolHandler,
+                                disconnect_waiter: Any) -> None:
+        await original(broker, session, handler, disconnect_waiter)
+        plugin = find_target(broker.plugins_manager)
+        if plugin is None or not _evictable(broker, session):
+            return
+        held = persistent_session(plugin.context, session.client_id)
+        if held is not None and plugin.session_evicted(session.client_id, held, _unreceived(session)):
+            await broker._cleanup_session(session.client_id)
+
+    replace(Broker, "_handle_disconnect", handle_disconnect)
+
+
+def _evictable(broker: Broker, session: Any) -> bool:
+    """True when amqtt's ``session`` is offline, still its client id's session, and nothing but the store's copy would
+    be needed to resume it (see :func:`hand_offline_sessions_to_the_store`)."""
+    return (session.transitions.state == "disconnected"
+            and broker._sessions.get(session.client_id, (None, None))[0] is session
+            and connections_of(broker, session.client_id) <= 1 and not will_pending(session)
+            and not holds_packet_ids(session) and not any(map(is_shared, filters_of(broker, session.client_id))))
 
 
 async def discard_session(context: BrokerContext, clientid: str) -> None:

@@ -326,7 +326,8 @@ async def _fan_out(broker: Broker, plugin: EcqHooksTarget, broadcast: dict[str, 
     if publish_qos is None:
         publish_qos = 2
     subscribers = _subscribers(broker, topic)
-    plugin.queue_for_stored_sessions(topic, broadcast["data"], publish_qos)  # those amqtt does not hold, same step
+    for clientid, dropped in plugin.queue_for_stored_sessions(topic, broadcast["data"], publish_qos):
+        plugin.session_message_dropped(clientid, dropped, "queue_full")  # the sessions amqtt does not hold
     for session, granted in subscribers.values():
         qos = min(publish_qos, granted)
         if not await broker._topic_filtering(session, topic=topic, action=Action.RECEIVE):

@@ -76,6 +76,13 @@ def connections(context: BrokerContext) -> int:
     return len(count.live) if count is not None else 0
 
 
+def connections_of(broker: Broker, client_id: str) -> int:
+    """The connections of ``client_id`` to ``broker`` counted now, from their accepted CONNECT to their end: 2 or more
+    while a newer CONNECT of it is under way or taking over."""
+    count = _counts.get(broker)
+    return count.live.get(client_id, 0) if count is not None else 0
+
+
 def cap_connections() -> None:
     """Refuse a CONNECT beyond ``max_connections`` (see the module docstring), which amqtt 0.12.1 would accept.
 

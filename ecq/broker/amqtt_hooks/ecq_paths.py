@@ -161,6 +161,15 @@ def qos2_receipts(handler: BrokerProtocolHandler) -> dict[int, asyncio.Future]:
     return receipts
 
 
+def holds_packet_ids(session: Any) -> bool:
+    """True while amqtt's ``session`` holds packet ids a reconnect must see again (MQTT 3.1.1 sections 4.3.3, 4.4): a
+    send not yet acknowledged (an ordinary QoS 1/2 message in ``inflight_out``, an ECQ delivery's remembered id, see
+    :func:`_delivery_packet_id`) or a QoS 2 PUBLISH of the client awaiting its PUBREL (``inflight_in``, an ECQ
+    write's receipt, :func:`qos2_receipts`)."""
+    return bool(session.inflight_out or session.inflight_in or session.attributes.get(_SENT_PACKET_IDS)
+                or getattr(session, "_ecq_qos2_receipts", None))
+
+
 def grant_ecq_subscriptions() -> None:
     """Let the plugin's ``grant_subscription`` choose the QoS of a SUBSCRIBE to an ``$ECQ/`` filter, or refuse
     it with SUBACK 0x80, before amqtt's ``Broker.add_subscription`` records it."""

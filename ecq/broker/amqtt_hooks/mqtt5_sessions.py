@@ -113,6 +113,13 @@ def expiry_of(session: Any) -> int | None:
     return session.attributes.get(_EXPIRY)
 
 
+def will_pending(session: Any) -> bool:
+    """True while the Will of amqtt's offline ``session`` waits for its Will Delay Interval (MQTT 5.0 section
+    3.1.3.2.2)."""
+    offline = session.attributes.get(_PENDING)
+    return offline is not None and offline.will is not None
+
+
 def _options(handler: Any) -> SessionOptions | None:
     context = context_of(handler)
     return None if context is None else context.session

@@ -90,6 +90,10 @@ class SmallQueue:
     def full(self) -> bool:
         return False
 
+    def items(self) -> list[Any]:
+        """What is queued, oldest first, left in the queue."""
+        return list(self._items or ())
+
     def put_nowait(self, item: Any) -> None:
         if self._items is None:
             self._items = deque()

@@ -94,12 +94,19 @@ class EcqHooksTarget(Protocol):
     def session_message_queued(self, clientid: str, topic: str, qos: int, data: bytes) -> None:
         """Store a message queued for an offline persistent session in the session store."""
 
-    def queue_for_stored_sessions(self, topic: str, data: bytes, qos: int) -> None:
-        """Queue a message of an ordinary topic, fanned out at ``qos``, for the persistent sessions stored by an
-        earlier run of the broker that no CONNECT has claimed yet (no-op on a cluster)."""
+    def queue_for_stored_sessions(self, topic: str, data: bytes, qos: int) -> list[tuple[str, str]]:
+        """Queue a message of an ordinary topic, fanned out at ``qos``, for the persistent sessions held in the
+        session store only, that no CONNECT has claimed yet (none on a cluster); returns ``[(clientid, topic)]`` of
+        the older messages dropped from their full queues (``session_max_queued``)."""
 
     def session_queue_taken(self, clientid: str) -> None:
         """Drop the session store's copy of a persistent session's queue: it is being sent."""
+
+    def session_evicted(self, clientid: str, session: Any, messages: list[tuple[str, int, bytes]]) -> bool:
+        """Keep ``clientid``'s offline persistent ``session`` (``cluster.PersistentSession``) and the ``messages``
+        ``[(topic, QoS, payload)]`` it has not received, oldest first, in the session store only, to be claimed at
+        its next CONNECT; False (nothing kept) when the store does not keep offline sessions (a cluster) or could not
+        take it: amqtt keeps it then."""
 
     async def session_expired(self, clientid: str) -> None:
         """A persistent session ended by its MQTT 5 Session Expiry Interval: forget it in the session store."""
