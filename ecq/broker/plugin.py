@@ -180,8 +180,8 @@ class EcqPlugin(BaseTopicPlugin):
     async def session_expired(self, clientid: str) -> None:
         await self.kept_sessions.expired(clientid)
 
-    def count_fast_path(self, publishes: int, pubacks: int) -> None:
-        self.metrics.count_fast_path(publishes, pubacks)
+    def count_fast_path(self, publishes: int, pubacks: int, pings: int = 0) -> None:
+        self.metrics.count_fast_path(publishes, pubacks, pings)
 
     def count_protocol_violation(self) -> None:
         self.metrics.count_protocol_violation()
