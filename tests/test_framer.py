@@ -2,7 +2,7 @@
 
 Each scenario runs both ways and must give the same results; with the fast path on,
 ``ecq_fast_path_packets_total`` shows that its hot packets (QoS 1 ``$ECQ/`` PUBLISHes, PUBACKs of ECQ
-deliveries) took it, and with it off that they did not.
+deliveries, PINGREQs with no PUBLISH before them waiting to be routed) took it, and with it off that they did not.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ def fast_path(request) -> bool:
 
 
 def _fast_path_counts(broker) -> dict[str, float]:
-    """``ecq_fast_path_packets_total`` by packet label (publish, puback)."""
+    """``ecq_fast_path_packets_total`` by packet label (publish, puback, pingreq)."""
     found = re.findall(r'^ecq_fast_path_packets_total\{packet="(\w+)"\} (\S+)$', metrics_text(broker), re.M)
     return {label: float(value) for label, value in found}
 
 
-def _expect_counts(broker, fast_path: bool, publishes: int, pubacks: int) -> None:
-    expected = {"publish": publishes, "puback": pubacks} if fast_path else {"publish": 0, "puback": 0}
+def _expect_counts(broker, fast_path: bool, publishes: int, pubacks: int, pings: int = 0) -> None:
+    expected = ({"publish": publishes, "puback": pubacks, "pingreq": pings} if fast_path
+                else {"publish": 0, "puback": 0, "pingreq": 0})
     assert wait_until(lambda: _fast_path_counts(broker) == expected, 5), _fast_path_counts(broker)
 
 
@@ -114,7 +115,7 @@ def test_refused_writes_are_acknowledged_in_order_and_not_stored(make_broker, co
     text = metrics_text(broker)
     for reason in ("empty_key", "bad_key", "payload_too_large", "not_owner"):
         assert f'ecq_writes_refused_total{{reason="{reason}"}} 1.0' in text, reason
-    _expect_counts(broker, fast_path, publishes=6, pubacks=2)
+    _expect_counts(broker, fast_path, publishes=6, pubacks=2, pings=1)
 
 
 def test_many_packets_in_one_segment(make_broker, connect, fast_path):
@@ -129,7 +130,7 @@ def test_many_packets_in_one_segment(make_broker, connect, fast_path):
     assert sorted(header for header, _ in answers[1:]) == [0x40] * 200 + [0x90, 0xD0]
     assert [struct.unpack(">H", body)[0] for header, body in answers if header == 0x40] == list(range(1, 201))
     assert drain(connect, broker.port, "seg7", 5) == [(f"$ECQ/seg7/k{i}", b"v%d" % i) for i in range(7, 200, 40)]
-    _expect_counts(broker, fast_path, publishes=200, pubacks=5)
+    _expect_counts(broker, fast_path, publishes=200, pubacks=5, pings=1)
 
 
 def test_packets_split_byte_by_byte(make_broker, connect, fast_path):

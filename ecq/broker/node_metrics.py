@@ -55,12 +55,14 @@ class NodeMetrics:
         self._session_dropped = 0
         self._drop_log, self._stuck_log = LogThrottle(DROP_LOG_INTERVAL_S), LogThrottle(DROP_LOG_INTERVAL_S)
 
-    def count_fast_path(self, publishes: int, pubacks: int) -> None:
+    def count_fast_path(self, publishes: int, pubacks: int, pings: int = 0) -> None:
         """Count packets the framer took without amqtt's packet objects (``ecq_fast_path_packets_total``)."""
         if publishes:
             self.ecq.fast_path_publishes.inc(publishes)
         if pubacks:
             self.ecq.fast_path_pubacks.inc(pubacks)
+        if pings:
+            self.ecq.fast_path_pings.inc(pings)
 
     def count_protocol_violation(self) -> None:
         """Count a connection closed for a malformed packet (``ecq_protocol_violations_total``)."""

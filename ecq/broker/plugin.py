@@ -180,8 +180,8 @@ class EcqPlugin(BaseTopicPlugin):
     def session_evicted(self, clientid: str, session: Any, messages: list[tuple[str, int, bytes]]) -> bool:
         return self.kept_sessions.evicted(clientid, session, messages)
 
-    def count_fast_path(self, publishes: int, pubacks: int) -> None:
-        self.metrics.count_fast_path(publishes, pubacks)
+    def count_fast_path(self, publishes: int, pubacks: int, pings: int = 0) -> None:
+        self.metrics.count_fast_path(publishes, pubacks, pings)
 
     def count_protocol_violation(self) -> None:
         self.metrics.count_protocol_violation()

@@ -50,8 +50,10 @@ class EcqMetrics:
             "ecq_stuck_subscribers_closed", "connections closed after stuck_subscriber_timeout at their outgoing "
             "bound (max_queued_messages, max_queued_bytes)", registry=r)
         fast_path = Counter("ecq_fast_path_packets", "packets read on the fast path (fast_path: true), by type: publish "
-                            "(under $ECQ/), puback (of an ECQ delivery)", ["packet"], registry=r)
+                            "(under $ECQ/), puback (of an ECQ delivery), pingreq (answered at once)", ["packet"],
+                            registry=r)
         self.fast_path_publishes, self.fast_path_pubacks = fast_path.labels("publish"), fast_path.labels("puback")
+        self.fast_path_pings = fast_path.labels("pingreq")
         self.protocol_violations = Counter("ecq_protocol_violations", "connections closed for a malformed packet or "
                                            "a protocol violation (MQTT 3.1.1 section 4.8)", registry=r)
         self.connections_refused = Counter("ecq_connections_refused", "CONNECTs refused with CONNACK 0x03 (MQTT 5 "

@@ -43,6 +43,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from ecq.queue import oversize
+from ecq.queue.census import Census
 from ecq.queue.clock import now_ms, retention_cutoff_ms
 from ecq.queue.deadlines import SharedDeadline
 from ecq.queue.resends import Resends
@@ -85,13 +86,15 @@ class Consumer:
                  "_rewind_waiters", "_store", "_pool", "_publish", "_observer", "_read_store", "resends",
                  "_read_deadline", "_window", "_retention_s", "_inflight_max", "_tombstones", "_acked_tombstones",
                  "_read_cursor", "_ready", "_newest", "_handed", "_told", "_reading", "_unreadable", "_wake",
-                 "_pump_task", "_fits", "skipped")  # one per queue: no dict
+                 "_pump_task", "_fits", "skipped", "_census")  # one per queue: no dict
 
     def __init__(self, clientid: str, state: AckState, *, store: QueueStore, pool: WriterPool, publish: Publish,
                  observer: DeliveryObserver, read: Read, read_deadline: SharedDeadline, window: int,
-                 retention_s: float, tombstones: bool = False, sent_before_ms: int = 0) -> None:
+                 retention_s: float, tombstones: bool = False, sent_before_ms: int = 0,
+                 census: Census | None = None) -> None:
         """``sent_before_ms``: entries stored at or before this time (Unix ms; 0: none) may have been sent by a
-        consumer of this queue that this one does not know of (see the module's docstring on ``dup``)."""
+        consumer of this queue that this one does not know of (see the module's docstring on ``dup``). ``census``:
+        the engine's counts of its consumers, told of this one's changes (None: its own, for a consumer alone)."""
         self.clientid = clientid
         self.state = state
         self.connection: Any = None
@@ -120,6 +123,7 @@ class Consumer:
         self._pump_task: asyncio.Task | None = None
         self._fits: Fits | None = None      # the attached connection's size bound (None: none)
         self.skipped: dict[int, Message] = {}  # seqno -> entries skipped for this connection: gaps in _handed
+        self._census = census if census is not None else Census()
 
     @property
     def online(self) -> bool:
@@ -139,6 +143,7 @@ class Consumer:
             return
         self.detach()
         self.connection, self._sending = connection, True
+        self._census.online += 1
         self._pump_task = asyncio.create_task(self._pump(), name=f"ecq-deliver-{self.clientid}")
         self.wake()
 
@@ -147,15 +152,16 @@ class Consumer:
         if self._pump_task:
             self._pump_task.cancel()
         self._cancel_read()
-        for task in self.inflight.values():
-            task.cancel()
-        self.inflight.clear()
+        self._cancel_inflight()
         self._handed.clear()
         self._ready.clear()
         self.skipped.clear()
         self._read_cursor = self.state.acked
+        if self.connection is not None:
+            self._census.online -= 1
         self.connection, self._sending, self._unreadable = None, False, False
         self._pump_task = None
+        self._census.unsettled.add(self)  # the heartbeat forgets it once nothing of it is left to save
 
     def stop_sending(self) -> None:
         """The consumer unsubscribed: start no new delivery, but complete those in flight (MQTT 3.1.1 section
@@ -179,9 +185,7 @@ class Consumer:
         """
         if self.connection is not None and not self._sending:
             self.detach()
-        for task in self.inflight.values():
-            task.cancel()
-        self.inflight.clear()
+        self._cancel_inflight()
         self._handed.clear()
         self._ready.clear()
         self.skipped.clear()
@@ -208,14 +212,15 @@ class Consumer:
         return self._newest > self._read_cursor
 
     def wake(self) -> None:
-        """Ask the pump to look for new messages (after an ack or a heartbeat)."""
+        """Ask the pump to look for new messages (after an ack or a heartbeat); the next heartbeat looks at it."""
         self._wake.set()
+        self._census.unsettled.add(self)
 
     def poll(self) -> None:
         """Appends may have been made without :meth:`appended` being called (a shared store's notices were
         lost): read the store until a short read, as after an attach."""
         self._newest = self._told = _UNKNOWN  # a read in flight now does not end the unknown
-        self._wake.set()
+        self.wake()
 
     def forget(self, seqnos: set[int]) -> None:
         """Entries ``seqnos`` were deleted (purge, GC, quota eviction): drop them from the read-ahead so they are
@@ -239,12 +244,12 @@ class Consumer:
             self._read_cursor = seqno
         self._newest = max(self._newest, seqno)
         self._told = max(self._told, seqno)
-        self._wake.set()
+        self.wake()
 
     def _close_gaps(self, seqnos: list[int]) -> None:
         """Skipped entries ``seqnos`` were deleted: ``acked`` may pass them (see ecq.queue.oversize.close_gaps)."""
         if oversize.close_gaps(self.skipped, self.state, seqnos):
-            self._wake.set()
+            self.wake()
 
     def _takes_from_commit(self, seqno: int) -> bool:
         """True when entry ``seqno``, just committed, is the next one this connection would read: everything
@@ -325,6 +330,17 @@ class Consumer:
             return
         task = asyncio.create_task(self._deliver(topic, message), name=f"ecq-send-{self.clientid}-{message.seqno}")
         self.inflight[message.seqno] = task
+        self._census.inflight += 1
+
+    def _done_inflight(self, seqno: int) -> None:
+        if self.inflight.pop(seqno, None) is not None:
+            self._census.inflight -= 1
+
+    def _cancel_inflight(self) -> None:
+        for task in self.inflight.values():
+            task.cancel()
+        self._census.inflight -= len(self.inflight)
+        self.inflight.clear()
 
     async def _deliver(self, topic: str, message: Message) -> None:
         connection = self.connection
@@ -336,16 +352,16 @@ class Consumer:
                                 dup)
         except ConnectionError as exc:
             log.info("ECQ delivery to %s stopped: %s", self.clientid, exc)
-            self.inflight.pop(message.seqno, None)
+            self._done_inflight(message.seqno)
             if connection is self.connection:
                 self.detach()
             return
-        self.inflight.pop(message.seqno, None)
+        self._done_inflight(message.seqno)
         self.resends.acked(message.seqno)
         self._observer.acked(self.clientid, message, sent)
         self.state.above.add(message.seqno)
         if oversize.drop_past_bound(self.skipped, self.state, self.clientid, self._observer):
-            self._wake.set()
+            self.wake()
         self.state.last_ack_ms = now_ms()
         if self._tombstones and not message.payload:
             self._acked_tombstones.append(ExpiredRow(message.seqno, message.key, message.ts_ms, 0))

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from ecq.config import EcqSettings
+from ecq.queue.census import Census
 from ecq.queue.clock import now_ms
 from ecq.queue.deadlines import SharedDeadline
 from ecq.queue.delivery import Consumer, Fits, Publish
@@ -53,6 +54,7 @@ class QueueEngine:
         self.settings = settings
         self.observers: list[QueueObserver] = []
         self.consumers: dict[str, Consumer] = {}
+        self.census = Census()  # what totals() and heartbeat() need of the consumers, without a walk over them
         self.pool = WriterPool(store, settings.effective_pool_size(), self._on_commit, on_error=self._commit_failed)
         self._publish = publish
         self._reader = BatchedReader(threads=4)
@@ -255,7 +257,7 @@ class QueueEngine:
             clientid, state, store=self.store, pool=self.pool, publish=self._publish, observer=self,
             read=self._read_soon, window=self.settings.reader_batch_size, read_deadline=self._read_deadline,
             retention_s=self.settings.data_retention, tombstones=self.settings.tombstones,
-            sent_before_ms=now_ms() if self.store.shared else self._started_ms))
+            sent_before_ms=now_ms() if self.store.shared else self._started_ms, census=self.census))
 
     async def rewind(self, clientid: str, point: RewindPoint, *, must_exist: bool = False) -> int:
         """Rewind the queue of ``clientid`` to ``point``; returns the new acked seqno once it is stored.
@@ -362,13 +364,24 @@ class QueueEngine:
         consumers that stalled delivery for ~400 ms every heartbeat. On a shared store, lost notices are found
         by the store (ecq.store.jetstream_notices) and the consumers of the queues they changed are polled then,
         so an idle cluster reads nothing here. Then the lag index re-reads its dirty queues; last, ``heartbeat_jobs``
-        run (the broker's periodic work, such as ending expired stored sessions)."""
-        for clientid, consumer in list(self.consumers.items()):
-            if consumer.online and not consumer.inflight:
+        run (the broker's periodic work, such as ending expired stored sessions).
+
+        Only the consumers woken or detached since (``census.unsettled``) are looked at, not every consumer: one
+        stays unsettled while it has deliveries in flight, is behind or has an ack save to finish."""
+        unsettled = self.census.unsettled
+        for consumer in list(unsettled):
+            if self.consumers.get(consumer.clientid) is not consumer:
+                unsettled.discard(consumer)
+            elif consumer.online:
+                if consumer.inflight:
+                    continue
                 if consumer.behind:
                     consumer.wake()
-            else:
-                self.forget_if_idle(clientid)
+                else:
+                    unsettled.discard(consumer)  # until its next wake-up: an append, an ack, a rewind, a poll
+            elif not consumer.saving:
+                unsettled.discard(consumer)
+                self.forget_if_idle(consumer.clientid)  # kept while it has sends to DUP; a rewind wakes it
         if self.store.shared and time.monotonic() - self._queues_counted_at >= QUEUE_COUNT_INTERVAL_S:
             await self.count_stored(refresh=True)  # notices keep the counts between two reads
         await self.lag.refresh()
@@ -410,9 +423,7 @@ class QueueEngine:
 
     def totals(self) -> Totals:
         """Counts kept since start: queues, stored entries and payload bytes, inflight sends, online consumers."""
-        return Totals(self._queues, self._stored_entries, self._stored_bytes,
-                      sum(len(c.inflight) for c in self.consumers.values()),
-                      sum(1 for c in self.consumers.values() if c.online))
+        return Totals(self._queues, self._stored_entries, self._stored_bytes, self.census.inflight, self.census.online)
 
     def snapshot(self) -> EngineSnapshot:
         """An immutable copy of the totals and of every known consumer's state (call on the event loop)."""

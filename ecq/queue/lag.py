@@ -71,6 +71,7 @@ class LagIndex:
         self._ahead: dict[str, int] = {}  # queues whose acked seqno is past their last seqno: that acked seqno
         self._lock = asyncio.Lock()
         self._soon: asyncio.Task | None = None
+        self._summed: tuple[int, int] | None = None  # (pending, oldest ms) over every queue; None: changed since
 
     # --- building -----------------------------------------------------------------------------------
 
@@ -86,6 +87,7 @@ class LagIndex:
             scanned = await self._read(scan_lag, self._store, live, ahead)
         finally:
             touched, self._touched = self._touched, None
+        self._summed = None
         for clientid in touched:  # recounted from the scan's floor: an entry the scan missed is above it
             if clientid not in scanned and clientid in self.queues:
                 scanned[clientid] = self.queues[clientid]  # nothing pending when scanned: what was heard since
@@ -132,6 +134,7 @@ class LagIndex:
             except Exception as exc:
                 log.warning("ECQ lag index: %d queues not re-read: %s", len(jobs), exc or type(exc).__name__)
                 found = [None] * len(jobs)
+            self._summed = None
             for (cid, recount), read in zip(jobs, found, strict=True):
                 reading = self._reading.pop(cid)
                 if read is None or reading.void:
@@ -149,9 +152,13 @@ class LagIndex:
         return top_report(self.queues, n, by, now_ms())
 
     def totals(self) -> tuple[int, float]:
-        """(pending entries over every queue, age in seconds of the oldest pending entry, 0 when none)."""
-        pending = sum(lag.pending for lag in self.queues.values())
-        oldest = min((lag.oldest_ms for lag in self.queues.values()), default=0)
+        """(pending entries over every queue, age in seconds of the oldest pending entry, 0 when none). Summed over
+        every lagging queue only when the index changed since the last call: an idle broker's dashboard samples
+        (every 2 s) cost nothing however many queues lag."""
+        if self._summed is None:
+            self._summed = (sum(lag.pending for lag in self.queues.values()),
+                            min((lag.oldest_ms for lag in self.queues.values()), default=0))
+        pending, oldest = self._summed
         return pending, max(0.0, (now_ms() - oldest) / 1000) if oldest else 0.0
 
     def pending_counts(self) -> Iterator[int]:
@@ -322,6 +329,8 @@ class LagIndex:
         return self._dirty.get(clientid) is True or (reading is not None and reading.recount)
 
     def _note(self, clientid: str) -> None:
+        """Every observer call starts here: the queue of ``clientid`` may change."""
+        self._summed = None
         if self._touched is not None:
             self._touched.add(clientid)
 

@@ -217,6 +217,10 @@ class Inbound:
         self._routed.append((seq, waiter))
         await waiter
 
+    def all_routed(self) -> bool:
+        """True when every PUBLISH counted so far was routed."""
+        return not self._unrouted
+
     def when_routed(self, seq: int, then: Callable[[], None]) -> None:
         """Call ``then()`` once every PUBLISH counted up to ``seq`` was routed (at once if they are), in the order
         of ``seq``: call it as the PUBLISH ``seq`` is read."""
@@ -231,6 +235,13 @@ class Inbound:
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def all_routed(reader: Any) -> bool:
+    """True when every PUBLISH of an ordinary topic read on the connection of amqtt reader adapter ``reader`` was
+    routed (or none was counted): a PINGREQ read now may be answered at once (:func:`answer_pings_after_routing`)."""
+    inbound = _inbound(reader)
+    return inbound is None or inbound.all_routed()
 
 
 def _inbound(reader: Any, plugin: EcqHooksTarget | None = None) -> Inbound | None:

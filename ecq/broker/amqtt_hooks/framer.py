@@ -14,6 +14,9 @@ packets from those bytes:
   task, no event, and its write starts before the next packet is read, so a DISCONNECT or EOF right after it
   loses nothing; its PUBACK or PUBREC leaves in arrival order once committed or refused (``writes.ArrivalOrder``);
 - a PUBACK for an ECQ delivery (``ecq_paths.publish_qos1``) resolves that delivery's waiter at once;
+- a PINGREQ read when every PUBLISH read before it was routed (``flow.all_routed``) is answered at once with
+  PINGRESP (``ecq_paths.send_soon``); otherwise amqtt's handler answers it once they are
+  (``flow.answer_pings_after_routing``). An idle fleet's keepalive pings were most of an idle broker's work;
 - every other packet is decoded from its bytes by amqtt's own classes (bad_clients' decode checks apply to
   them; one that does not decode closes the connection), fires PACKET_RECEIVED and goes to amqtt's handler
   method in a task, as amqtt's reader does;
@@ -50,8 +53,8 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from ecq.broker.amqtt_hooks.bad_clients import (PACKET_NAMES, ProtocolViolation, checked_connection,
                                                 checks_shared_with, fixed_header_violation, publish_overrun,
                                                 publish_violation, utf8_or_violation, violation)
-from ecq.broker.amqtt_hooks.ecq_paths import client_id
-from ecq.broker.amqtt_hooks.flow import room_to_read
+from ecq.broker.amqtt_hooks.ecq_paths import client_id, send_soon
+from ecq.broker.amqtt_hooks.flow import all_routed, room_to_read
 from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
 from ecq.queue.topics import PREFIX, is_ecq_topic
@@ -62,6 +65,7 @@ READ_SIZE = 64 * 1024  # bytes taken from the socket's StreamReader per read
 RUN_OUT_S = 5.0  # at the end of a connection, the longest its last packets' handlers are waited for
 _QOS_2_FLAGS = 0x04  # PUBLISH flags & 0x06 for QoS 2
 _ECQ_PREFIX = PREFIX.encode()
+_PINGRESP = bytes((PINGRESP << 4, 0))  # the same two bytes in MQTT 3.1.1 and 5.0
 _HANDLERS = {CONNACK: "handle_connack", SUBSCRIBE: "handle_subscribe", UNSUBSCRIBE: "handle_unsubscribe",
              SUBACK: "handle_suback", UNSUBACK: "handle_unsuback", PUBACK: "handle_puback", PUBREC: "handle_pubrec",
              PUBREL: "handle_pubrel", PUBCOMP: "handle_pubcomp", PINGREQ: "handle_pingreq",
@@ -177,7 +181,7 @@ class Framer:
     async def _cut(self, data: bytes) -> bytes:
         """Hand on every whole packet of ``data``; returns the bytes of an incomplete fixed header at its end.
         The rest of a packet whose fixed header is complete is read here, after its header was checked."""
-        start, publishes, pubacks = 0, 0, 0
+        start, publishes, pubacks, pings = 0, 0, 0, 0
         try:
             while (header := self._fixed_header(data, start)) is not None:
                 first, length, body = header
@@ -192,14 +196,17 @@ class Framer:
                     publishes += 1
                 elif kind == PUBACK and length == 2 and self._resolve_ecq_puback(data, body):
                     pubacks += 1
+                elif kind == PINGREQ and all_routed(self._adapter):  # its flags and length were checked above
+                    send_soon(self._handler, _PINGRESP)
+                    pings += 1
                 else:
                     await self._hand_to_amqtt(first, data[body:end])
                 start = end
         finally:
             if start:
                 self._last_packet = self._loop.time()
-            if publishes or pubacks:
-                self._plugin.count_fast_path(publishes, pubacks)
+            if publishes or pubacks or pings:
+                self._plugin.count_fast_path(publishes, pubacks, pings)
         return data[start:]
 
     def _fixed_header(self, data: bytes, start: int) -> tuple[int, int, int] | None:

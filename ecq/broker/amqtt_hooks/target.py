@@ -54,8 +54,9 @@ class EcqHooksTarget(Protocol):
         """A place in the connection's arrival order for a plain QoS 1 or 2 PUBLISH; the returned function takes what
         sends its PUBACK or PUBREC (None: nothing)."""
 
-    def count_fast_path(self, publishes: int, pubacks: int) -> None:
-        """Count packets the framer took on its fast path (``$ECQ/`` PUBLISHes, PUBACKs of ECQ deliveries)."""
+    def count_fast_path(self, publishes: int, pubacks: int, pings: int = 0) -> None:
+        """Count packets the framer took on its fast path (``$ECQ/`` PUBLISHes, PUBACKs of ECQ deliveries,
+        PINGREQs answered at once)."""
 
     def count_protocol_violation(self) -> None:
         """Count a connection closed for a malformed packet or a protocol violation."""
