@@ -229,7 +229,7 @@ class StoredSessions:
         """Keep ``clientid``'s ``session``, whose connection just ended, in the store only, as if an earlier run had
         stored it: its record as offline from now, its stored queue replaced by ``messages`` ``[(topic, QoS,
         payload)]`` (those sent and not acknowledged, then those queued), and its filters indexed until its CONNECT
-        (:meth:`claim`) or its expiry (:meth:`sweep`). False, and nothing indexed, when the record could not be
+        (:meth:`claim`) or its expiry (:meth:`due`). False, and nothing indexed, when the record could not be
         written (amqtt keeps the session then)."""
         offline_ms = _now_ms()
         if not self._write(f"session of {clientid!r}", self._table.put, clientid, _record(session, offline_ms)):
