@@ -38,15 +38,31 @@ def free_port() -> int:
 
 
 def free_port_range(count: int) -> int:
-    """The first of ``count`` consecutive ports that are free as free_port() says; the whole range is handed out."""
-    below = _ephemeral_low()
+    """The first of ``count`` consecutive ports that are free as free_port() says; the whole range is handed out.
+
+    Under pytest-xdist each worker draws from its own slice of the range (:func:`_worker_ports`): a port handed out
+    in one worker and not bound yet would look free to the other.
+    """
+    low, below = _worker_ports()
     for _ in range(1000):
-        first = _rng.randrange(LOWEST_TEST_PORT, below - count)
+        first = _rng.randrange(low, below - count)
         ports = range(first, first + count)
         if not any(port in _handed_out or _bound(port) for port in ports):
             _handed_out.update(ports)
             return first
-    raise RuntimeError(f"no {count} free consecutive ports in {LOWEST_TEST_PORT}-{below - 1}")
+    raise RuntimeError(f"no {count} free consecutive ports in {low}-{below - 1}")
+
+
+def _worker_ports() -> tuple[int, int]:
+    """(lowest, one past the highest) test port of this process: the whole range, or this pytest-xdist worker's
+    slice of it (PYTEST_XDIST_WORKER ``gw<i>`` of PYTEST_XDIST_WORKER_COUNT)."""
+    low, below = LOWEST_TEST_PORT, _ephemeral_low()
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2:
+        return low, below
+    width = (below - low) // count
+    low += int(worker[2:]) * width
+    return low, low + width
 
 
 def _ephemeral_low() -> int:
