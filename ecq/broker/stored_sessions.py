@@ -50,72 +50,28 @@ from typing import Any
 from ecq.broker.amqtt_hooks import PersistentSession
 from ecq.broker.session_state import SessionState, message_value, read_message, subscriptions_value
 from ecq.config import EcqSettings
+from ecq.queue.topic_tree import TopicTree
 from ecq.queue.topics import PREFIX, is_ecq_topic
 from ecq.store.leveldb_sessions import LevelDbSessions
 
 log = logging.getLogger(__name__)
 
 _NOT_INDEXED = ("$share/", PREFIX)  # shared subscriptions queue nothing while unclaimed; ECQ queues are the engine's
-_HERE = None  # the FilterIndex node key holding the subscribers of the filter ending at that node
 
 
-class FilterIndex:
-    """Topic filters of stored sessions in a tree of topic levels (``+`` and ``#`` as levels), each ending in
-    ``{clientid: granted QoS}``: :meth:`match` costs the topic's levels times the wildcards met, not the number of
-    filters (MQTT 3.1.1 section 4.7; a topic starting with ``$`` is not matched by a wildcard at its first level)."""
-
-    def __init__(self) -> None:
-        self._root: dict[Any, Any] = {}
-
-    def add(self, topic_filter: str, clientid: str, qos: int) -> None:
-        node = self._root
-        for level in topic_filter.split("/"):
-            node = node.setdefault(level, {})
-        node.setdefault(_HERE, {})[clientid] = qos
-
-    def remove(self, topic_filter: str, clientid: str) -> None:
-        path, node = [], self._root
-        for level in topic_filter.split("/"):
-            if level not in node:
-                return
-            path.append((node, level))
-            node = node[level]
-        holders = node.get(_HERE, {})
-        holders.pop(clientid, None)
-        if not holders:
-            node.pop(_HERE, None)
-        for parent, level in reversed(path):  # prune the branches left empty
-            if parent[level]:
-                break
-            del parent[level]
+class FilterIndex(TopicTree):
+    """Topic filters of stored sessions in a :class:`ecq.queue.topic_tree.TopicTree`, each holding ``{clientid: granted
+    QoS}``: :meth:`match` costs the topic's levels times the wildcards met, not the number of filters (MQTT 3.1.1
+    section 4.7; a topic starting with ``$`` is not matched by a wildcard at its first level)."""
 
     def match(self, topic: str) -> dict[str, int]:
         """client id -> highest granted QoS among its filters matching ``topic``."""
         found: dict[str, int] = {}
-        levels = topic.split("/")
-        nodes = [self._root]
-        for depth, level in enumerate(levels):
-            wildcards = depth > 0 or not topic.startswith("$")
-            following = []
-            for node in nodes:
-                if wildcards and "#" in node:
-                    _merge(found, node["#"].get(_HERE, {}))
-                if level in node:
-                    following.append(node[level])
-                if wildcards and "+" in node:
-                    following.append(node["+"])
-            nodes = following
-        for node in nodes:
-            _merge(found, node.get(_HERE, {}))
-            if "#" in node:  # "a/#" takes "a" too
-                _merge(found, node["#"].get(_HERE, {}))
+        for holders in self.filters_matching(topic):
+            for clientid, qos in holders.items():
+                if qos > found.get(clientid, -1):
+                    found[clientid] = qos
         return found
-
-
-def _merge(found: dict[str, int], holders: dict[str, int]) -> None:
-    for clientid, qos in holders.items():
-        if qos > found.get(clientid, -1):
-            found[clientid] = qos
 
 
 class StoredSessions:
