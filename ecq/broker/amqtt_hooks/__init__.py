@@ -25,8 +25,8 @@ amqtt behaviour it replaces. One module per concern:
   retained messages);
 - :mod:`.conformance`: MQTT 3.1.1 for ordinary topics (what was read before a disconnect is routed, persistent sessions, without their dead connection's
   handler, retained messages, QoS of a fan-out, resend on reconnect, keepalive, with per-session bounds);
-- :mod:`.fleet_scale`: a CONNECT, a session's deletion and an idle second cost per client, not per fleet (no walk
-  of every subscription or session);
+- :mod:`.fleet_scale`: a CONNECT, a SUBSCRIBE, a session's deletion and an idle second cost per client, not per
+  fleet (no walk of every subscription, session or retained message);
 - :mod:`.flow`: nothing unbounded in flow: a connection's outgoing sends bounded (drop, then close a stuck
   subscriber), a quick shutdown with stuck subscribers, a connection's PUBLISHes read ahead of their routing
   bounded, PINGREQ answered after the PUBLISHes before it were routed, acknowledgement timeouts logged in
@@ -108,6 +108,7 @@ CORRECTIONS: tuple[Callable[[], None], ...] = (
     fleet_scale.connect_without_walking_every_filter,  # first: replaces the method every other wrapper wraps
     fleet_scale.index_subscriptions_by_client,
     fleet_scale.expire_sessions_from_their_deadlines,
+    fleet_scale.subscribe_without_walking_every_retained_message,
     ecq_paths.take_ecq_publishes,
     ecq_paths.release_ecq_qos2_writes,
     ecq_paths.grant_ecq_subscriptions,

@@ -10,7 +10,9 @@ took 24-64 s and an idle broker used a share of a core for nothing (issue 32). H
   :func:`granted_of`), so a session's deletion, and the reading of it for the session store, costs its own
   subscriptions (:func:`index_subscriptions_by_client`);
 - offline sessions are forgotten from a heap of their deadlines, not from a scan each second
-  (:func:`expire_sessions_from_their_deadlines`).
+  (:func:`expire_sessions_from_their_deadlines`);
+- a SUBSCRIBE reads the retained messages of the topics its filter matches from a tree of the retained topics, not
+  from a test of every retained message (:func:`subscribe_without_walking_every_retained_message`).
 
 Each is installed by one line in ``install`` and leaves a broker without the ECQ plugin as stock amqtt.
 """
@@ -23,7 +25,7 @@ import time
 from math import floor
 from typing import Any
 
-from amqtt.broker import Broker
+from amqtt.broker import Broker, RetainedApplicationMessage
 from amqtt.contexts import Action
 from amqtt.errors import BrokerError
 from amqtt.events import BrokerEvents
@@ -33,6 +35,7 @@ from transitions import MachineError
 from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE
 from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import find_target
+from ecq.queue.topic_tree import TopicTree
 
 _FILTERS_OF_CLIENTS = "_ecq_filters_of_clients"  # the Broker attribute holding client id -> {topic filter: QoS}
 _EXPIRIES = "_ecq_expiries"  # the Broker attribute holding its _Expiries
@@ -297,3 +300,70 @@ def expire_sessions_from_their_deadlines() -> None:
     replace(Broker, "_session_monitor", session_monitor)
     replace(Broker, "_handle_disconnect", handle_disconnect)
     replace(Broker, "create_offline_session", create_offline_session)
+
+
+class RetainedTopics(dict):
+    """amqtt's table of retained messages, topic -> ``RetainedApplicationMessage``, with a
+    :class:`ecq.queue.topic_tree.TopicTree` of its topics kept in step with every write made to it (amqtt's
+    ``retain_message``: a retain, a replace, a delete by an empty retained payload, MQTT 3.1.1 section 3.3.1.3; its
+    ``start`` and ``shutdown`` clearing it; the cluster's ``set_retained_from_cluster``), so :meth:`matching` costs the
+    retained topics a filter matches, not all of them. A dict write that would bypass the tree raises TypeError."""
+
+    def __init__(self, messages: dict[str, RetainedApplicationMessage]) -> None:
+        super().__init__()
+        self._topics = TopicTree()
+        for topic, message in messages.items():
+            self[topic] = message
+
+    def __setitem__(self, topic: str, message: RetainedApplicationMessage) -> None:
+        if topic not in self:
+            self._topics.add(topic, topic, None)
+        super().__setitem__(topic, message)
+
+    def __delitem__(self, topic: str) -> None:
+        super().__delitem__(topic)
+        self._topics.remove(topic, topic)
+
+    def pop(self, topic: str, *default: Any) -> Any:
+        if topic in self:
+            self._topics.remove(topic, topic)
+        return super().pop(topic, *default)
+
+    def clear(self) -> None:
+        super().clear()
+        self._topics.clear()
+
+    def matching(self, topic_filter: str) -> list[RetainedApplicationMessage]:
+        """The retained messages whose topics the well-formed ``topic_filter`` matches (MQTT 3.1.1 section 4.7)."""
+        return [self[topic] for topics in self._topics.topics_matched_by(topic_filter) for topic in topics]
+
+    def _bypasses_the_index(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("RetainedTopics is written only by item, pop and clear, which keep its topic tree in step")
+
+    update = setdefault = popitem = __ior__ = _bypasses_the_index
+
+
+def retained_matching(broker: Broker, topic_filter: str) -> list[RetainedApplicationMessage]:
+    """The retained messages of ``broker`` (one running the ECQ plugin) a new subscription to the well-formed
+    ``topic_filter`` gets, from its :class:`RetainedTopics`
+    (:func:`subscribe_without_walking_every_retained_message`)."""
+    return broker._retained_messages.matching(topic_filter)
+
+
+def subscribe_without_walking_every_retained_message() -> None:
+    """amqtt 0.12.1 keeps its retained messages in a plain dict, ``Broker._retained_messages``, and sends a new
+    subscription its retained messages by testing every one of them against the filter
+    (``_publish_retained_messages_for_subscription``; ECQ's conformant SUBSCRIBE handling,
+    ``conformance._handle_subscribe``, did the same): with 100,000 retained topics each SUBSCRIBE cost 100,000 matches.
+    So before amqtt's ``Broker.start`` runs (it empties the table, then the plugins' start loads the cluster's retained
+    messages) the table of a broker with ECQ becomes a :class:`RetainedTopics`, and a SUBSCRIBE reads the messages of
+    the topics its filter matches from its tree (:func:`retained_matching`)."""
+    original = Broker.start
+
+    async def start(broker: Broker) -> None:
+        retained = broker._retained_messages
+        if find_target(broker.plugins_manager) is not None and not isinstance(retained, RetainedTopics):
+            broker._retained_messages = RetainedTopics(broker._retained_messages)
+        await original(broker)
+
+    replace(Broker, "start", start)
