@@ -6,8 +6,10 @@ counting has not freed: ``"live"``), then after a full garbage collection (what 
 ``"referenced"``), and broadcast both as JSON on ``census/answer``, with ``"session_reprs"``: how many times
 ``Session.__repr__`` ran in the broker process since the plugin started, and ``"matches"``: how many topics amqtt's
 ``Broker._matches`` tested against a filter since then. Tests use it to see what a closed connection leaves behind in
-the broker process, and what work a packet caused. At start it retains a message on ``$census/retained`` (amqtt's
-plugin API), a retained ``$`` topic no client may publish (MQTT 3.1.1 section 4.7.2).
+the broker process, and what work a packet caused; ``"session_deadlines"``: the live deadlines and the entries (stale
+ones too) of the broker's heap of offline sessions' deadlines (``amqtt_hooks.session_deadlines``). At start it retains
+a message on ``$census/retained`` (amqtt's plugin API), a retained ``$`` topic no client may publish (MQTT 3.1.1
+section 4.7.2).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from amqtt.broker import Broker, BrokerContext
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.plugins.base import BasePlugin
 from amqtt.session import Session
+
+from ecq.broker.amqtt_hooks import session_deadlines
 
 PLUGIN_PATH = "tests.census_plugin.CensusPlugin"
 ASK, ANSWER = "census/ask", "census/answer"
@@ -59,8 +63,10 @@ class CensusPlugin(BasePlugin[BrokerContext]):
             return
         live = _counts()
         gc.collect()
+        deadlines = session_deadlines(self.context)
         answer = {"live": live, "referenced": _counts(), "session_reprs": CensusPlugin.session_reprs,
-                  "matches": CensusPlugin.matches}
+                  "matches": CensusPlugin.matches,
+                  "session_deadlines": {"live": len(deadlines), "entries": deadlines.entries}}
         await self.context.broadcast_message(ANSWER, json.dumps(answer).encode(), qos=1)
 
 
