@@ -90,12 +90,14 @@ class TopicTree:
 
 
 def _held_below(node: dict[Any, Any], at_root: bool) -> Iterator[dict[Any, Any]]:
-    """What ``node`` and every node below it hold; at the root, no branch whose first level starts with ``$``."""
-    stack = [child for key, child in node.items() if key is not _HERE and not (at_root and key.startswith("$"))]
+    """What ``node`` and every node below it hold, depth first, each level's branches in the order they were made; at
+    the root, no branch whose first level starts with ``$``."""
+    stack = [child for key, child in reversed(node.items())
+             if key is not _HERE and not (at_root and key.startswith("$"))]
     if _HERE in node:
         yield node[_HERE]
     while stack:
         node = stack.pop()
         if _HERE in node:
             yield node[_HERE]
-        stack.extend(child for key, child in node.items() if key is not _HERE)
+        stack.extend(child for key, child in reversed(node.items()) if key is not _HERE)
