@@ -4,8 +4,12 @@ A PUBLISH to ``census/ask`` makes it count the objects alive whose class is amqt
 (one per connection), asyncio's ``StreamReader`` and amqtt's ``Session``, first as they are (what reference
 counting has not freed: ``"live"``), then after a full garbage collection (what is still referenced:
 ``"referenced"``), and broadcast both as JSON on ``census/answer``, with ``"session_reprs"``: how many times
-``Session.__repr__`` ran in the broker process since the plugin started. Tests use it to see what a closed
-connection leaves behind in the broker process, and what work a packet caused.
+``Session.__repr__`` ran in the broker process since the plugin started, and ``"matches"``: how many topics amqtt's
+``Broker._matches`` tested against a filter since then. Tests use it to see what a closed connection leaves behind in
+the broker process, and what work a packet caused; ``"session_deadlines"``: the live deadlines and the entries (stale
+ones too) of the broker's heap of offline sessions' deadlines (``amqtt_hooks.session_deadlines``). At start it retains
+a message on ``$census/retained`` (amqtt's plugin API), a retained ``$`` topic no client may publish (MQTT 3.1.1
+section 4.7.2).
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ import gc
 import json
 from typing import Any
 
-from amqtt.broker import BrokerContext
+from amqtt.broker import Broker, BrokerContext
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.plugins.base import BasePlugin
 from amqtt.session import Session
 
+from ecq.broker.amqtt_hooks import session_deadlines
+
 PLUGIN_PATH = "tests.census_plugin.CensusPlugin"
 ASK, ANSWER = "census/ask", "census/answer"
+RETAINED_DOLLAR_TOPIC = "$census/retained"
 COUNTED = {"handlers": BrokerProtocolHandler, "stream_readers": asyncio.StreamReader, "sessions": Session}
 
 
@@ -29,6 +36,7 @@ class CensusPlugin(BasePlugin[BrokerContext]):
     """Answer ``census/ask`` with the live object counts on ``census/answer`` (see the module docstring)."""
 
     session_reprs = 0
+    matches = 0
 
     def __init__(self, context: BrokerContext) -> None:
         super().__init__(context)
@@ -39,13 +47,26 @@ class CensusPlugin(BasePlugin[BrokerContext]):
             return counted(session)
 
         Session.__repr__ = counting_repr
+        matches = Broker._matches
+
+        def counting_matches(broker: Broker, topic: str, topic_filter: str) -> bool:
+            CensusPlugin.matches += 1
+            return matches(broker, topic, topic_filter)
+
+        Broker._matches = counting_matches
+
+    async def on_broker_post_start(self) -> None:
+        await self.context.retain_message(RETAINED_DOLLAR_TOPIC, b"$", 0)
 
     async def on_broker_message_received(self, *, client_id: str, message: Any) -> None:
         if message is None or message.topic != ASK:
             return
         live = _counts()
         gc.collect()
-        answer = {"live": live, "referenced": _counts(), "session_reprs": CensusPlugin.session_reprs}
+        deadlines = session_deadlines(self.context)
+        answer = {"live": live, "referenced": _counts(), "session_reprs": CensusPlugin.session_reprs,
+                  "matches": CensusPlugin.matches,
+                  "session_deadlines": {"live": len(deadlines), "entries": deadlines.entries}}
         await self.context.broadcast_message(ANSWER, json.dumps(answer).encode(), qos=1)
 
 

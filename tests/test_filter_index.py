@@ -1,7 +1,10 @@
-"""Property tests (hypothesis): ``stored_sessions.FilterIndex``, the tree of stored sessions' filters each fan-out
-consults, matches a topic exactly as amqtt 0.12.1 matches it against each filter in turn (``Broker._matches``, MQTT
-3.1.1 section 4.7: ``+`` one level, ``#`` this level and all below, a topic starting with ``$`` not matched by a
-wildcard at the first level), through random sequences of adds and removes; and a remove prunes what it emptied.
+"""Property tests (hypothesis) of the two uses of ``ecq.queue.topic_tree.TopicTree``, each against amqtt 0.12.1's own
+matcher (``Broker._matches``, MQTT 3.1.1 section 4.7: ``+`` one level, ``#`` this level and all below, a topic
+starting with ``$`` not matched by a wildcard at the first level): ``stored_sessions.FilterIndex``, the tree of stored
+sessions' filters each fan-out consults, matches a topic as amqtt matches it against each filter in turn, through
+random sequences of adds and removes; ``amqtt_hooks.fleet_scale.RetainedTopics``, amqtt's retained table with a tree
+of its topics, gives a filter the retained messages amqtt's walk of every retained topic would, through random
+retains, replaces, deletes and clears. Removing every name prunes each tree back to nothing.
 
 The model is a plain dict (filter, client id) -> granted QoS walked with amqtt's own matcher. For the filters and
 topics drawn here (valid ones: a ``#`` only last, ``+`` and ``#`` whole levels, empty levels, ``$`` levels, no
@@ -13,10 +16,12 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from amqtt.broker import Broker
+from amqtt.broker import Broker, RetainedApplicationMessage
+from ecq.broker.amqtt_hooks.fleet_scale import RetainedTopics
 from ecq.broker.stored_sessions import FilterIndex
 
 SETTINGS = settings(max_examples=400, deadline=None)
@@ -88,3 +93,60 @@ def test_the_rules_of_section_4_7_hold_for_the_reference():
     assert not amqtt_matches("/finance", "+")
     assert not amqtt_matches("$SYS/x", "#") and not amqtt_matches("$SYS/monitor/Clients", "+/monitor/Clients")
     assert amqtt_matches("$SYS/x", "$SYS/#") and amqtt_matches("$SYS/monitor/Clients", "$SYS/monitor/+")
+
+
+payloads = st.sampled_from([b"1", b"2"])
+retains = st.tuples(st.just("retain"), topics, payloads)
+deletes = st.tuples(st.sampled_from(["pop", "del"]), topics, st.just(None))
+retained_operations = st.lists(st.one_of(retains, retains, deletes, st.just(("clear", None, None))), max_size=30)
+
+
+def retain(table: RetainedTopics, model: dict[str, bytes], operation: tuple) -> None:
+    """One write of amqtt's (``retain_message``: store or replace, ``del`` on an empty payload, ``clear`` at start and
+    shutdown) or of the cluster's (``set_retained_from_cluster``: store, ``pop``)."""
+    kind, topic, payload = operation
+    if kind == "retain":
+        table[topic] = RetainedApplicationMessage(None, topic, payload, 1)
+        model[topic] = payload
+    elif kind == "pop":
+        table.pop(topic, None)
+        model.pop(topic, None)
+    elif kind == "del" and topic in model:
+        del table[topic]
+        del model[topic]
+    elif kind == "clear":
+        table.clear()
+        model.clear()
+
+
+@SETTINGS
+@given(retained_operations, st.lists(filters, min_size=1, max_size=8))
+def test_retained_topics_give_a_filter_what_amqtts_walk_gives(steps, probes):
+    table, model = RetainedTopics({}), {}
+    for step in steps:
+        retain(table, model, step)
+        for topic_filter in probes:
+            got = {message.topic: message.data for message in table.matching(topic_filter)}
+            assert got == {topic: data for topic, data in model.items() if amqtt_matches(topic, topic_filter)}, (
+                step, topic_filter)
+    assert dict(table) == {topic: table[topic] for topic in model}
+
+
+@SETTINGS
+@given(retained_operations)
+def test_deleting_every_retained_topic_leaves_an_empty_tree(steps):
+    table, model = RetainedTopics({}), {}
+    for step in steps:
+        retain(table, model, step)
+    for topic in list(model):
+        retain(table, model, ("pop", topic, None))
+    assert table == {} and table._topics._root == {}
+
+
+def test_retained_topics_refuse_a_write_that_would_bypass_their_tree():
+    table = RetainedTopics({"a": RetainedApplicationMessage(None, "a", b"1", 0)})
+    assert [message.topic for message in table.matching("#")] == ["a"]
+    for write in (lambda: table.update(b=None), lambda: table.setdefault("b"), table.popitem):
+        with pytest.raises(TypeError, match="topic tree"):
+            write()
+    assert list(table) == ["a"]

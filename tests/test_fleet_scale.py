@@ -1,10 +1,12 @@
 """A fleet's sessions at a cost per client (issue 32, ``amqtt_hooks.fleet_scale``): a session's deletion takes its
-own subscriptions only and offline sessions expire at their deadlines. Against a real `ecq broker` process over TCP,
+own subscriptions only, offline sessions expire at their deadlines, and a SUBSCRIBE tests no retained topic its filter
+cannot match. Against a real `ecq broker` process over TCP,
 MQTT 3.1.1. That connects and a stop do not slow down with the number of sessions held is a matter of speed, measured
 by `scripts/bench --scenario fleet` (the flatness rows and the SIGTERM times), not by a timed test."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -13,7 +15,9 @@ from amqtt.session import Session
 
 from ecq.broker.amqtt_hooks import persistent_session
 from ecq.broker.amqtt_hooks.fleet_scale import _add_subscription, note_subscription
-from tests.test_mqtt_conformance import PUBACK, Mqtt
+from tests.census_plugin import ANSWER as CENSUS_ANSWER, ASK as CENSUS_ASK, PLUGIN_PATH as CENSUS
+from tests.census_plugin import RETAINED_DOLLAR_TOPIC
+from tests.test_mqtt_conformance import PINGRESP, PUBACK, Mqtt
 
 
 def test_a_deleted_session_takes_only_its_own_subscriptions(make_broker):
@@ -145,3 +149,77 @@ async def test_a_subscribe_to_a_shared_filter_walks_its_subscribers_only_to_repl
     assert [qos for session, qos in broker._subscriptions["fleet/#"] if session is device] == [0]
     assert len(broker._subscriptions["fleet/#"]) == 1001
     assert await _add_subscription(broker, ("fleet/#/bad", 1), device) == 0x80
+
+
+def _retained_for(port: int, topic_filter: str, expected: int) -> dict[str, bytes]:
+    """``{topic: payload}`` of the ``expected`` retained messages a new subscription to ``topic_filter`` gets (each
+    RETAIN=1), checking that no other follows within 0.3 s."""
+    client = Mqtt(port, "retained-reader")
+    assert client.subscribe(topic_filter, 1) == 1
+    got = [client.next_publish() for _ in range(expected)]
+    assert all(publish.retain for publish in got) and client.nothing_within(0.3), topic_filter
+    client.disconnect()
+    return {publish.topic: publish.payload for publish in got}
+
+
+def test_a_subscribe_gets_the_retained_messages_its_filter_matches(broker_with_plugin):
+    """MQTT 3.1.1 sections 3.3.1.3 and 4.7, read from the tree of retained topics: ``+`` one level, ``#`` its parent
+    level and all below (section 4.7.1.2), a ``$`` topic (the census plugin's, no client may publish one) matched by
+    no wildcard at the first level but by its own name (section 4.7.2); a replaced message is sent as replaced and one
+    cleared by an empty retained payload not at all."""
+    broker = broker_with_plugin(CENSUS)
+    setter = Mqtt(broker.port, "setter")
+    for packet_id, topic in enumerate(("a", "a/b", "a/c", "a/b/c", "/a", "b/x"), 1):
+        setter.publish(topic, topic.encode(), qos=1, retain=True, packet_id=packet_id)
+    assert setter.ping()  # answered once the PUBLISHes before it were routed, so retained
+
+    assert _retained_for(broker.port, "a/+", 2) == {"a/b": b"a/b", "a/c": b"a/c"}
+    assert set(_retained_for(broker.port, "a/#", 4)) == {"a", "a/b", "a/c", "a/b/c"}
+    assert set(_retained_for(broker.port, "#", 6)) == {"a", "a/b", "a/c", "a/b/c", "/a", "b/x"}
+    assert set(_retained_for(broker.port, "+", 1)) == {"a"}
+    assert set(_retained_for(broker.port, "+/+", 4)) == {"a/b", "a/c", "/a", "b/x"}
+    assert set(_retained_for(broker.port, "+/b/#", 2)) == {"a/b", "a/b/c"}
+    assert _retained_for(broker.port, "+/retained", 0) == {}
+    assert _retained_for(broker.port, RETAINED_DOLLAR_TOPIC, 1) == {RETAINED_DOLLAR_TOPIC: b"$"}
+    assert _retained_for(broker.port, "$census/#", 1) == {RETAINED_DOLLAR_TOPIC: b"$"}
+
+    setter.publish("a/b", b"replaced", qos=1, retain=True, packet_id=7)
+    setter.publish("a/c", b"", qos=1, retain=True, packet_id=8)
+    assert setter.ping()
+    assert _retained_for(broker.port, "a/+", 1) == {"a/b": b"replaced"}
+    assert set(_retained_for(broker.port, "#", 5)) == {"a", "a/b", "a/b/c", "/a", "b/x"}
+
+
+def _matches_so_far(asker: Mqtt) -> int:
+    """How many topic-against-filter tests amqtt's ``Broker._matches`` made in the broker so far (the census plugin's
+    count, its own ask's fan-out included)."""
+    asker.publish(CENSUS_ASK, b"")
+    answer = asker.next_publish()
+    asker.ack(PUBACK, answer.packet_id)
+    return json.loads(answer.payload)["matches"]
+
+
+@pytest.mark.timeout(120)
+def test_a_subscribe_tests_no_retained_topic_its_filter_cannot_match(broker_with_plugin):
+    """amqtt 0.12.1 sent a new subscription its retained messages by testing every retained topic against the filter
+    (``_publish_retained_messages_for_subscription``, and ECQ's SUBSCRIBE handling after it): with 20,000 retained
+    topics, 20 SUBSCRIBEs made 400,000 tests. From the tree of retained topics, each SUBSCRIBE follows its filter's
+    levels: amqtt's matcher runs only for the fan-out of the census plugin's own ask (a few filters)."""
+    retained_topics, subscribes = 20_000, 20
+    broker = broker_with_plugin(CENSUS)
+    setter = Mqtt(broker.port, "setter")
+    for n in range(retained_topics):
+        setter.publish(f"fleet/{n}/state", str(n).encode(), retain=True)
+    setter.send(0xC0, b"")  # PINGREQ, answered once the PUBLISHes before it were routed (a busy machine: seconds)
+    assert setter.expect(PINGRESP, timeout=60) == b""
+    asker = Mqtt(broker.port, "asker")
+    assert asker.subscribe(CENSUS_ANSWER, 1) == 1
+    before = _matches_so_far(asker)
+
+    reader = Mqtt(broker.port, "reader")
+    wanted = {f"fleet/{n * 997}/state" for n in range(subscribes)}
+    for packet_id, topic in enumerate(sorted(wanted), 1):
+        assert reader.subscribe(topic.replace("/state", "/#"), 1, packet_id=packet_id) == 1
+    assert {reader.next_publish().topic for _ in range(subscribes)} == wanted
+
+    assert _matches_so_far(asker) - before < 10 * (subscribes + 1)

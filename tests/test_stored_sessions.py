@@ -473,13 +473,13 @@ def test_a_session_in_the_store_is_resumed_only_by_its_owner(broker_process, pas
 
 
 def test_a_session_in_the_store_ends_at_its_expiry(broker_process, connect):
-    broker = broker_process(heartbeat_interval=0.1).start()
+    broker = broker_process().start()
     device = session_client("5", broker.port, "exp1", expiry_s=2)
     device.subscribe("cmd/exp1")
     device.close()
     wait_stored_only(broker, 1)
     connect(broker.port, "backend").publish("cmd/exp1", b"queued, then expired")
-    wait_stored_only(broker, 0)  # the heartbeat found its deadline passed
+    wait_stored_only(broker, 0)  # its deadline came on the broker's heap of offline sessions' deadlines
     assert broker.stop() == 0
     store = broker.open_store()
     try:
@@ -491,6 +491,35 @@ def test_a_session_in_the_store_ends_at_its_expiry(broker_process, connect):
     device = session_client("5", broker.port, "exp1")
     assert not device.session_present
     device.close()
+
+
+def test_an_evicted_then_expired_session_leaves_no_deadline_behind(broker_with_plugin, connect):
+    """Each offline session has one deadline, on one heap, wherever it lives: amqtt's copy of a session puts one there
+    at its disconnect and the session store's, when the session is handed to it, replaces it. So an MQTT 5 session
+    whose Session Expiry Interval (2 s) is shorter than ``session_expiry`` (2 h) is ended by the store at its own
+    deadline and leaves no entry behind; with amqtt's heap beside the store's, amqtt's deadline of the evicted session
+    stayed for 2 h. Sessions leaving, coming back and leaving again keep one live deadline each, stale entries
+    bounded (``DeadlineHeap``: at most twice the live ones and 64)."""
+    broker = broker_with_plugin(CENSUS)
+    asker = connect(broker.port, "asker")
+    assert asker.subscribe(CENSUS_ANSWER) == 1
+    device = session_client("5", broker.port, "brief", expiry_s=2)
+    device.subscribe("cmd/brief")
+    device.close()
+    wait_stored_only(broker, 1)
+    assert census(asker, connected=1)["session_deadlines"]["live"] == 1
+    wait_stored_only(broker, 0)
+    assert census(asker, connected=1)["session_deadlines"] == {"live": 0, "entries": 0}
+
+    devices = 50
+    for _ in range(3):
+        for i in range(devices):
+            device = session_client("3.1.1", broker.port, f"d{i}")
+            device.subscribe(f"cmd/d{i}")
+            device.close()
+    wait_stored_only(broker, devices)
+    deadlines = census(asker, connected=1)["session_deadlines"]
+    assert deadlines["live"] == devices and deadlines["entries"] <= 2 * devices + 64, deadlines
 
 
 def test_offline_consumers_hold_no_amqtt_session(broker_with_plugin, connect):

@@ -29,11 +29,12 @@ class SessionKeeper:
         self.stored: StoredSessions | None = None  # backend: leveldb
 
     def start(self, engine: QueueEngine) -> None:
-        """On LevelDB, read the stored sessions' records into their index (StoredSessions.load); in a cluster nothing:
-        the cluster's KV is read at each claim."""
+        """On LevelDB, read the stored sessions' records into their index (StoredSessions.load), their deadlines on the
+        broker's one heap of offline sessions' deadlines, each ended by :meth:`expired` when due; in a cluster
+        nothing: the cluster's KV is read at each claim."""
         if self._settings.backend != "jetstream":
-            self.stored = StoredSessions.load(self._settings, engine.store)
-            engine.heartbeat_jobs.append(self.end_expired)
+            self.stored = StoredSessions.load(self._settings, engine.store, hooks.session_deadlines(self._context),
+                                              self.expired)
 
     @property
     def store(self) -> Any:
@@ -96,13 +97,6 @@ class SessionKeeper:
     def stored_only(self) -> int:
         """How many offline persistent sessions the store holds and memory does not (LevelDB; 0 on a cluster)."""
         return len(self.stored) if self.stored is not None else 0
-
-    async def end_expired(self) -> None:
-        """End the sessions kept in the store only whose expiry passed, as an expiry ends them (:meth:`expired`);
-        run by the engine's heartbeat."""
-        if self.stored is not None:
-            for clientid in self.stored.due():
-                await self.expired(clientid)
 
     def message_queued(self, clientid: str, topic: str, qos: int, data: bytes) -> None:
         """Store a message queued for an offline persistent session."""

@@ -31,9 +31,11 @@ gauge shows.
 
 A session's expiry is absolute: ``offline_ms`` (when its connection ended; for a session whose broker died while it
 was connected, the start of this broker) plus its interval. Expired sessions are not restored and are deleted when
-met (at start, at a fan-out that matches them, at their CONNECT) and otherwise from a heap of their deadlines that
-the engine's heartbeat sweeps (:meth:`due`; ``SessionKeeper.end_expired`` ends each as an MQTT 5 expiry does): no
-timer per session, a cost per expired session only. Shared subscriptions (``$share/``) are restored
+met (at start, at a fan-out that matches them, at their CONNECT) and otherwise at their deadline, which each stored
+session sets on the broker's one heap of offline sessions' deadlines (``amqtt_hooks.session_deadlines``, swept by
+amqtt's session monitor as ECQ replaced it; the deadline replaces the one amqtt's copy of an evicted session had):
+``expire`` (``SessionKeeper.expired``) ends each as an MQTT 5 expiry does. No timer per session, a cost per expired
+session only. Shared subscriptions (``$share/``) are restored
 with their session but queue nothing while it is unclaimed (MQTT 5.0 section 4.8.2 lets the group's other members
 take them).
 """
@@ -41,81 +43,38 @@ take them).
 from __future__ import annotations
 
 import gc
-import heapq
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ecq.broker.amqtt_hooks import PersistentSession
 from ecq.broker.session_state import SessionState, message_value, read_message, subscriptions_value
 from ecq.config import EcqSettings
+from ecq.queue.deadlines import DeadlineHeap
+from ecq.queue.topic_tree import TopicTree
 from ecq.queue.topics import PREFIX, is_ecq_topic
 from ecq.store.leveldb_sessions import LevelDbSessions
 
 log = logging.getLogger(__name__)
 
 _NOT_INDEXED = ("$share/", PREFIX)  # shared subscriptions queue nothing while unclaimed; ECQ queues are the engine's
-_HERE = None  # the FilterIndex node key holding the subscribers of the filter ending at that node
 
 
-class FilterIndex:
-    """Topic filters of stored sessions in a tree of topic levels (``+`` and ``#`` as levels), each ending in
-    ``{clientid: granted QoS}``: :meth:`match` costs the topic's levels times the wildcards met, not the number of
-    filters (MQTT 3.1.1 section 4.7; a topic starting with ``$`` is not matched by a wildcard at its first level)."""
-
-    def __init__(self) -> None:
-        self._root: dict[Any, Any] = {}
-
-    def add(self, topic_filter: str, clientid: str, qos: int) -> None:
-        node = self._root
-        for level in topic_filter.split("/"):
-            node = node.setdefault(level, {})
-        node.setdefault(_HERE, {})[clientid] = qos
-
-    def remove(self, topic_filter: str, clientid: str) -> None:
-        path, node = [], self._root
-        for level in topic_filter.split("/"):
-            if level not in node:
-                return
-            path.append((node, level))
-            node = node[level]
-        holders = node.get(_HERE, {})
-        holders.pop(clientid, None)
-        if not holders:
-            node.pop(_HERE, None)
-        for parent, level in reversed(path):  # prune the branches left empty
-            if parent[level]:
-                break
-            del parent[level]
+class FilterIndex(TopicTree):
+    """Topic filters of stored sessions in a :class:`ecq.queue.topic_tree.TopicTree`, each holding ``{clientid: granted
+    QoS}``: :meth:`match` costs the topic's levels times the wildcards met, not the number of filters (MQTT 3.1.1
+    section 4.7; a topic starting with ``$`` is not matched by a wildcard at its first level)."""
 
     def match(self, topic: str) -> dict[str, int]:
         """client id -> highest granted QoS among its filters matching ``topic``."""
         found: dict[str, int] = {}
-        levels = topic.split("/")
-        nodes = [self._root]
-        for depth, level in enumerate(levels):
-            wildcards = depth > 0 or not topic.startswith("$")
-            following = []
-            for node in nodes:
-                if wildcards and "#" in node:
-                    _merge(found, node["#"].get(_HERE, {}))
-                if level in node:
-                    following.append(node[level])
-                if wildcards and "+" in node:
-                    following.append(node["+"])
-            nodes = following
-        for node in nodes:
-            _merge(found, node.get(_HERE, {}))
-            if "#" in node:  # "a/#" takes "a" too
-                _merge(found, node["#"].get(_HERE, {}))
+        for holders in self.filters_matching(topic):
+            for clientid, qos in holders.items():
+                if qos > found.get(clientid, -1):
+                    found[clientid] = qos
         return found
-
-
-def _merge(found: dict[str, int], holders: dict[str, int]) -> None:
-    for clientid, qos in holders.items():
-        if qos > found.get(clientid, -1):
-            found[clientid] = qos
 
 
 class StoredSessions:
@@ -123,19 +82,23 @@ class StoredSessions:
     stored by an earlier run and not yet claimed. Build it with :meth:`load` before the listeners open. A store
     write that fails is logged, not raised (the session then lives on in this broker's memory only)."""
 
-    def __init__(self, settings: EcqSettings, table: LevelDbSessions) -> None:
+    def __init__(self, settings: EcqSettings, table: LevelDbSessions, deadlines: DeadlineHeap,
+                 expire: Callable[[str], Awaitable[None]]) -> None:
         self._settings, self._table = settings, table
         self._filters = FilterIndex()
         self._unclaimed: dict[str, tuple[int, tuple[str, ...]]] = {}  # clientid -> (expires ms, its indexed filters)
-        self._deadlines: list[tuple[int, str]] = []  # (expires ms, clientid) of each indexing (stale ones too), a heap
+        self._deadlines, self._expire = deadlines, expire
+        self._at_deadline = self._expire_if_due  # one bound method, the value of every stored session's deadline
         self._started_ms = _now_ms()
 
     @classmethod
-    def load(cls, settings: EcqSettings, store: Any) -> StoredSessions:
-        """The stored sessions of ``store`` (an open LevelDbStore), their subscriptions indexed; the expired ones and
-        unreadable records deleted (logged). Logs how many and how long it took."""
+    def load(cls, settings: EcqSettings, store: Any, deadlines: DeadlineHeap,
+             expire: Callable[[str], Awaitable[None]]) -> StoredSessions:
+        """The stored sessions of ``store`` (an open LevelDbStore), their subscriptions indexed and their deadlines
+        (epoch ms) set on ``deadlines``, the heap of the broker's offline sessions, to ``await expire(clientid)`` when
+        due; the expired ones and unreadable records deleted (logged). Logs how many and how long it took."""
         started = time.monotonic()
-        sessions = cls(settings, LevelDbSessions(store))
+        sessions = cls(settings, LevelDbSessions(store), deadlines, expire)
         collecting = gc.isenabled()
         gc.disable()  # the index is millions of small objects made at once: 1.9 s -> 1.2 s of CPU per 100,000 sessions
         try:
@@ -229,8 +192,8 @@ class StoredSessions:
         """Keep ``clientid``'s ``session``, whose connection just ended, in the store only, as if an earlier run had
         stored it: its record as offline from now, its stored queue replaced by ``messages`` ``[(topic, QoS,
         payload)]`` (those sent and not acknowledged, then those queued), and its filters indexed until its CONNECT
-        (:meth:`claim`) or its expiry (:meth:`due`). False, and nothing indexed, when the record could not be
-        written (amqtt keeps the session then)."""
+        (:meth:`claim`) or its deadline (:meth:`_expire_if_due`). False, and nothing indexed, when the record could
+        not be written (amqtt keeps the session then)."""
         offline_ms = _now_ms()
         if not self._write(f"session of {clientid!r}", self._table.put, clientid, _record(session, offline_ms)):
             return False
@@ -242,15 +205,16 @@ class StoredSessions:
                     [(topic_filter, qos) for topic_filter, qos, _options in session.subscriptions])
         return True
 
-    def due(self) -> list[str]:
-        """The client ids of the stored sessions, not claimed, whose expiry has passed, taken from the heap of their
-        deadlines (a cost per expired session, none per stored one); :meth:`forget_session` ends each."""
-        now_ms, due = _now_ms(), []
-        while self._deadlines and self._deadlines[0][0] <= now_ms:
-            expires_ms, clientid = heapq.heappop(self._deadlines)
-            if self._unclaimed.get(clientid, (None,))[0] == expires_ms:
-                due.append(clientid)
-        return due
+    async def _expire_if_due(self, clientid: str) -> None:
+        """At the deadline of ``clientid``'s stored session: ``expire`` it if it is still unclaimed and its expiry has
+        passed; set its deadline again if it is unclaimed but not yet due."""
+        expires_ms = self._unclaimed.get(clientid, (None,))[0]
+        if expires_ms is None:
+            return
+        if expires_ms <= _now_ms():
+            await self._expire(clientid)
+        else:
+            self._deadlines.set(clientid, expires_ms, self._at_deadline)
 
     def queue_for_stored(self, topic: str, payload: bytes, publish_qos: int) -> list[tuple[str, str]]:
         """Queue a message of an ordinary ``topic`` broadcast at ``publish_qos`` for each unclaimed stored session a
@@ -275,14 +239,13 @@ class StoredSessions:
             if not topic_filter.startswith(_NOT_INDEXED):
                 self._filters.add(topic_filter, clientid, qos)
         self._unclaimed[clientid] = (expires_ms, indexed)
-        heapq.heappush(self._deadlines, (expires_ms, clientid))
-        if len(self._deadlines) > 2 * len(self._unclaimed) + 1000:  # claimed and stored again, again: drop the stale
-            self._deadlines = [(expires, cid) for cid, (expires, _filters) in self._unclaimed.items()]
-            heapq.heapify(self._deadlines)
+        self._deadlines.set(clientid, expires_ms, self._at_deadline)
 
     def _unindex(self, clientid: str) -> None:
-        _expires, filters = self._unclaimed.pop(clientid, (0, ()))
-        for topic_filter in filters:
+        if (unclaimed := self._unclaimed.pop(clientid, None)) is None:
+            return
+        self._deadlines.discard(clientid)
+        for topic_filter in unclaimed[1]:
             self._filters.remove(topic_filter, clientid)
 
     def _expires_ms(self, raw: dict[str, Any]) -> int:

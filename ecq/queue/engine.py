@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ecq.config import EcqSettings
@@ -71,7 +71,6 @@ class QueueEngine:
         self._started_ms = now_ms()
         self.forgetting: dict[str, asyncio.Future] = {}  # clientid -> its ForgetQueue, until committed
         self._tasks: list[asyncio.Task] = []
-        self.heartbeat_jobs: list[Callable[[], Awaitable[None]]] = []  # run at the end of each heartbeat, in order
         self.closing = False
         self.lag = LagIndex(store, self.read, self.consumers)  # pending entries per queue (ecq top, metrics)
         self.observers.append(self.lag)
@@ -363,8 +362,7 @@ class QueueEngine:
         and forget idle offline ones. Waking every idle consumer cost one store read each: with 1,000
         consumers that stalled delivery for ~400 ms every heartbeat. On a shared store, lost notices are found
         by the store (ecq.store.jetstream_notices) and the consumers of the queues they changed are polled then,
-        so an idle cluster reads nothing here. Then the lag index re-reads its dirty queues; last, ``heartbeat_jobs``
-        run (the broker's periodic work, such as ending expired stored sessions).
+        so an idle cluster reads nothing here. Then the lag index re-reads its dirty queues.
 
         Only the consumers woken or detached since (``census.unsettled``) are looked at, not every consumer: one
         stays unsettled while it has deliveries in flight, is behind or has an ack save to finish."""
@@ -385,8 +383,6 @@ class QueueEngine:
         if self.store.shared and time.monotonic() - self._queues_counted_at >= QUEUE_COUNT_INTERVAL_S:
             await self.count_stored(refresh=True)  # notices keep the counts between two reads
         await self.lag.refresh()
-        for job in self.heartbeat_jobs:
-            await job()
 
     # --- garbage collection and store health --------------------------------------------------------
 

@@ -25,8 +25,8 @@ amqtt behaviour it replaces. One module per concern:
   retained messages);
 - :mod:`.conformance`: MQTT 3.1.1 for ordinary topics (what was read before a disconnect is routed, persistent sessions, without their dead connection's
   handler, retained messages, QoS of a fan-out, resend on reconnect, keepalive, with per-session bounds);
-- :mod:`.fleet_scale`: a CONNECT, a session's deletion and an idle second cost per client, not per fleet (no walk
-  of every subscription or session);
+- :mod:`.fleet_scale`: a CONNECT, a SUBSCRIBE, a session's deletion and an idle second cost per client, not per
+  fleet (no walk of every subscription, session or retained message);
 - :mod:`.flow`: nothing unbounded in flow: a connection's outgoing sends bounded (drop, then close a stuck
   subscriber), a quick shutdown with stuck subscribers, a connection's PUBLISHes read ahead of their routing
   bounded, PINGREQ answered after the PUBLISHes before it were routed, acknowledgement timeouts logged in
@@ -81,6 +81,7 @@ from ecq.broker.amqtt_hooks.conformance import set_session_expiry
 from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge_soon, client_id, close_connection, connection_is_open,
                                               delivery_fits, listener_addresses, live_connection, publish_qos1,
                                               qos2_receipts, send_soon, set_listen_backlog, shorten_subscriptions_repr)
+from ecq.broker.amqtt_hooks.fleet_scale import session_deadlines
 from ecq.broker.amqtt_hooks.flow import count_routed_publishes
 from ecq.broker.amqtt_hooks.mqtt5_messages import Subscription, cluster_form, from_cluster_form
 from ecq.broker.amqtt_hooks.mqtt5_packets import receive_maximum
@@ -95,8 +96,8 @@ __all__ = ["AmqttSeamError", "CORRECTIONS", "EcqHooksTarget", "PersistentSession
            "count_routed_publishes", "delivery_fits", "discard_session", "from_cluster_form", "hand_over_session",
            "install", "listener_addresses", "live_connection", "open_connections", "persistent_session",
            "persistent_sessions", "publish_qos1", "qos2_receipts", "receive_maximum", "received_unread",
-           "send_disconnect", "send_soon", "set_listen_backlog", "set_retained_from_cluster", "set_session_expiry",
-           "shorten_subscriptions_repr", "stop_reading"]
+           "send_disconnect", "send_soon", "session_deadlines", "set_listen_backlog", "set_retained_from_cluster",
+           "set_session_expiry", "shorten_subscriptions_repr", "stop_reading"]
 
 
 # Every correction of amqtt, in the order of wrapping: where two replace the same method, the later one wraps the
@@ -108,6 +109,7 @@ CORRECTIONS: tuple[Callable[[], None], ...] = (
     fleet_scale.connect_without_walking_every_filter,  # first: replaces the method every other wrapper wraps
     fleet_scale.index_subscriptions_by_client,
     fleet_scale.expire_sessions_from_their_deadlines,
+    fleet_scale.subscribe_without_walking_every_retained_message,
     ecq_paths.take_ecq_publishes,
     ecq_paths.release_ecq_qos2_writes,
     ecq_paths.grant_ecq_subscriptions,

@@ -28,6 +28,7 @@ from amqtt.session import OUTGOING
 
 from ecq.broker.amqtt_hooks import flow
 from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE, client_id, close_connection, no_op
+from ecq.broker.amqtt_hooks.fleet_scale import retained_matching
 from ecq.broker.amqtt_hooks.mqtt5_routing import sends_retained
 from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.shared_subscriptions import receivers
@@ -132,7 +133,7 @@ async def _handle_subscribe(broker: Broker, session: Any, handler: BrokerProtoco
             continue
         sends = [handler.mqtt_publish(message.topic, message.data, qos if message.qos is None else min(qos, message.qos),
                                       retain=True)
-                 for topic, message in list(broker.retained_messages.items()) if broker._matches(topic, topic_filter)]
+                 for message in retained_matching(broker, topic_filter)]
         await asyncio.gather(*sends, return_exceptions=True)
 
 

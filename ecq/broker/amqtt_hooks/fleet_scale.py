@@ -10,7 +10,9 @@ took 24-64 s and an idle broker used a share of a core for nothing (issue 32). H
   :func:`granted_of`), so a session's deletion, and the reading of it for the session store, costs its own
   subscriptions (:func:`index_subscriptions_by_client`);
 - offline sessions are forgotten from a heap of their deadlines, not from a scan each second
-  (:func:`expire_sessions_from_their_deadlines`).
+  (:func:`expire_sessions_from_their_deadlines`);
+- a SUBSCRIBE reads the retained messages of the topics its filter matches from a tree of the retained topics, not
+  from a test of every retained message (:func:`subscribe_without_walking_every_retained_message`).
 
 Each is installed by one line in ``install`` and leaves a broker without the ECQ plugin as stock amqtt.
 """
@@ -18,12 +20,13 @@ Each is installed by one line in ``install`` and leaves a broker without the ECQ
 from __future__ import annotations
 
 import asyncio
-import heapq
+import logging
 import time
+from functools import partial
 from math import floor
 from typing import Any
 
-from amqtt.broker import Broker
+from amqtt.broker import Broker, BrokerContext, RetainedApplicationMessage
 from amqtt.contexts import Action
 from amqtt.errors import BrokerError
 from amqtt.events import BrokerEvents
@@ -33,6 +36,10 @@ from transitions import MachineError
 from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE
 from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import find_target
+from ecq.queue.deadlines import DeadlineHeap
+from ecq.queue.topic_tree import TopicTree
+
+log = logging.getLogger(__name__)
 
 _FILTERS_OF_CLIENTS = "_ecq_filters_of_clients"  # the Broker attribute holding client id -> {topic filter: QoS}
 _EXPIRIES = "_ecq_expiries"  # the Broker attribute holding its _Expiries
@@ -197,25 +204,20 @@ def _well_formed(topic_filter: str) -> bool:
 
 
 class _Expiries:
-    """The deadlines of a broker's disconnected sessions: a heap of (deadline, client id), epoch seconds, at most one
-    entry per client id, and the event that wakes :meth:`run` when an earlier one comes."""
+    """The one heap of the deadlines of a broker's offline sessions (:class:`ecq.queue.deadlines.DeadlineHeap`, epoch
+    ms by client id), wherever each session lives: in amqtt's memory (:func:`_watch`, the value
+    ``end_if_due``) or in the session store only (the store sets its own deadline and value,
+    :func:`session_deadlines`); :meth:`run` sleeps until the earliest and hands each due client id to its value."""
 
-    def __init__(self) -> None:
-        self.heap: list[tuple[float, str]] = []
-        self.scheduled: set[str] = set()
+    def __init__(self, broker: Broker) -> None:
         self.changed = asyncio.Event()
+        self.deadlines = DeadlineHeap(on_earlier=self.changed.set)
+        self.end_if_due = partial(_end_if_due, broker)  # one object, the value of every amqtt-held session's deadline
 
-    def add(self, clientid: str, deadline: float) -> None:
-        if clientid in self.scheduled:
-            return  # its entry is re-examined when due, and moved to the session's deadline then
-        self.scheduled.add(clientid)
-        heapq.heappush(self.heap, (deadline, clientid))
-        if self.heap[0][1] == clientid:
-            self.changed.set()
-
-    async def run(self, broker: Broker) -> None:
+    async def run(self) -> None:
         while True:
-            wait_s = self.heap[0][0] - time.time() if self.heap else None
+            earliest_ms = self.deadlines.next_deadline()
+            wait_s = None if earliest_ms is None else (earliest_ms - _now_ms()) / 1000
             if wait_s is None or wait_s > 0:
                 self.changed.clear()
                 try:
@@ -223,30 +225,44 @@ class _Expiries:
                 except TimeoutError:
                     pass
                 continue
-            _, clientid = heapq.heappop(self.heap)
-            self.scheduled.discard(clientid)
-            await _end_if_due(broker, clientid)
+            for clientid, end in self.deadlines.pop_due(_now_ms()):
+                try:
+                    await end(clientid)
+                except Exception:  # one session's end failing must not stop the others' expiry
+                    log.exception("ECQ could not end the expired session of %r", clientid)
 
 
 def _expiries(broker: Broker) -> _Expiries:
-    return _kept_on(broker, _EXPIRIES, _Expiries)
+    return _kept_on(broker, _EXPIRIES, lambda: _Expiries(broker))
 
 
-def _deadline(broker: Broker, session: Any) -> float | None:
-    """When amqtt's monitor would first forget the disconnected ``session`` (epoch s): at once for a clean or anonymous
+def session_deadlines(context: BrokerContext) -> DeadlineHeap:
+    """The heap of the offline sessions' deadlines of ``context``'s broker (epoch ms by client id), swept by its
+    session monitor: a session kept in the store only sets its deadline there with the coroutine function that ends
+    it (called with the client id when due), replacing the one amqtt's copy had, so each offline session has one."""
+    return _expiries(context._broker_instance).deadlines
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _deadline(broker: Broker, session: Any) -> int | None:
+    """When amqtt's monitor would first forget the disconnected ``session`` (epoch ms): at once for a clean or anonymous
     one, else once ``session_expiry_interval`` has passed since its (whole-second) disconnect time; None: never."""
     if session.is_anonymous or session.clean_session:
-        return 0.0
+        return 0
     interval = broker.config.session_expiry_interval
     if interval is None or not session.last_disconnect_time:
         return None
-    return session.last_disconnect_time + interval + 1
+    return int((session.last_disconnect_time + interval + 1) * 1000)
 
 
 def _watch(broker: Broker, session: Any) -> None:
     """Put ``session``, disconnected, under the broker's expiry watch."""
     if session.transitions.state == "disconnected" and (deadline := _deadline(broker, session)) is not None:
-        _expiries(broker).add(session.client_id, deadline)
+        expiries = _expiries(broker)
+        expiries.deadlines.set(session.client_id, deadline, expiries.end_if_due)
 
 
 async def _end_if_due(broker: Broker, clientid: str) -> None:
@@ -270,7 +286,9 @@ def expire_sessions_from_their_deadlines() -> None:
     8 % of a core on it. So a session is put on a heap of deadlines when it goes offline (``_handle_disconnect``,
     ``create_offline_session``) and the monitor sleeps until the earliest one; at that instant it takes amqtt's
     decision for the session then stored (one that reconnected is dropped from the heap until its next
-    disconnect). Sessions are forgotten when amqtt's monitor would have first seen them due, never later."""
+    disconnect). Sessions are forgotten when amqtt's monitor would have first seen them due, never later. The heap
+    is the one of all offline sessions (:func:`session_deadlines`): a session handed to the session store replaces
+    its deadline there with the store's, and the monitor ends it as the store says."""
     original_monitor = Broker._session_monitor
     original_disconnect = Broker._handle_disconnect
     original_offline = Broker.create_offline_session
@@ -278,9 +296,7 @@ def expire_sessions_from_their_deadlines() -> None:
     async def session_monitor(broker: Broker) -> None:
         if find_target(broker.plugins_manager) is None:
             return await original_monitor(broker)
-        expiries = _Expiries()  # a fresh heap at each start (amqtt's start empties its sessions)
-        setattr(broker, _EXPIRIES, expiries)
-        await expiries.run(broker)
+        await _expiries(broker).run()
 
     async def handle_disconnect(broker: Broker, session: Any, handler: BrokerProtocolHandler,
                                 disconnect_waiter: asyncio.Future) -> None:
@@ -297,3 +313,70 @@ def expire_sessions_from_their_deadlines() -> None:
     replace(Broker, "_session_monitor", session_monitor)
     replace(Broker, "_handle_disconnect", handle_disconnect)
     replace(Broker, "create_offline_session", create_offline_session)
+
+
+class RetainedTopics(dict):
+    """amqtt's table of retained messages, topic -> ``RetainedApplicationMessage``, with a
+    :class:`ecq.queue.topic_tree.TopicTree` of its topics kept in step with every write made to it (amqtt's
+    ``retain_message``: a retain, a replace, a delete by an empty retained payload, MQTT 3.1.1 section 3.3.1.3; its
+    ``start`` and ``shutdown`` clearing it; the cluster's ``set_retained_from_cluster``), so :meth:`matching` costs the
+    retained topics a filter matches, not all of them. A dict write that would bypass the tree raises TypeError."""
+
+    def __init__(self, messages: dict[str, RetainedApplicationMessage]) -> None:
+        super().__init__()
+        self._topics = TopicTree()
+        for topic, message in messages.items():
+            self[topic] = message
+
+    def __setitem__(self, topic: str, message: RetainedApplicationMessage) -> None:
+        if topic not in self:
+            self._topics.add(topic, topic, None)
+        super().__setitem__(topic, message)
+
+    def __delitem__(self, topic: str) -> None:
+        super().__delitem__(topic)
+        self._topics.remove(topic, topic)
+
+    def pop(self, topic: str, *default: Any) -> Any:
+        if topic in self:
+            self._topics.remove(topic, topic)
+        return super().pop(topic, *default)
+
+    def clear(self) -> None:
+        super().clear()
+        self._topics.clear()
+
+    def matching(self, topic_filter: str) -> list[RetainedApplicationMessage]:
+        """The retained messages whose topics the well-formed ``topic_filter`` matches (MQTT 3.1.1 section 4.7)."""
+        return [self[topic] for topics in self._topics.topics_matched_by(topic_filter) for topic in topics]
+
+    def _bypasses_the_index(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("RetainedTopics is written only by item, pop and clear, which keep its topic tree in step")
+
+    update = setdefault = popitem = __ior__ = _bypasses_the_index
+
+
+def retained_matching(broker: Broker, topic_filter: str) -> list[RetainedApplicationMessage]:
+    """The retained messages of ``broker`` (one running the ECQ plugin) a new subscription to the well-formed
+    ``topic_filter`` gets, from its :class:`RetainedTopics`
+    (:func:`subscribe_without_walking_every_retained_message`)."""
+    return broker._retained_messages.matching(topic_filter)
+
+
+def subscribe_without_walking_every_retained_message() -> None:
+    """amqtt 0.12.1 keeps its retained messages in a plain dict, ``Broker._retained_messages``, and sends a new
+    subscription its retained messages by testing every one of them against the filter
+    (``_publish_retained_messages_for_subscription``; ECQ's conformant SUBSCRIBE handling,
+    ``conformance._handle_subscribe``, did the same): with 100,000 retained topics each SUBSCRIBE cost 100,000 matches.
+    So before amqtt's ``Broker.start`` runs (it empties the table, then the plugins' start loads the cluster's retained
+    messages) the table of a broker with ECQ becomes a :class:`RetainedTopics`, and a SUBSCRIBE reads the messages of
+    the topics its filter matches from its tree (:func:`retained_matching`)."""
+    original = Broker.start
+
+    async def start(broker: Broker) -> None:
+        retained = broker._retained_messages
+        if find_target(broker.plugins_manager) is not None and not isinstance(retained, RetainedTopics):
+            broker._retained_messages = RetainedTopics(broker._retained_messages)
+        await original(broker)
+
+    replace(Broker, "start", start)
