@@ -23,7 +23,7 @@ import time
 from math import floor
 from typing import Any
 
-from amqtt.broker import Broker
+from amqtt.broker import Broker, BrokerContext
 from amqtt.contexts import Action
 from amqtt.errors import BrokerError
 from amqtt.events import BrokerEvents
@@ -93,6 +93,11 @@ def filters_of(broker: Broker, clientid: str) -> list[str]:
     the order subscribed, without walking the map: kept by :func:`index_subscriptions_by_client` and
     :func:`note_subscription`. Only for a broker that runs the ECQ plugin."""
     return list(_filters_of_clients(broker).get(clientid, ()))
+
+
+def filters_held(context: BrokerContext, clientid: str) -> list[str]:
+    """:func:`filters_of` the broker of ``context`` (for the plugin's side, which sees only the context)."""
+    return filters_of(context._broker_instance, clientid)
 
 
 def granted_of(broker: Broker, clientid: str) -> dict[str, int]:
