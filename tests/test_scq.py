@@ -7,8 +7,9 @@ from __future__ import annotations
 import queue
 import shutil
 import subprocess
-import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
@@ -67,7 +68,8 @@ def test_fan_out_to_several_readers_after_compaction(backend_broker, connect):
         assert reader.quiet(0.5) == []
 
 
-def test_one_write_is_stored_once_however_many_read_it(broker, connect):
+def test_one_write_is_stored_once_however_many_read_it(backend_broker, connect):
+    broker = backend_broker()
     producer = connect(broker.port, "producer")
     readers = [connect(broker.port, f"car-{i}") for i in range(5)]
     for reader in readers:
@@ -115,7 +117,8 @@ def test_reconnect_with_a_clean_session_resumes_from_the_stored_position(broker,
     assert read_all(connect, broker.port, "car", 1) == [delivered("b", b"2")]
 
 
-def test_persistent_session_resumes_without_subscribing_again(broker, connect):
+def test_persistent_session_resumes_without_subscribing_again(backend_broker, connect):
+    broker = backend_broker()
     producer = connect(broker.port, "producer")
     reader = connect(broker.port, "car", clean_session=False)
     assert reader.subscribe(FILTER) == 1
@@ -131,9 +134,9 @@ def test_persistent_session_resumes_without_subscribing_again(broker, connect):
 
 
 @pytest.mark.parametrize("stop", ["sigterm", "kill"])
-def test_restart_loses_nothing_acknowledged(make_broker, broker_process, connect, stop):
+def test_restart_loses_nothing_acknowledged(backend_broker, connect, stop):
     """SIGTERM and kill -9: every PUBACKed write is delivered after the restart, nothing acked is delivered again."""
-    broker = make_broker()
+    broker = backend_broker()
     producer = connect(broker.port, "producer")
     scq_write(producer, "a", b"1")
     assert read_all(connect, broker.port, "car", 1) == [delivered("a", b"1")]
@@ -255,3 +258,74 @@ def test_reader_on_the_same_connection_as_its_own_ecq_queue(broker, connect):
     got = reader.expect(2)
     assert sorted(topics_payloads(got)) == [("$ECQ/car/own", b"mine"), delivered("shared", b"ours")]
     assert len({m.mid for m in got}) == 2
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_acl_decides_who_writes_and_who_reads(make_broker, connect):
+    """The fleet example: only the backend writes, only cars read; a refused write is counted, stores nothing."""
+    broker = make_broker(acl_file=str(REPO / "acl" / "acl-fleet.example.conf"))
+    car = connect(broker.port, "c1", username="car-1")
+    assert car.subscribe("$SCQ/fleet-config/#") == 1
+    stranger = connect(broker.port, "s1", username="stranger")
+    assert stranger.subscribe("$SCQ/fleet-config/#") == 0x80
+    stranger.publish("$SCQ/w/fleet-config/k", b"forged", 1)
+    assert wait_until(lambda: _refusals(broker, "acl_denied") >= 1)
+    connect(broker.port, "backend-1", username="backend").publish("$SCQ/w/fleet-config/k", b"real", 1)
+    assert topics_payloads(car.expect(1)) == [("$SCQ/fleet-config/k", b"real")]
+    assert car.quiet(0.5) == []
+
+
+def test_shipped_acl_grants_scq_reads_to_nobody(make_broker, connect):
+    broker = make_broker(acl_file=str(REPO / "acl" / "acl.conf"))
+    client = connect(broker.port, "anyone")
+    assert client.subscribe(FILTER) == 0x80
+    assert client.subscribe("$ECQ/anyone/#") == 1
+
+
+def test_resumed_session_is_granted_its_scq_reads_again(make_broker, connect, tmp_path):
+    """A persistent session that subscribed while the ACL allowed it resumes without that SCQ once a reload denies
+    it to its username: the filter is judged again for whoever resumes the session."""
+    acl = tmp_path / "acl.conf"
+    acl.write_text('{allow, {username, "car-1"}, subscribe, ["eq $SCQ/fleet/#"]}.\n{deny, all, subscribe, ["$SCQ/#"]}.\n'
+                   '{allow, all}.\n')
+    broker = make_broker(acl_file=str(acl))
+    reader = connect(broker.port, "car", clean_session=False, username="car-1")
+    assert reader.subscribe(FILTER) == 1
+    reader.close()
+    producer = connect(broker.port, "producer")
+    scq_write(producer, "a", b"1")
+    resumed = connect(broker.port, "car", clean_session=False, username="car-1")
+    assert topics_payloads(resumed.expect(1)) == [delivered("a", b"1")]
+    resumed.close()
+    acl.write_text('{deny, all, subscribe, ["$SCQ/#"]}.\n{allow, all}.\n')
+    urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{broker.admin_port}/api/v1/acl/reload",
+                                                  method="POST"), timeout=10).read()
+    scq_write(producer, "b", b"2")
+    denied = connect(broker.port, "car", clean_session=False, username="car-1")
+    assert denied.quiet(1.5) == []
+    assert "no longer granted" in broker.log()
+
+
+def test_a_readers_stored_position_is_small(broker, connect):
+    """Per-reader stored state (issue 33: <= 64 bytes): the LevelDB row of a reader's position, key and value, for
+    a 12-character queue name and a 10-character client id, measured in the store the broker wrote."""
+    import plyvel
+    producer = connect(broker.port, "producer")
+    scq_write(producer, "k", b"v", queue_name="fleet-config")
+    reader = connect(broker.port, "car-000123")
+    assert reader.subscribe("$SCQ/fleet-config/#") == 1
+    assert len(reader.expect(1)) == 1
+    reader.close()
+    producer.close()
+    assert broker.stop() == 0
+    db = plyvel.DB(str(broker.queues_dir))
+    try:
+        rows = {key: value for key, value in db.iterator(prefix=b"a")}
+    finally:
+        db.close()
+    assert len(rows) == 1
+    [(key, value)] = rows.items()
+    assert key.endswith(b"$SCQ/fleet-config/car-000123")
+    assert len(key) + len(value) == 47
