@@ -329,3 +329,24 @@ def test_a_readers_stored_position_is_small(broker, connect):
     [(key, value)] = rows.items()
     assert key.endswith(b"$SCQ/fleet-config/car-000123")
     assert len(key) + len(value) == 47
+
+
+def test_mqtt5_subscribe_codes(make_broker, tmp_path):
+    """MQTT 5 SUBACK codes of SCQ filters: 0x87 where the ACL denies, 0x80 for QoS 0 or a malformed filter, 0x9E for
+    a shared subscription."""
+    acl = tmp_path / "acl.conf"
+    acl.write_text('{deny, all, subscribe, ["$SCQ/secret/#"]}.\n{allow, all}.\n')
+    broker = make_broker(acl_file=str(acl))
+    subacks: queue.Queue = queue.Queue()
+    v5 = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="v5car", protocol=mqtt.MQTTv5)
+    v5.on_subscribe = lambda _c, _u, _mid, codes, _p: subacks.put([c.value for c in codes])
+    v5.connect("127.0.0.1", broker.port)
+    v5.loop_start()
+    try:
+        for topic_filter, qos, code in (("$SCQ/secret/#", 1, 0x87), (FILTER, 0, 0x80), ("$SCQ/+/#", 1, 0x80),
+                                        (f"$share/g/{FILTER}", 1, 0x9E), (FILTER, 2, 1)):
+            v5.subscribe(topic_filter, qos=qos)
+            assert subacks.get(timeout=10) == [code], topic_filter
+    finally:
+        v5.disconnect()
+        v5.loop_stop()
