@@ -16,7 +16,9 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from tests.harness import metrics_text, topics_payloads, wait_until
+from tests.harness import metrics_text, topics_payloads, wait_until, write
+from tests.test_operations import scrape
+from tests.test_rewind import admin_post
 
 Q = "fleet"
 FILTER = f"$SCQ/{Q}/#"
@@ -247,8 +249,8 @@ def test_mosquitto_clients(broker):
 
 
 def test_reader_on_the_same_connection_as_its_own_ecq_queue(broker, connect):
-    """A client reading its own ECQ queue and an SCQ gets both, even where seqnos coincide (packet ids of one
-    session are kept per queue)."""
+    """A client reading its own ECQ queue and an SCQ gets both, even where seqnos coincide: the packet ids a session
+    remembers for its resends are kept per queue, so the second first send is no resend (DUP=0, its own id)."""
     producer = connect(broker.port, "producer")
     producer.publish("$ECQ/w/car/own", b"mine", 1)
     scq_write(producer, "shared", b"ours")
@@ -258,6 +260,7 @@ def test_reader_on_the_same_connection_as_its_own_ecq_queue(broker, connect):
     got = reader.expect(2)
     assert sorted(topics_payloads(got)) == [("$ECQ/car/own", b"mine"), delivered("shared", b"ours")]
     assert len({m.mid for m in got}) == 2
+    assert not any(m.dup for m in got)  # neither was sent before (seqno 1 in both queues)
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -350,3 +353,25 @@ def test_mqtt5_subscribe_codes(make_broker, tmp_path):
     finally:
         v5.disconnect()
         v5.loop_stop()
+
+
+def test_state_gc_keeps_an_scqs_seqno_counter(make_broker, connect):
+    """An SCQ emptied by GC and idle past state_retention keeps its seqno counter (an ECQ queue's is forgotten in
+    the same pass): a reader's stored position would otherwise pass the seqnos of the next writes, never delivered."""
+    broker = make_broker(data_retention="1s", state_retention="1s", gc_interval="1h")
+    producer = connect(broker.port, "producer")
+    scq_write(producer, "a", b"1")
+    scq_write(producer, "b", b"2")
+    write(producer, "ecq-control", "k", b"v")
+    assert read_all(connect, broker.port, "car", 2) == [delivered("a", b"1"), delivered("b", b"2")]
+    idle_since = time.monotonic()
+    assert wait_until(lambda: time.monotonic() - idle_since > 1.5, 5)
+
+    def forgotten() -> bool:
+        admin_post(broker, "/api/v1/gc")
+        return scrape(broker).get("ecq_queues_forgotten_total", 0) >= 1
+    assert wait_until(forgotten, 15, 0.3)
+    admin_post(broker, "/api/v1/gc")
+    assert scrape(broker).get("ecq_queues_forgotten_total") == 1  # the ECQ queue, not the SCQ
+    scq_write(producer, "c", b"3")
+    assert read_all(connect, broker.port, "car", 1) == [delivered("c", b"3")]
