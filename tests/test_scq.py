@@ -156,8 +156,9 @@ def test_restart_loses_nothing_acknowledged(backend_broker, connect, stop):
 
 
 def test_tombstone_deletes_the_key_for_later_readers(broker, connect):
-    """An empty payload is delivered once to the readers online and deletes the key: a reader subscribing later
-    gets neither the value nor the tombstone... once GC removed it; before, it gets the tombstone, not the value."""
+    """An empty payload is a tombstone: delivered to the readers online and kept for those that come later (one
+    reader's ack deletes it for nobody else; GC does after tombstone_retention): a later reader gets the tombstone,
+    never the value it deleted."""
     producer = connect(broker.port, "producer")
     early = connect(broker.port, "early")
     assert early.subscribe(FILTER) == 1

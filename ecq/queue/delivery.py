@@ -439,7 +439,7 @@ class Consumer:
     def _delete_tombstones(self, rows: list[ExpiredRow]) -> None:
         """Delete acked tombstones (their ack is committed); a failure leaves them to GC (tombstone_retention)."""
         try:
-            future = self._pool.submit(self.clientid, Expire(self.clientid, tuple(rows), "tombstone_acked"))
+            future = self._pool.submit(self.queue, Expire(self.queue, tuple(rows), "tombstone_acked"))
         except PoolClosed:
             return
         future.add_done_callback(_log_failed_tombstone_delete)
