@@ -376,3 +376,21 @@ def test_state_gc_keeps_an_scqs_seqno_counter(make_broker, connect):
     assert scrape(broker).get("ecq_queues_forgotten_total") == 1  # the ECQ queue, not the SCQ
     scq_write(producer, "c", b"3")
     assert read_all(connect, broker.port, "car", 1) == [delivered("c", b"3")]
+
+
+def test_readers_on_both_nodes_of_a_cluster(cluster_nodes, connect):
+    """JetStream, two brokers: a write through one reaches readers on both in real time (a 30 s heartbeat: only the
+    append notice brings it); a reader that acked on one node resumes after its position on the other."""
+    node1, node2 = (node.start() for node in cluster_nodes(heartbeat_interval="30s"))
+    producer = connect(node1.port, "producer")
+    scq_write(producer, "a", b"1")
+    near, far = connect(node1.port, "near"), connect(node2.port, "far")
+    for reader in (near, far):
+        assert reader.subscribe(FILTER) == 1
+        assert topics_payloads(reader.expect(1)) == [delivered("a", b"1")]
+    scq_write(producer, "b", b"2")
+    for reader in (near, far):
+        assert topics_payloads(reader.expect(1, timeout=5)) == [delivered("b", b"2")]
+    far.close()
+    scq_write(producer, "c", b"3")
+    assert read_all(connect, node1.port, "far", 1) == [delivered("c", b"3")]
