@@ -144,9 +144,11 @@ class QueueSessions:
     async def _detach_readers(self, clientid: str) -> None:
         """The connection of ``clientid`` closed: detach its SCQ readers (a newer connection keeps them or gets them
         again) and forget those with nothing left to keep in memory."""
+        detached = False
         for position in list(self._reading.get(clientid, ())):
             if hooks.connection_is_open(self._engine.connection_of(position)):
                 continue
+            detached = True
             self._engine.detach(position)
             self._engine.forget_if_idle(position)
             if position not in self._engine.consumers:
@@ -154,7 +156,7 @@ class QueueSessions:
         if not self._reading.get(clientid, True):
             del self._reading[clientid]
         live = hooks.live_connection(self._context, clientid)
-        if hooks.connection_is_open(live):
+        if detached and hooks.connection_is_open(live):  # a takeover whose new connection attached nothing yet
             await self._attach_readers(clientid, live)
 
     async def _attach(self, clientid: str, connection: BrokerProtocolHandler | None) -> None:
