@@ -292,8 +292,8 @@ def test_resumed_session_is_granted_its_scq_reads_again(make_broker, connect, tm
     """A persistent session that subscribed while the ACL allowed it resumes without that SCQ once a reload denies
     it to its username: the filter is judged again for whoever resumes the session."""
     acl = tmp_path / "acl.conf"
-    acl.write_text('{allow, {username, "car-1"}, subscribe, ["eq $SCQ/fleet/#"]}.\n{deny, all, subscribe, ["$SCQ/#"]}.\n'
-                   '{allow, all}.\n')
+    acl.write_text('{allow, {username, "car-1"}, subscribe, ["eq $SCQ/fleet/#"]}.\n'
+                   '{deny, all, subscribe, ["$SCQ/#"]}.\n{allow, all}.\n')
     broker = make_broker(acl_file=str(acl))
     reader = connect(broker.port, "car", clean_session=False, username="car-1")
     assert reader.subscribe(FILTER) == 1

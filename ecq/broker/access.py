@@ -49,8 +49,8 @@ class AccessControl:
 
     @staticmethod
     def grant_subscription(clientid: str, topic_filter: str, qos: int) -> int | None:
-        """QoS to grant for a SUBSCRIBE to an ``$ECQ/`` or ``$SCQ/`` filter, or None to refuse it (SUBACK 0x80), logged with its
-        reason (:meth:`subscription_refusal`); QoS 2 is granted as QoS 1 (MQTT 3.1.1 section 3.9.3)."""
+        """QoS to grant for a SUBSCRIBE to an ``$ECQ/`` or ``$SCQ/`` filter, or None to refuse it (SUBACK 0x80), logged
+        with its reason (:meth:`subscription_refusal`); QoS 2 is granted as QoS 1 (MQTT 3.1.1 section 3.9.3)."""
         reason = AccessControl.subscription_refusal(clientid, topic_filter, qos)
         if reason is not None:
             log.warning("ECQ refused SUBSCRIBE of %s to %r: %s", clientid, topic_filter, reason)

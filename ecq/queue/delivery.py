@@ -84,8 +84,8 @@ class Consumer:
     consumer reads the queue id ``queue`` (``$SCQ/<queue>``) and saves its position as the ack state of
     ``clientid`` (``$SCQ/<queue>/<reader>``, see ecq.queue.topics.position_id)."""
 
-    __slots__ = ("clientid", "queue", "state", "connection", "_sending", "inflight", "saves_pending", "_save_due", "_rewinds",
-                 "_rewind_waiters", "_store", "_pool", "_publish", "_observer", "_read_store", "resends",
+    __slots__ = ("clientid", "queue", "state", "connection", "_sending", "inflight", "saves_pending", "_save_due",
+                 "_rewinds", "_rewind_waiters", "_store", "_pool", "_publish", "_observer", "_read_store", "resends",
                  "_read_deadline", "_window", "_retention_s", "_inflight_max", "_tombstones", "_acked_tombstones",
                  "_read_cursor", "_ready", "_newest", "_handed", "_told", "_reading", "_unreadable", "_wake",
                  "_pump_task", "_fits", "skipped", "_census")  # one per queue: no dict

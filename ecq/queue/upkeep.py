@@ -72,8 +72,8 @@ class Collector:
         """State GC: delete the seqno counter and ack state of every queue that stores no entry, has no
         consumer in memory (online, or offline with its state cached) and had no write and no ack for
         ``state_retention``; returns how many. An SCQ's seqno counter is kept: its readers' positions, stored apart,
-        would otherwise pass the seqnos of its next writes. Each is checked again in its own commit (ForgetQueue), through
-        the queue's writer agent, so a write or an ack that came meanwhile keeps it. Raises what the store's
+        would otherwise pass the seqnos of its next writes. Each is checked again in its own commit (ForgetQueue),
+        through the queue's writer agent, so a write or an ack that came meanwhile keeps it. Raises what the store's
         reads and commits raise."""
         cutoff_ms = retention_cutoff_ms(self._settings.state_retention)
         candidates = await self._read(self._store.idle_queues, cutoff_ms)

@@ -47,7 +47,7 @@ SUBACK_FAILURE = 0x80
 _ACK = struct.Struct(">BBH")  # PUBACK, PUBREC, PUBCOMP: first byte, remaining length 2, packet id (section 3.4-3.7)
 _ACK_TYPES = {1: 0x40, 2: 0x50}  # the acknowledgement of an incoming PUBLISH by QoS: PUBACK, PUBREC
 _unsent: dict[BrokerProtocolHandler, list[bytes]] = {}  # packets queued by send_soon, per connection
-_SENT_PACKET_IDS = "ecq_sent_packet_ids"  # the key of amqtt's Session.attributes: (topic, seqno) -> packet id, not acked
+_SENT_PACKET_IDS = "ecq_sent_packet_ids"  # amqtt's Session.attributes key: (topic, seqno) -> packet id, not acked
 REMEMBERED_PACKET_IDS = 1024  # per session; at most reader_batch_size (31) are in flight when a connection drops
 
 

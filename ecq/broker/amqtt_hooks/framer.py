@@ -235,8 +235,8 @@ class Framer:
         return topic_end
 
     def _take_ecq_publish(self, data: bytes, first: int, body: int, end: int) -> bool:
-        """Hand a PUBLISH under ``$ECQ/`` or ``$SCQ/``, at any QoS, to the plugin as it is read; False for any other topic
-        (amqtt decodes those). Raises ProtocolViolation: a topic or packet id running past the packet, invalid
+        """Hand a PUBLISH under ``$ECQ/`` or ``$SCQ/``, at any QoS, to the plugin as it is read; False for any other
+        topic (amqtt decodes those). Raises ProtocolViolation: a topic or packet id running past the packet, invalid
         UTF-8, packet id 0."""
         qos = first >> 1 & 0x03
         topic_end = self._topic_end(data, qos, body, end)
