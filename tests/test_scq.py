@@ -142,6 +142,10 @@ def test_restart_loses_nothing_acknowledged(backend_broker, connect, stop):
     producer = connect(broker.port, "producer")
     scq_write(producer, "a", b"1")
     assert read_all(connect, broker.port, "car", 1) == [delivered("a", b"1")]
+    persistent = connect(broker.port, "kept-car", clean_session=False)
+    assert persistent.subscribe(FILTER) == 1
+    assert topics_payloads(persistent.expect(1)) == [delivered("a", b"1")]
+    persistent.close()
     scq_write(producer, "b", b"2")
     scq_write(producer, "c", b"3")
     producer.close()
@@ -151,6 +155,9 @@ def test_restart_loses_nothing_acknowledged(backend_broker, connect, stop):
         broker.kill()
     broker.start()
     assert read_all(connect, broker.port, "car", 2) == [delivered("b", b"2"), delivered("c", b"3")]
+    resumed = connect(broker.port, "kept-car", clean_session=False)  # no SUBSCRIBE: the stored session holds it
+    assert topics_payloads(resumed.expect(2)) == [delivered("b", b"2"), delivered("c", b"3")]
+    assert resumed.quiet(0.5) == []
     assert read_all(connect, broker.port, "new-car", 3) == [delivered(k, v) for k, v in
                                                            (("a", b"1"), ("b", b"2"), ("c", b"3"))]
 
