@@ -158,7 +158,7 @@ def _parse_write(topic: str, prefix: str, payload_size: int, max_payload_bytes: 
         if any(ch in value for ch in _FORBIDDEN):
             raise BadWrite(f"bad_{label}", f"refused write to {topic!r}: {what} contains '+', '#' or NUL")
     if clientid in RESERVED_CLIENTIDS:
-        raise BadWrite("bad_clientid", f"refused write to {topic!r}: {clientid!r} cannot name a queue ({prefix} and "
+        raise BadWrite("bad_clientid", f"refused write to {topic!r}: {clientid!r} cannot own a queue ({prefix} and "
                                        f"{prefix[:-2]}ctl/ are ECQ's own topics)")
     if payload_size > max_payload_bytes:
         raise BadWrite(
