@@ -208,7 +208,8 @@ def test_write_refusals_are_counted_and_store_nothing(broker, connect):
 
 
 def test_mqtt5_reader_gets_seqno_and_ts_and_reason_codes(broker, connect):
-    """An MQTT 5 reader's deliveries carry ecq-seqno and ecq-ts; a refused MQTT 5 write gets its reason code."""
+    """An MQTT 5 reader's deliveries carry ecq-seqno, ecq-ts and the Subscription Identifier of its ``$SCQ/<queue>/#``;
+    a refused MQTT 5 write gets its reason code; a write's Message Expiry Interval is kept with the entry."""
     producer = connect(broker.port, "producer")
     before_ms = int(time.time() * 1000)
     scq_write(producer, "a", b"1")
@@ -224,10 +225,13 @@ def test_mqtt5_reader_gets_seqno_and_ts_and_reason_codes(broker, connect):
     try:
         v5.subscribe(FILTER, qos=0)
         assert subacks.get(timeout=10) == [0x80]
-        v5.subscribe(FILTER, qos=1)
+        identified = Properties(PacketTypes.SUBSCRIBE)
+        identified.SubscriptionIdentifier = 7
+        v5.subscribe(FILTER, qos=1, properties=identified)
         assert subacks.get(timeout=10) == [1]
         message = got.get(timeout=10)
         assert (message.topic, message.payload) == delivered("a", b"1")
+        assert message.properties.SubscriptionIdentifier == [7]
         properties = dict(message.properties.UserProperty)
         assert properties["ecq-seqno"] == "1" and int(properties["ecq-ts"]) >= before_ms
         v5.publish("$SCQ/fleet/a", b"x", 1)
