@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 import shutil
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -405,3 +406,17 @@ def test_readers_on_both_nodes_of_a_cluster(cluster_nodes, connect):
     far.close()
     scq_write(producer, "c", b"3")
     assert read_all(connect, node1.port, "far", 1) == [delivered("c", b"3")]
+
+
+def test_unsubscribe_stops_delivery_and_resubscribe_resumes(broker, connect):
+    reader = connect(broker.port, "car")
+    assert reader.subscribe(FILTER) == 1
+    unsubacked = threading.Event()
+    reader._c.on_unsubscribe = lambda *_args: unsubacked.set()
+    reader._c.unsubscribe(FILTER)
+    assert unsubacked.wait(10)
+    producer = connect(broker.port, "producer")
+    scq_write(producer, "k", b"v")
+    assert reader.quiet(1.0) == []
+    assert reader.subscribe(FILTER) == 1
+    assert topics_payloads(reader.expect(1)) == [delivered("k", b"v")]
