@@ -409,13 +409,15 @@ def test_readers_on_both_nodes_of_a_cluster(cluster_nodes, connect):
 
 
 def test_unsubscribe_stops_delivery_and_resubscribe_resumes(broker, connect):
+    producer = connect(broker.port, "producer")
+    scq_write(producer, "first", b"0")
     reader = connect(broker.port, "car")
     assert reader.subscribe(FILTER) == 1
+    assert len(reader.expect(1)) == 1  # the reader is attached: only the UNSUBSCRIBE can stop what follows
     unsubacked = threading.Event()
     reader._c.on_unsubscribe = lambda *_args: unsubacked.set()
     reader._c.unsubscribe(FILTER)
     assert unsubacked.wait(10)
-    producer = connect(broker.port, "producer")
     scq_write(producer, "k", b"v")
     assert reader.quiet(1.0) == []
     assert reader.subscribe(FILTER) == 1
