@@ -11,12 +11,19 @@ from ecq.queue.topics import (
     Write,
     delivery_topic,
     is_ecq_topic,
+    is_position_id,
+    is_scq_queue_id,
     parse_rewind_point,
     parse_rewind_target,
+    parse_scq_filter,
     parse_target,
     parse_write,
+    position_id,
     queue_filter,
+    reading_filter,
     rewind_topic,
+    scq_queue_id,
+    scq_write_topic,
     write_topic,
 )
 
@@ -145,3 +152,54 @@ def test_rewind_topic_refusals_name_their_reason(topic, publisher, reason):
     with pytest.raises(BadWrite) as caught:
         parse_rewind_target(topic, publisher)
     assert caught.value.reason == reason
+
+
+# --- SCQ (issue 33) -------------------------------------------------------------------------------------------------
+
+def test_scq_write_goes_to_the_queue_id():
+    assert parse_write(scq_write_topic("fleet", "cfg/apn"), 3, LIMIT) == Write(scq_queue_id("fleet"), "cfg/apn")
+    assert scq_queue_id("fleet") == "$SCQ/fleet"
+
+
+@pytest.mark.parametrize("topic, reason", [
+    ("$SCQ/fleet/k", "not_a_write"),
+    ("$SCQ/ctl/fleet/rewind", "not_a_write"),
+    ("$SCQ/w//k", "empty_clientid"),
+    ("$SCQ/w/fleet", "empty_key"),
+    ("$SCQ/w/fl+eet/k", "bad_clientid"),
+    ("$SCQ/w/fl#/k", "bad_clientid"),
+    ("$SCQ/w/fl\x00/k", "bad_clientid"),
+    ("$SCQ/w/w/k", "bad_clientid"),
+    ("$SCQ/w/ctl/k", "bad_clientid"),
+    ("$SCQ/w/fleet/k#", "bad_key"),
+])
+def test_scq_write_refusals_follow_the_clientid_rules(topic, reason):
+    with pytest.raises(BadWrite) as caught:
+        parse_write(topic, 1, LIMIT)
+    assert caught.value.reason == reason
+
+
+@pytest.mark.parametrize("topic_filter, queue_id", [
+    ("$SCQ/fleet/#", "$SCQ/fleet"),
+    ("$SCQ/fleet", None),
+    ("$SCQ/fleet/+", None),
+    ("$SCQ/+/#", None),
+    ("$SCQ/#", None),
+    ("$SCQ/w/#", None),
+    ("$SCQ/ctl/#", None),
+    ("$SCQ/a/b/#", None),
+    ("$ECQ/fleet/#", None),
+])
+def test_parse_scq_filter(topic_filter, queue_id):
+    assert parse_scq_filter(topic_filter) == queue_id
+
+
+def test_scq_ids_never_meet_ecq_ids():
+    """A reader's position id, an SCQ's queue id and an ECQ clientid are told apart (none holds another's form)."""
+    position = position_id("$SCQ/fleet", "car/7")
+    assert position == "$SCQ/fleet/car/7" and is_position_id(position) and not is_scq_queue_id(position)
+    assert is_scq_queue_id("$SCQ/fleet") and not is_position_id("$SCQ/fleet")
+    assert not is_position_id("car7") and not is_scq_queue_id("car7")
+    assert delivery_topic("$SCQ/fleet", "k/x") == "$SCQ/fleet/k/x"
+    assert reading_filter("$SCQ/fleet/k/x") == "$SCQ/fleet/#" and reading_filter("$ECQ/car/k") == "$ECQ/car/#"
+    assert parse_target("$SCQ/w/fleet/k") == "$SCQ/fleet"

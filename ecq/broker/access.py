@@ -1,5 +1,6 @@
 """Who may do what: the ACL file (also the broker's topic filter for every other topic), the one-reader
-rule of ``$ECQ/<clientid>/#`` subscriptions, and the refusal of Will topics at CONNECT."""
+rule of ``$ECQ/<clientid>/#`` subscriptions, the form of ``$SCQ/<queue>/#`` ones (which readers the ACL says),
+and the refusal of Will topics at CONNECT."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from amqtt.session import Session
 from ecq.broker.acl import Acl, ClientInfo, Decision, load_acl
 from ecq.config import EcqSettings
 from ecq.queue.throttle import LogThrottle
-from ecq.queue.topics import RESERVED_CLIENTIDS, is_ecq_topic, queue_filter
+from ecq.queue.topics import RESERVED_CLIENTIDS, is_ecq_topic, is_scq_topic, parse_scq_filter, queue_filter
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,8 @@ class AccessControl:
 
     @staticmethod
     def grant_subscription(clientid: str, topic_filter: str, qos: int) -> int | None:
-        """QoS to grant for a SUBSCRIBE to an ``$ECQ/`` filter, or None to refuse it (SUBACK 0x80), logged with its
-        reason (:meth:`subscription_refusal`); QoS 2 is granted as QoS 1 (MQTT 3.1.1 section 3.9.3)."""
+        """QoS to grant for a SUBSCRIBE to an ``$ECQ/`` or ``$SCQ/`` filter, or None to refuse it (SUBACK 0x80), logged
+        with its reason (:meth:`subscription_refusal`); QoS 2 is granted as QoS 1 (MQTT 3.1.1 section 3.9.3)."""
         reason = AccessControl.subscription_refusal(clientid, topic_filter, qos)
         if reason is not None:
             log.warning("ECQ refused SUBSCRIBE of %s to %r: %s", clientid, topic_filter, reason)
@@ -61,7 +62,11 @@ class AccessControl:
         """Why a SUBSCRIBE of ``clientid`` to the ``$ECQ/`` filter ``topic_filter`` at ``qos`` is refused, None when
         it is granted: only ``<clientid>`` may subscribe to ``$ECQ/<clientid>/#``, at QoS 1 or 2; clients ``w`` and
         ``ctl`` own no queue (their filter would read the writes or control topics of every queue). The text is
-        logged, and told to an MQTT 5 client as the SUBACK's Reason String."""
+        logged, and told to an MQTT 5 client as the SUBACK's Reason String. An ``$SCQ/`` filter must be exactly
+        ``$SCQ/<queue>/#`` (``<queue>`` by the clientid rules), at QoS 1 or 2; who may read it is the ACL's to say
+        (``topic_filtering``), as for every filter."""
+        if is_scq_topic(topic_filter):
+            return _scq_refusal(topic_filter, qos)
         if clientid in RESERVED_CLIENTIDS:
             return (f"the clientids {' and '.join(sorted(RESERVED_CLIENTIDS))} cannot own an ECQ queue ($ECQ/w/ and "
                     "$ECQ/ctl/ are the write and control topics); connect with another clientid")
@@ -94,3 +99,13 @@ class AccessControl:
             log.warning("ECQ refused CONNECT of %r from %s: %s%s", session.client_id, session.remote_address, reason,
                         more)
         return reason
+
+
+def _scq_refusal(topic_filter: str, qos: int) -> str | None:
+    """Why a SUBSCRIBE to the ``$SCQ/`` filter ``topic_filter`` at ``qos`` is refused, None when its form is right."""
+    if parse_scq_filter(topic_filter) is None:
+        return (f"{topic_filter!r} does not read an SCQ: the filter is $SCQ/<queue>/#, <queue> one level without "
+                "'+', '#' or NUL, not 'w' nor 'ctl'")
+    if qos == 0:
+        return f"QoS 0 refused on {topic_filter!r}: SCQ queues are read at QoS 1"
+    return None

@@ -1,6 +1,7 @@
 """Which MQTT connection gets a queue: session takeover (MQTT 3.1.1 section 3.1.4), persistent sessions
 resuming their queue, and the attach/detach calls to the queue engine that follow from amqtt's
-connect, subscribe, unsubscribe and disconnect events."""
+connect, subscribe, unsubscribe and disconnect events: for a client's own ``$ECQ/<clientid>/#`` and for each
+``$SCQ/<queue>/#`` it reads (its position in that SCQ, ecq.queue.topics.position_id)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker import amqtt_hooks as hooks
 from ecq.queue.engine import QueueEngine
-from ecq.queue.topics import queue_filter
+from ecq.queue.topics import parse_scq_filter, position_id, queue_filter
 
 if TYPE_CHECKING:
     from ecq.broker.bus import ClusterBus
@@ -32,6 +33,7 @@ class QueueSessions:
         self._connections: dict[str, BrokerProtocolHandler] = {}
         self.bus: ClusterBus | None = None  # in a cluster: takeover across brokers
         self._claims: dict[str, asyncio.Future] = {}
+        self._reading: dict[str, dict[str, str]] = {}  # clientid -> {position id: SCQ queue id} attached for it
 
     async def connected(self, client_id: str) -> None:
         """Enforce takeover (MQTT 3.1.1 section 3.1.4) and resume a persistent session's queue.
@@ -55,17 +57,23 @@ class QueueSessions:
             await self._attach(client_id, live)
         elif self._engine.connection_of(client_id) is not live:
             self._engine.detach(client_id)
+        await self._attach_readers(client_id, live)
 
     async def subscribed(self, client_id: str, topic: str) -> None:
-        """Start delivering once the SUBACK for ``$ECQ/<clientid>/#`` went out."""
+        """Start delivering once the SUBACK for ``$ECQ/<clientid>/#`` or an ``$SCQ/<queue>/#`` went out."""
         if topic == queue_filter(client_id):
             await self._attach(client_id, hooks.live_connection(self._context, client_id))
+        elif (queue := parse_scq_filter(topic)) is not None:
+            await self._attach_reader(client_id, queue, hooks.live_connection(self._context, client_id))
 
     async def unsubscribed(self, client_id: str, topic: str) -> None:
-        """Start no new delivery once the consumer unsubscribed from its queue; the deliveries in flight are
-        completed: their PUBACKs, until the connection closes, count (MQTT 3.1.1 section 3.10.4)."""
+        """Start no new delivery once the consumer unsubscribed from its queue (or a reader from an SCQ); the
+        deliveries in flight are completed: their PUBACKs, until the connection closes, count (MQTT 3.1.1 section
+        3.10.4)."""
         if topic == queue_filter(client_id):
             self._engine.stop_sending(client_id)
+        elif (queue := parse_scq_filter(topic)) is not None:
+            self._engine.stop_sending(position_id(queue, client_id))
 
     async def disconnected(self, client_id: str, persistent: bool) -> None:
         """Detach a consumer whose connection closed, and forget it if nothing of it must stay in memory
@@ -80,6 +88,7 @@ class QueueSessions:
                 self._claims.pop(client_id, None)
                 if not persistent:
                     await self.bus.disown(client_id)
+        await self._detach_readers(client_id)
         if client_id not in self._engine.consumers or hooks.connection_is_open(self._engine.connection_of(client_id)):
             return
         self._engine.detach(client_id)
@@ -99,6 +108,8 @@ class QueueSessions:
             hooks.send_disconnect(live, hooks.SESSION_TAKEN_OVER)
             await hooks.close_connection(live)
         await self._engine.release(client_id)
+        for position in self._reading.get(client_id, ()):
+            await self._engine.release(position)
 
     @staticmethod
     async def _read_what_was_sent(connection: BrokerProtocolHandler) -> None:
@@ -112,6 +123,41 @@ class QueueSessions:
     def _holds_queue_subscription(self, clientid: str) -> bool:
         holders = self._context.subscriptions.get(queue_filter(clientid), [])
         return any(session.client_id == clientid for session, _qos in holders)
+
+    async def _attach_readers(self, clientid: str, connection: BrokerProtocolHandler | None) -> None:
+        """Attach ``connection`` as the reader of every SCQ whose ``$SCQ/<queue>/#`` the client holds (a resumed
+        persistent session holds them without subscribing again)."""
+        for topic_filter in hooks.filters_held(self._context, clientid):
+            if (queue := parse_scq_filter(topic_filter)) is not None:
+                await self._attach_reader(clientid, queue, connection)
+
+    async def _attach_reader(self, clientid: str, queue: str, connection: BrokerProtocolHandler | None) -> None:
+        if (claim := self._claims.get(clientid)) is not None:
+            await asyncio.shield(claim)
+        position = position_id(queue, clientid)
+        self._reading.setdefault(clientid, {})[position] = queue
+        await self._engine.attach(position, connection, lambda: (
+            hooks.connection_is_open(connection) and connection is hooks.live_connection(self._context, clientid)
+            and f"{queue}/#" in hooks.filters_held(self._context, clientid)), hooks.receive_maximum(connection),
+            hooks.delivery_fits(connection), queue=queue)
+
+    async def _detach_readers(self, clientid: str) -> None:
+        """The connection of ``clientid`` closed: detach its SCQ readers (a newer connection keeps them or gets them
+        again) and forget those with nothing left to keep in memory."""
+        detached = False
+        for position in list(self._reading.get(clientid, ())):
+            if hooks.connection_is_open(self._engine.connection_of(position)):
+                continue
+            detached = True
+            self._engine.detach(position)
+            self._engine.forget_if_idle(position)
+            if position not in self._engine.consumers:
+                self._reading[clientid].pop(position, None)
+        if not self._reading.get(clientid, True):
+            del self._reading[clientid]
+        live = hooks.live_connection(self._context, clientid)
+        if detached and hooks.connection_is_open(live):  # a takeover whose new connection attached nothing yet
+            await self._attach_readers(clientid, live)
 
     async def _attach(self, clientid: str, connection: BrokerProtocolHandler | None) -> None:
         if (claim := self._claims.get(clientid)) is not None:  # the takeover from another broker comes first

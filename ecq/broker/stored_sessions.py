@@ -54,12 +54,13 @@ from ecq.broker.session_state import SessionState, message_value, read_message, 
 from ecq.config import EcqSettings
 from ecq.queue.deadlines import DeadlineHeap
 from ecq.queue.topic_tree import TopicTree
-from ecq.queue.topics import PREFIX, is_ecq_topic
+from ecq.queue.topics import PREFIX, SCQ_PREFIX, is_ecq_topic
 from ecq.store.leveldb_sessions import LevelDbSessions
 
 log = logging.getLogger(__name__)
 
-_NOT_INDEXED = ("$share/", PREFIX)  # shared subscriptions queue nothing while unclaimed; ECQ queues are the engine's
+_NOT_INDEXED = ("$share/", PREFIX, SCQ_PREFIX)  # shared subscriptions queue nothing while unclaimed; ECQ and SCQ
+# queues are the engine's
 
 
 class FilterIndex(TopicTree):

@@ -1,6 +1,7 @@
-"""Writes under ``$ECQ/``: a PUBLISH checked (topic grammar, payload size, ACL), stored through the queue
-engine, then acknowledged. A rewind (``$ECQ/ctl/<clientid>/rewind`` from the owner) takes the same path: checked,
-done by the engine, then acknowledged."""
+"""Writes under ``$ECQ/`` and ``$SCQ/`` (an SCQ's ``$SCQ/w/<queue>/<key>``, stored under its queue id by the same
+path): a PUBLISH checked (topic grammar, payload size, ACL), stored through the queue engine, then acknowledged.
+A rewind (``$ECQ/ctl/<clientid>/rewind`` from the owner) takes the same path: checked, done by the engine, then
+acknowledged."""
 
 from __future__ import annotations
 

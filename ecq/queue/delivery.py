@@ -80,10 +80,12 @@ class DeliveryObserver(Protocol):
 
 
 class Consumer:
-    """Delivery state of the queue of ``clientid``; at most one attached connection at a time."""
+    """Delivery state of the queue of ``clientid``; at most one attached connection at a time. An SCQ reader's
+    consumer reads the queue id ``queue`` (``$SCQ/<queue>``) and saves its position as the ack state of
+    ``clientid`` (``$SCQ/<queue>/<reader>``, see ecq.queue.topics.position_id)."""
 
-    __slots__ = ("clientid", "state", "connection", "_sending", "inflight", "saves_pending", "_save_due", "_rewinds",
-                 "_rewind_waiters", "_store", "_pool", "_publish", "_observer", "_read_store", "resends",
+    __slots__ = ("clientid", "queue", "state", "connection", "_sending", "inflight", "saves_pending", "_save_due",
+                 "_rewinds", "_rewind_waiters", "_store", "_pool", "_publish", "_observer", "_read_store", "resends",
                  "_read_deadline", "_window", "_retention_s", "_inflight_max", "_tombstones", "_acked_tombstones",
                  "_read_cursor", "_ready", "_newest", "_handed", "_told", "_reading", "_unreadable", "_wake",
                  "_pump_task", "_fits", "skipped", "_census")  # one per queue: no dict
@@ -91,11 +93,14 @@ class Consumer:
     def __init__(self, clientid: str, state: AckState, *, store: QueueStore, pool: WriterPool, publish: Publish,
                  observer: DeliveryObserver, read: Read, read_deadline: SharedDeadline, window: int,
                  retention_s: float, tombstones: bool = False, sent_before_ms: int = 0,
-                 census: Census | None = None) -> None:
+                 census: Census | None = None, queue: str | None = None) -> None:
         """``sent_before_ms``: entries stored at or before this time (Unix ms; 0: none) may have been sent by a
         consumer of this queue that this one does not know of (see the module's docstring on ``dup``). ``census``:
-        the engine's counts of its consumers, told of this one's changes (None: its own, for a consumer alone)."""
+        the engine's counts of its consumers, told of this one's changes (None: its own, for a consumer alone).
+        ``queue``: the queue id read (None: ``clientid``, an ECQ consumer); a reader of a queue others read too
+        deletes no acked tombstone (GC does, after ``tombstone_retention``)."""
         self.clientid = clientid
+        self.queue = queue or clientid
         self.state = state
         self.connection: Any = None
         self._sending = False               # attached and subscribed: new deliveries may start
@@ -110,7 +115,7 @@ class Consumer:
         self._read_deadline = read_deadline
         self._window, self._retention_s = window, retention_s
         self._inflight_max = window         # the attached connection's bound: window, or less if it asked for less
-        self._tombstones = tombstones
+        self._tombstones = tombstones and self.queue == clientid
         self._acked_tombstones: list[ExpiredRow] = []  # acked, to delete once a save holding their ack commits
         self._read_cursor = state.acked     # highest seqno read from the store for this connection
         self._ready: deque[Message] = deque()  # read ahead, not yet handed out (at most two windows)
@@ -308,7 +313,7 @@ class Consumer:
     async def _read(self, limit: int) -> list[Message]:
         min_ts = retention_cutoff_ms(self._retention_s, now := now_ms())
         return await self._read_deadline.watch(
-            self._read_store(self._store.read_after, self.clientid, self._read_cursor, limit, min_ts,
+            self._read_store(self._store.read_after, self.queue, self._read_cursor, limit, min_ts,
                              None if self._newest == _UNKNOWN else self._newest, now))
 
     def _hand_out_ready(self) -> None:
@@ -324,7 +329,7 @@ class Consumer:
         self._handed.append(message.seqno)
         if message.seqno in self.state.above:
             return
-        topic = delivery_topic(self.clientid, message.key)
+        topic = delivery_topic(self.queue, message.key)
         if self._fits is not None and not self._fits(topic, message):
             oversize.skip(self.skipped, self.clientid, message, self._observer)
             return
@@ -393,7 +398,7 @@ class Consumer:
         self._save_due = False
         snapshot = AckState(self.state.acked, self.state.last_ack_ms, set(self.state.above))
         try:
-            future = self._pool.submit(self.clientid, SaveAck(self.clientid, snapshot))
+            future = self._pool.submit(self.queue, SaveAck(self.clientid, snapshot))
         except PoolClosed as exc:
             log.warning("ECQ broker shutting down: ack state of %s up to seqno %d not saved", self.clientid, snapshot.acked)
             self._settle_rewinds(self._rewinds, exc)
@@ -434,7 +439,7 @@ class Consumer:
     def _delete_tombstones(self, rows: list[ExpiredRow]) -> None:
         """Delete acked tombstones (their ack is committed); a failure leaves them to GC (tombstone_retention)."""
         try:
-            future = self._pool.submit(self.clientid, Expire(self.clientid, tuple(rows), "tombstone_acked"))
+            future = self._pool.submit(self.queue, Expire(self.queue, tuple(rows), "tombstone_acked"))
         except PoolClosed:
             return
         future.add_done_callback(_log_failed_tombstone_delete)

@@ -53,7 +53,9 @@ class QueueEngine:
         self.store = store
         self.settings = settings
         self.observers: list[QueueObserver] = []
-        self.consumers: dict[str, Consumer] = {}
+        self.consumers: dict[str, Consumer] = {}  # by the id its ack state is saved under (see Consumer)
+        # SCQ queue id -> {position id: Consumer} of the readers in self.consumers: a write is handed to each
+        self.readers: dict[str, dict[str, Consumer]] = {}
         self.census = Census()  # what totals() and heartbeat() need of the consumers, without a walk over them
         self.pool = WriterPool(store, settings.effective_pool_size(), self._on_commit, on_error=self._commit_failed)
         self._publish = publish
@@ -188,8 +190,9 @@ class QueueEngine:
         one of a cluster (only the lag index is)."""
         self._stored_entries -= len(rows)
         self._stored_bytes -= sum(row.size for row in rows)
-        if consumer := self.consumers.get(clientid):
-            consumer.forget({row.seqno for row in rows})
+        seqnos = {row.seqno for row in rows}
+        for consumer in self._consumers_of(clientid):
+            consumer.forget(seqnos)
         for observer in self.observers if own else (self.lag,):
             observer.expired(clientid, rows, reason)
 
@@ -200,11 +203,19 @@ class QueueEngine:
         self._queues += result.seqno == 1
         self._stored_entries += 1 - len(result.replaced)
         self._stored_bytes += len(op.payload) - result.replaced_bytes
-        if (consumer := self.consumers.get(op.clientid)) and consumer.online:
-            consumer.appended(result.seqno, op.key, Message(result.seqno, op.key, op.payload, op.ts_ms, op.expires_ms)
-                              if in_order else None)
+        if online := [consumer for consumer in self._consumers_of(op.clientid) if consumer.online]:
+            message = Message(result.seqno, op.key, op.payload, op.ts_ms, op.expires_ms) if in_order else None
+            for consumer in online:  # an SCQ's readers share the one Message
+                consumer.appended(result.seqno, op.key, message)
         for observer in self.observers if own else (self.lag,):
             observer.appended(op, result)
+
+    def _consumers_of(self, queue: str) -> Iterable[Consumer]:
+        """The consumers in memory that read the queue id ``queue``: an SCQ's readers, or an ECQ queue's consumer."""
+        if (readers := self.readers.get(queue)) is not None:
+            return readers.values()
+        consumer = self.consumers.get(queue)
+        return () if consumer is None else (consumer,)
 
     async def count_stored(self, refresh: bool = False) -> None:
         """Read the queue, entry and byte counts from the store. They are then kept up to date by this broker's
@@ -228,10 +239,12 @@ class QueueEngine:
     # --- consumers ----------------------------------------------------------------------------------
 
     async def attach(self, clientid: str, connection: Any, still_current: Callable[[], bool] = lambda: True,
-                     receive_maximum: int | None = None, fits: Fits | None = None) -> None:
+                     receive_maximum: int | None = None, fits: Fits | None = None, queue: str | None = None) -> None:
         """Deliver the queue of ``clientid`` to ``connection`` (loading its ack state first), at most
         min(``reader_batch_size``, ``receive_maximum``) deliveries in flight (None: ``reader_batch_size``); an
-        entry ``fits`` refuses (too large for the connection) is skipped for it (see ``Consumer.attach``).
+        entry ``fits`` refuses (too large for the connection) is skipped for it (see ``Consumer.attach``). An SCQ
+        reader: ``queue`` is the SCQ's queue id and ``clientid`` the reader's position id
+        (ecq.queue.topics.position_id); a first attach, with no stored position, starts at the queue's oldest entry.
 
         ``still_current()`` is asked after that load: an unsubscribe, disconnect or takeover may have
         happened meanwhile, and then nothing is attached. A connection already attached is detached first.
@@ -240,23 +253,35 @@ class QueueEngine:
             return
         if self.store.shared and (cached := self.consumers.get(clientid)) and not cached.online \
                 and not cached.saving:  # another broker may have moved its acks on (or rewound it): read them
-            del self.consumers[clientid]
+            self._drop_consumer(clientid)
         if clientid not in self.consumers:
             state = await self._load_ack_state(clientid, still_current)
             if state is None:
                 return
-            self._consumer(clientid, state)
+            self._consumer(clientid, state, queue)
         if not self.closing and still_current():
             self.consumers[clientid].attach(connection, receive_maximum, fits)
 
-    def _consumer(self, clientid: str, state: AckState) -> Consumer:
-        """The consumer of ``clientid``; a new one from ``state`` unless one was made meanwhile (an attach and a
-        rewind may both have been loading the state)."""
-        return self.consumers.setdefault(clientid, Consumer(
+    def _consumer(self, clientid: str, state: AckState, queue: str | None = None) -> Consumer:
+        """The consumer of ``clientid`` (reading ``queue``, see :meth:`attach`); a new one from ``state`` unless one
+        was made meanwhile (an attach and a rewind may both have been loading the state)."""
+        if (consumer := self.consumers.get(clientid)) is not None:
+            return consumer
+        consumer = self.consumers[clientid] = Consumer(
             clientid, state, store=self.store, pool=self.pool, publish=self._publish, observer=self,
             read=self._read_soon, window=self.settings.reader_batch_size, read_deadline=self._read_deadline,
             retention_s=self.settings.data_retention, tombstones=self.settings.tombstones,
-            sent_before_ms=now_ms() if self.store.shared else self._started_ms, census=self.census))
+            sent_before_ms=now_ms() if self.store.shared else self._started_ms, census=self.census, queue=queue)
+        if consumer.queue != clientid:
+            self.readers.setdefault(consumer.queue, {})[clientid] = consumer
+        return consumer
+
+    def _drop_consumer(self, clientid: str) -> None:
+        """Forget the consumer of ``clientid`` (its state is in the store), and it as a reader of its queue."""
+        consumer = self.consumers.pop(clientid)
+        if (readers := self.readers.get(consumer.queue)) is not None and readers.pop(clientid, None) \
+                and not readers:
+            del self.readers[consumer.queue]
 
     async def rewind(self, clientid: str, point: RewindPoint, *, must_exist: bool = False) -> int:
         """Rewind the queue of ``clientid`` to ``point``; returns the new acked seqno once it is stored.
@@ -319,7 +344,7 @@ class QueueEngine:
         attach."""
         consumer = self.consumers.get(clientid)
         if consumer is not None and not consumer.online and not consumer.saving and not consumer.resends.attempts:
-            del self.consumers[clientid]
+            self._drop_consumer(clientid)
 
     def stop_sending(self, clientid: str) -> None:
         """``clientid`` unsubscribed from its queue: start no new delivery to it, but complete those in flight

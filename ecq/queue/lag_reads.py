@@ -8,6 +8,7 @@ import heapq
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from ecq.queue.topics import is_position_id
 from ecq.store.protocol import QueueStore
 
 OLDEST_CANDIDATES = 64    # pending entries one dirty-queue read returns: acks arriving meanwhile may use up some
@@ -83,7 +84,7 @@ def scan_lag(store: QueueStore, live: Mapping[str, tuple[int, frozenset[int]]],
         lag.bytes += size
     if ahead is not None:
         ahead.update((cid, acked) for cid, (acked, _above) in states.items()
-                     if acked > last_stored.get(cid, 0) and acked > store.last_seqno(cid))
+                     if acked > last_stored.get(cid, 0) and not is_position_id(cid) and acked > store.last_seqno(cid))
     return queues
 
 

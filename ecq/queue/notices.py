@@ -17,6 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
+from ecq.queue.topics import is_position_id
 from ecq.store.protocol import AckState, Append, Appended, AppendNotice, ExpiredRow
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ class ClusterNotices:
     def _ack_saved(self, clientid: str, state: AckState) -> None:
         consumer = self._consumers.get(clientid)
         if consumer is not None and consumer.online:  # a takeover in progress: this broker's own acks count
+            return
+        if is_position_id(clientid):  # an SCQ reader's position: no queue of that id for the lag index to recount
             return
         self._lag.saved_elsewhere(clientid, state)
 

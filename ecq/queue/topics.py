@@ -6,6 +6,17 @@
 - owner PUBLISH      ``$ECQ/ctl/<clientid>/rewind`` (payload: a :class:`RewindPoint`, see :func:`parse_rewind_point`)
 
 ``w`` and ``ctl`` name the write and control namespaces, so clients with those ids cannot own a queue.
+
+SCQ, the shared compacted queue (issue 33): one queue ``<queue>`` written once and read by many clients, each
+reader with its own position.
+
+- producer PUBLISH   ``$SCQ/w/<queue>/<key>``
+- reader SUBSCRIBE   ``$SCQ/<queue>/#``                 (any client the ACL lets read it, QoS 1)
+- broker PUBLISH     ``$SCQ/<queue>/<key>``              (QoS 1, payload unchanged)
+
+``<queue>`` follows the clientid rules above (no ``/``, ``+``, ``#``, NUL; not ``w`` nor ``ctl``). An SCQ is stored
+as the queue id ``$SCQ/<queue>`` (:func:`scq_queue_id`), which no ECQ clientid can be (it holds ``/``); a reader's
+position is stored as the ack state of ``$SCQ/<queue>/<reader clientid>`` (:func:`position_id`).
 """
 
 from __future__ import annotations
@@ -15,6 +26,8 @@ from dataclasses import dataclass
 
 PREFIX = "$ECQ/"
 WRITE_PREFIX = "$ECQ/w/"
+SCQ_PREFIX = "$SCQ/"
+SCQ_WRITE_PREFIX = "$SCQ/w/"
 CTL_PREFIX = "$ECQ/ctl/"
 REWIND_COMMAND = "rewind"
 RESERVED_CLIENTIDS = frozenset({"w", "ctl"})  # $ECQ/w/... and $ECQ/ctl/... are not queues
@@ -41,8 +54,68 @@ class Write:
 
 
 def is_ecq_topic(topic: str) -> bool:
-    """True for every topic or filter in the ``$ECQ/`` namespace, which ECQ owns."""
-    return topic.startswith(PREFIX)
+    """True for every topic or filter in a namespace ECQ owns: ``$ECQ/`` and ``$SCQ/`` (nothing but ECQ's own
+    writes and deliveries go there: no routing, retaining or Will by amqtt)."""
+    return topic.startswith(PREFIX) or topic.startswith(SCQ_PREFIX)
+
+
+def is_scq_topic(topic: str) -> bool:
+    """True for every topic or filter in the ``$SCQ/`` namespace (shared compacted queues)."""
+    return topic.startswith(SCQ_PREFIX)
+
+
+def scq_queue_id(queue: str) -> str:
+    """The queue id the SCQ ``queue`` is stored under: ``$SCQ/<queue>`` (its delivery topics' first two levels)."""
+    return f"{SCQ_PREFIX}{queue}"
+
+
+def scq_write_topic(queue: str, key: str) -> str:
+    """Topic a producer publishes a write to the SCQ ``queue`` on: ``$SCQ/w/<queue>/<key>``."""
+    return f"{SCQ_WRITE_PREFIX}{queue}/{key}"
+
+
+def scq_filter(queue: str) -> str:
+    """The subscription filter that reads the SCQ ``queue``: ``$SCQ/<queue>/#``."""
+    return f"{SCQ_PREFIX}{queue}/#"
+
+
+def parse_scq_filter(topic_filter: str) -> str | None:
+    """The queue id (``$SCQ/<queue>``) that ``topic_filter`` reads when it is exactly ``$SCQ/<queue>/#`` with a
+    valid ``<queue>`` (the clientid rules of ``$ECQ/``), otherwise None."""
+    if not topic_filter.startswith(SCQ_PREFIX) or not topic_filter.endswith("/#"):
+        return None
+    queue = topic_filter[len(SCQ_PREFIX):-2]
+    if not _valid_queue_name(queue):
+        return None
+    return scq_queue_id(queue)
+
+
+def position_id(queue_id: str, reader: str) -> str:
+    """The id a reader's position in an SCQ is saved under, as an ack state: ``$SCQ/<queue>/<reader clientid>``.
+    Neither an ECQ queue nor an SCQ queue id can be one: it holds two ``/`` and starts ``$SCQ/``."""
+    return f"{queue_id}/{reader}"
+
+
+def is_position_id(stored_id: str) -> bool:
+    """True for the id of an SCQ reader's position (see :func:`position_id`), False for a queue id."""
+    return stored_id.startswith(SCQ_PREFIX) and "/" in stored_id[len(SCQ_PREFIX):]
+
+
+def is_scq_queue_id(stored_id: str) -> bool:
+    """True for the queue id of an SCQ (``$SCQ/<queue>``, see :func:`scq_queue_id`), False for a position id or an
+    ECQ queue."""
+    return stored_id.startswith(SCQ_PREFIX) and "/" not in stored_id[len(SCQ_PREFIX):]
+
+
+def _valid_queue_name(name: str) -> bool:
+    return bool(name) and "/" not in name and not any(ch in name for ch in _FORBIDDEN) \
+        and name not in RESERVED_CLIENTIDS
+
+
+def reading_filter(topic: str) -> str:
+    """The filter whose subscription a delivery on ``topic`` (``$ECQ/<clientid>/<key>`` or ``$SCQ/<queue>/<key>``)
+    answers: its first two levels, then ``/#``."""
+    return "/".join(topic.split("/", 2)[:2]) + "/#"
 
 
 def write_topic(clientid: str, key: str) -> str:
@@ -57,23 +130,36 @@ def write_topic(clientid: str, key: str) -> str:
 def parse_write(topic: str, payload_size: int, max_payload_bytes: int) -> Write:
     """Parse ``$ECQ/w/<clientid>/<key>`` (payload size in bytes) into a :class:`Write`.
 
-    Raises BadWrite with reason ``not_a_write`` (a PUBLISH to ``$ECQ/<clientid>/...``), ``empty_clientid``,
-    ``empty_key``, ``bad_clientid``/``bad_key`` (``+``, ``#`` or NUL inside; a clientid ``w`` or ``ctl``, whose
-    queue nobody could read) or ``payload_too_large``.
+    A write to an SCQ, ``$SCQ/w/<queue>/<key>``, gives ``Write(scq_queue_id(queue), key)`` by the same rules.
+    Raises BadWrite with reason ``not_a_write`` (a PUBLISH to ``$ECQ/<clientid>/...`` or ``$SCQ/<queue>/...``),
+    ``empty_clientid``, ``empty_key``, ``bad_clientid``/``bad_key`` (``+``, ``#`` or NUL inside; a clientid or
+    queue ``w`` or ``ctl``, whose queue nobody could read) or ``payload_too_large``.
     """
+    if topic.startswith(SCQ_WRITE_PREFIX):
+        write = _parse_write(topic, SCQ_WRITE_PREFIX, payload_size, max_payload_bytes, "queue name")
+        return Write(scq_queue_id(write.clientid), write.key)
+    if topic.startswith(SCQ_PREFIX):
+        raise BadWrite("not_a_write", f"refused PUBLISH to {topic!r}: SCQ writes go to $SCQ/w/<queue>/<key>")
     if not topic.startswith(WRITE_PREFIX):
         raise BadWrite("not_a_write", f"refused PUBLISH to {topic!r}: ECQ writes go to $ECQ/w/<clientid>/<key>")
-    clientid, _, key = topic[len(WRITE_PREFIX):].partition("/")
+    return _parse_write(topic, WRITE_PREFIX, payload_size, max_payload_bytes)
+
+
+def _parse_write(topic: str, prefix: str, payload_size: int, max_payload_bytes: int, name: str = "clientid"
+                 ) -> Write:
+    """The rules of :func:`parse_write` after ``prefix``; ``name`` is what the first level is called in messages
+    (``clientid``, or ``queue name`` for an SCQ), whose reasons keep the ``clientid`` labels."""
+    clientid, _, key = topic[len(prefix):].partition("/")
     if not clientid:
-        raise BadWrite("empty_clientid", f"refused write to {topic!r}: empty clientid")
+        raise BadWrite("empty_clientid", f"refused write to {topic!r}: empty {name}")
     if not key:
         raise BadWrite("empty_key", f"refused write to {topic!r}: empty key")
-    for label, value in (("clientid", clientid), ("key", key)):
+    for label, what, value in (("clientid", name, clientid), ("key", "key", key)):
         if any(ch in value for ch in _FORBIDDEN):
-            raise BadWrite(f"bad_{label}", f"refused write to {topic!r}: {label} contains '+', '#' or NUL")
+            raise BadWrite(f"bad_{label}", f"refused write to {topic!r}: {what} contains '+', '#' or NUL")
     if clientid in RESERVED_CLIENTIDS:
-        raise BadWrite("bad_clientid", f"refused write to {topic!r}: {clientid!r} cannot own a queue ($ECQ/w/ and "
-                                       "$ECQ/ctl/ are ECQ's own topics)")
+        raise BadWrite("bad_clientid", f"refused write to {topic!r}: {clientid!r} cannot own a queue ({prefix} and "
+                                       f"{prefix[:-2]}ctl/ are ECQ's own topics)")
     if payload_size > max_payload_bytes:
         raise BadWrite(
             "payload_too_large",
@@ -99,6 +185,8 @@ def parse_target(topic: str) -> str | None:
     for prefix in (WRITE_PREFIX, CTL_PREFIX):
         if topic.startswith(prefix):
             return topic[len(prefix):].partition("/")[0] or None
+    if topic.startswith(SCQ_WRITE_PREFIX) and (queue := topic[len(SCQ_WRITE_PREFIX):].partition("/")[0]):
+        return scq_queue_id(queue)
     return None
 
 
@@ -171,5 +259,8 @@ def queue_filter(clientid: str) -> str:
 
 
 def delivery_topic(clientid: str, key: str) -> str:
-    """Topic the broker publishes a queued value on: ``$ECQ/<clientid>/<key>``."""
+    """Topic the broker publishes a queued value on: ``$ECQ/<clientid>/<key>``; for an SCQ's queue id
+    ``$SCQ/<queue>`` (:func:`scq_queue_id`), ``$SCQ/<queue>/<key>``."""
+    if clientid.startswith(SCQ_PREFIX):
+        return f"{clientid}/{key}"
     return f"{PREFIX}{clientid}/{key}"

@@ -12,6 +12,7 @@ from typing import Any
 from ecq.queue import gc
 from ecq.queue.clock import now_ms, retention_cutoff_ms
 from ecq.queue.observer import QueueObserver
+from ecq.queue.topics import is_scq_queue_id
 from ecq.queue.writer import WriterPool
 from ecq.store.protocol import ExpiredRow, ForgetQueue, QueueStore, StoreError
 
@@ -70,15 +71,17 @@ class Collector:
     async def forget_idle_queues(self) -> int:
         """State GC: delete the seqno counter and ack state of every queue that stores no entry, has no
         consumer in memory (online, or offline with its state cached) and had no write and no ack for
-        ``state_retention``; returns how many. Each is checked again in its own commit (ForgetQueue), through
-        the queue's writer agent, so a write or an ack that came meanwhile keeps it. Raises what the store's
+        ``state_retention``; returns how many. An SCQ's seqno counter is kept: its readers' positions, stored apart,
+        would otherwise pass the seqnos of its next writes. Each is checked again in its own commit (ForgetQueue),
+        through the queue's writer agent, so a write or an ack that came meanwhile keeps it. Raises what the store's
         reads and commits raise."""
         cutoff_ms = retention_cutoff_ms(self._settings.state_retention)
         candidates = await self._read(self._store.idle_queues, cutoff_ms)
         forgotten = 0
         for start in range(0, len(candidates), FORGET_BATCH):
             idle = [cid for cid in candidates[start:start + FORGET_BATCH]
-                    if cid not in self._consumers and cid not in self._loading and self._running()]
+                    if cid not in self._consumers and cid not in self._loading and self._running()
+                    and not is_scq_queue_id(cid)]
             for clientid in idle:
                 self._forgetting[clientid] = self._pool.submit(clientid, ForgetQueue(clientid, cutoff_ms))
             try:

@@ -81,7 +81,7 @@ from ecq.broker.amqtt_hooks.conformance import set_session_expiry
 from ecq.broker.amqtt_hooks.ecq_paths import (acknowledge_soon, client_id, close_connection, connection_is_open,
                                               delivery_fits, listener_addresses, live_connection, publish_qos1,
                                               qos2_receipts, send_soon, set_listen_backlog, shorten_subscriptions_repr)
-from ecq.broker.amqtt_hooks.fleet_scale import session_deadlines
+from ecq.broker.amqtt_hooks.fleet_scale import filters_held, session_deadlines
 from ecq.broker.amqtt_hooks.flow import count_routed_publishes
 from ecq.broker.amqtt_hooks.mqtt5_messages import Subscription, cluster_form, from_cluster_form
 from ecq.broker.amqtt_hooks.mqtt5_packets import receive_maximum
@@ -93,8 +93,8 @@ from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 __all__ = ["AmqttSeamError", "CORRECTIONS", "EcqHooksTarget", "PersistentSession", "ProtocolViolation",
            "SERVER_SHUTTING_DOWN", "SESSION_TAKEN_OVER", "Subscription", "acknowledge_soon", "broadcast_from_cluster",
            "client_id", "close_connection", "close_listeners", "cluster_form", "connection_is_open", "connections",
-           "count_routed_publishes", "delivery_fits", "discard_session", "from_cluster_form", "hand_over_session",
-           "install", "listener_addresses", "live_connection", "open_connections", "persistent_session",
+           "count_routed_publishes", "delivery_fits", "discard_session", "filters_held", "from_cluster_form",
+           "hand_over_session", "install", "listener_addresses", "live_connection", "open_connections", "persistent_session",
            "persistent_sessions", "publish_qos1", "qos2_receipts", "receive_maximum", "received_unread",
            "send_disconnect", "send_soon", "session_deadlines", "set_listen_backlog", "set_retained_from_cluster",
            "set_session_expiry", "shorten_subscriptions_repr", "stop_reading"]

@@ -40,14 +40,14 @@ from ecq.broker.amqtt_hooks.mqtt5_messages import subscriptions_of
 from ecq.broker.amqtt_hooks.mqtt5_packets import context_of, delivery, publish_acknowledgement, release_inbound
 from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import find_target
-from ecq.queue.topics import is_ecq_topic, queue_filter
+from ecq.queue.topics import is_ecq_topic, reading_filter
 from ecq.store.protocol import Message
 
 SUBACK_FAILURE = 0x80
 _ACK = struct.Struct(">BBH")  # PUBACK, PUBREC, PUBCOMP: first byte, remaining length 2, packet id (section 3.4-3.7)
 _ACK_TYPES = {1: 0x40, 2: 0x50}  # the acknowledgement of an incoming PUBLISH by QoS: PUBACK, PUBREC
 _unsent: dict[BrokerProtocolHandler, list[bytes]] = {}  # packets queued by send_soon, per connection
-_SENT_PACKET_IDS = "ecq_sent_packet_ids"  # the key of amqtt's Session.attributes: seqno -> packet id, not acked
+_SENT_PACKET_IDS = "ecq_sent_packet_ids"  # amqtt's Session.attributes key: (topic, seqno) -> packet id, not acked
 REMEMBERED_PACKET_IDS = 1024  # per session; at most reader_batch_size (31) are in flight when a connection drops
 
 
@@ -260,7 +260,7 @@ async def publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: byte
     if not connection_is_open(handler):
         raise ConnectionError("connection closed")
     session = handler.session
-    packet_id, sent_before = _delivery_packet_id(session, seqno)
+    packet_id, sent_before = _delivery_packet_id(session, seqno, topic)
     dup = dup or sent_before
     message = OutgoingApplicationMessage(packet_id, topic, QOS_1, payload, False)
     puback = asyncio.get_running_loop().create_future()
@@ -272,11 +272,11 @@ async def publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: byte
         else:
             send_soon(handler, _mqtt5_delivery(session, packet_id, topic, payload, seqno, ts_ms, expires_ms, dup))
         await puback
-        _sent_packet_ids(session).pop(seqno, None)
+        _sent_packet_ids(session).pop((topic, seqno), None)
     except asyncio.CancelledError:
         if asyncio.current_task().cancelling():
             if connection_is_open(handler):  # the consumer forgot this send (a rewind): the client still holds its id
-                _sent_packet_ids(session).pop(seqno, None)
+                _sent_packet_ids(session).pop((topic, seqno), None)
             raise
         raise ConnectionError("connection closed while waiting for PUBACK") from None
     finally:
@@ -299,19 +299,22 @@ def delivery_fits(handler: BrokerProtocolHandler) -> Callable[[str, Message], bo
 
 def _mqtt5_delivery(session: Any, packet_id: int, topic: str, payload: bytes, seqno: int | None, ts_ms: int | None,
                     expires_ms: int, dup: bool) -> bytes:
-    """The v5 PUBLISH of a delivery, with the Subscription Identifier of the session's ``$ECQ/<clientid>/#``."""
-    subscription = subscriptions_of(session).get(queue_filter(session.client_id))
+    """The v5 PUBLISH of a delivery, with the Subscription Identifier of the session's ``$ECQ/<clientid>/#`` (or
+    ``$SCQ/<queue>/#``, ecq.queue.topics.reading_filter)."""
+    subscription = subscriptions_of(session).get(reading_filter(topic))
     ids = (subscription.subscription_id,) if subscription and subscription.subscription_id else ()
     return delivery(packet_id, topic, payload, seqno, ts_ms, expires_ms, dup, ids)
 
 
-def _sent_packet_ids(session: Any) -> dict[int, int]:
-    """Seqno -> packet id of the deliveries ``session`` sent and got no PUBACK for, oldest first (made empty)."""
+def _sent_packet_ids(session: Any) -> dict[tuple[str, int], int]:
+    """(topic, seqno) -> packet id of the deliveries ``session`` sent and got no PUBACK for, oldest first (made
+    empty); by topic too, since a session reading SCQs besides its own queue gets entries of several queues."""
     return session.attributes.setdefault(_SENT_PACKET_IDS, {})
 
 
-def _delivery_packet_id(session: Any, seqno: int | None) -> tuple[int, bool]:
-    """(the packet id of a delivery of entry ``seqno`` on amqtt's ``session``, True when the session sent it before).
+def _delivery_packet_id(session: Any, seqno: int | None, topic: str) -> tuple[int, bool]:
+    """(the packet id of a delivery of entry ``seqno`` on ``topic`` on amqtt's ``session``, True when the session sent
+    it before).
 
     A resend keeps the packet id of the first send (MQTT 3.1.1 section 4.4, MQTT-4.4.0-1) while amqtt's Session
     lives: a persistent session on this broker. A clean session, a broker restart or another cluster node has
@@ -320,12 +323,12 @@ def _delivery_packet_id(session: Any, seqno: int | None) -> tuple[int, bool]:
     the client still holds that id). At most REMEMBERED_PACKET_IDS are kept (the oldest forgotten): entries never
     sent again (compacted, expired, rewound past) would otherwise stay forever."""
     sent = _sent_packet_ids(session)
-    packet_id = sent.pop(seqno, None)
+    packet_id = sent.pop((topic, seqno), None)
     sent_before = packet_id is not None
     if packet_id is None or packet_id in session.inflight_out or packet_id in session.inflight_in:
         packet_id = session.next_packet_id
     if seqno is not None:
-        sent[seqno] = packet_id
+        sent[topic, seqno] = packet_id
         if len(sent) > REMEMBERED_PACKET_IDS:
             del sent[next(iter(sent))]
     return packet_id, sent_before

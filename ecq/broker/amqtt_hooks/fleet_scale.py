@@ -102,6 +102,11 @@ def filters_of(broker: Broker, clientid: str) -> list[str]:
     return list(_filters_of_clients(broker).get(clientid, ()))
 
 
+def filters_held(context: BrokerContext, clientid: str) -> list[str]:
+    """:func:`filters_of` the broker of ``context`` (for the plugin's side, which sees only the context)."""
+    return filters_of(context._broker_instance, clientid)
+
+
 def granted_of(broker: Broker, clientid: str) -> dict[str, int]:
     """``{topic filter: granted QoS}`` of the subscriptions ``clientid`` holds in ``broker``'s subscriptions map, in
     the order subscribed, as :func:`filters_of` reads them: the QoS amqtt keeps in the map, read without walking any

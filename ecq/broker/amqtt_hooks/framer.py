@@ -57,14 +57,14 @@ from ecq.broker.amqtt_hooks.ecq_paths import client_id, send_soon
 from ecq.broker.amqtt_hooks.flow import all_routed, room_to_read
 from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
-from ecq.queue.topics import PREFIX, is_ecq_topic
+from ecq.queue.topics import PREFIX, SCQ_PREFIX, is_ecq_topic
 
 log = logging.getLogger(__name__)
 
 READ_SIZE = 64 * 1024  # bytes taken from the socket's StreamReader per read
 RUN_OUT_S = 5.0  # at the end of a connection, the longest its last packets' handlers are waited for
 _QOS_2_FLAGS = 0x04  # PUBLISH flags & 0x06 for QoS 2
-_ECQ_PREFIX = PREFIX.encode()
+_ECQ_PREFIXES = (PREFIX.encode(), SCQ_PREFIX.encode())  # the topics ECQ takes itself
 _PINGRESP = bytes((PINGRESP << 4, 0))  # the same two bytes in MQTT 3.1.1 and 5.0
 _HANDLERS = {CONNACK: "handle_connack", SUBSCRIBE: "handle_subscribe", UNSUBSCRIBE: "handle_unsubscribe",
              SUBACK: "handle_suback", UNSUBACK: "handle_unsuback", PUBACK: "handle_puback", PUBREC: "handle_pubrec",
@@ -235,12 +235,12 @@ class Framer:
         return topic_end
 
     def _take_ecq_publish(self, data: bytes, first: int, body: int, end: int) -> bool:
-        """Hand a PUBLISH under ``$ECQ/``, at any QoS, to the plugin as it is read; False for any other topic
-        (amqtt decodes those). Raises ProtocolViolation: a topic or packet id running past the packet, invalid
+        """Hand a PUBLISH under ``$ECQ/`` or ``$SCQ/``, at any QoS, to the plugin as it is read; False for any other
+        topic (amqtt decodes those). Raises ProtocolViolation: a topic or packet id running past the packet, invalid
         UTF-8, packet id 0."""
         qos = first >> 1 & 0x03
         topic_end = self._topic_end(data, qos, body, end)
-        if not data.startswith(_ECQ_PREFIX, body + 2, topic_end):
+        if not data.startswith(_ECQ_PREFIXES, body + 2, topic_end):
             return False
         topic = utf8_or_violation(self._packets, data[body + 2:topic_end], "PUBLISH topic")
         packet_id = data[topic_end] << 8 | data[topic_end + 1] if qos else None

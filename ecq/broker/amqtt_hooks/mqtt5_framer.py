@@ -54,7 +54,7 @@ from ecq.broker.amqtt_hooks.mqtt5_sessions import take_disconnect_expiry, tell
 from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.shared_subscriptions import v5_refusal
 from ecq.broker.amqtt_hooks.target import find_target
-from ecq.queue.topics import is_ecq_topic, queue_filter
+from ecq.queue.topics import is_ecq_topic, is_scq_topic, queue_filter
 
 _ACKS = (PUBACK, PUBREC, PUBREL, PUBCOMP)
 _WITH_WILL = 0x04
@@ -265,11 +265,14 @@ class Mqtt5Framer(Framer):
                 continue
             kept.append(topic_filter)
             subscribed(self._handler, topic_filter, packet.subscription_id)
-            own = topic_filter.pattern == queue_filter(client_id(self._handler) or "")
-            foreign_queue = is_ecq_topic(topic_filter.pattern) and not own
-            decided.append((True, NOT_AUTHORIZED if foreign_queue else UNSPECIFIED_ERROR))
-            if is_ecq_topic(topic_filter.pattern) and (reason := self._plugin.subscription_refusal(
-                    client_id(self._handler) or "", topic_filter.pattern, int(topic_filter.max_qos))):
+            pattern, clientid = topic_filter.pattern, client_id(self._handler) or ""
+            reason = self._plugin.subscription_refusal(clientid, pattern, int(topic_filter.max_qos)) \
+                if is_ecq_topic(pattern) else None
+            # refused, another client's queue, or an SCQ the ACL denies, is 0x87; a refused form or QoS of one's own
+            # queue or of an SCQ, 0x80
+            not_authorized = pattern != queue_filter(clientid) if not is_scq_topic(pattern) else reason is None
+            decided.append((True, NOT_AUTHORIZED if is_ecq_topic(pattern) and not_authorized else UNSPECIFIED_ERROR))
+            if reason:
                 reasons.append(reason)
         if not kept:
             codes = [mqtt5.SubAckReasonCode(code) for _, code in decided]

@@ -18,6 +18,7 @@ Retained messages are not sent on a shared subscription (section 4.8.2; ``_match
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +29,8 @@ from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE
 from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic
+
+log = logging.getLogger(__name__)
 
 SHARE_PREFIX = "$share/"
 TOPIC_FILTER_INVALID, SHARED_NOT_SUPPORTED = 0x8F, 0x9E
@@ -91,8 +94,9 @@ def take_shared_subscriptions() -> None:
     """amqtt 0.12.1's ``Broker.add_subscription`` records ``$share/...`` as any filter, malformed or not, and its
     ``topic_filtering`` plugins (ECQ's ACL) judge the whole string, so an ACL that denies ``secret/#`` let
     ``$share/g/secret/#`` through. MQTT 5.0 section 4.8.2: a malformed shared subscription, or one on an ``$ECQ/``
-    filter (a queue has one reader), is refused with SUBACK 0x80 (v5 clients get their codes from
-    ``mqtt5_framer``), and the ACL judges a shared subscription by the filter it reads."""
+    filter (a queue has one reader) or an ``$SCQ/`` one (an SCQ's shared groups are not built yet, issue 33), is
+    refused with SUBACK 0x80 (v5 clients get their codes from ``mqtt5_framer``), logged, and the ACL judges a
+    shared subscription by the filter it reads."""
     original_add = Broker.add_subscription
     original_filtering = Broker._topic_filtering
 
@@ -101,6 +105,9 @@ def take_shared_subscriptions() -> None:
         if find_target(broker.plugins_manager) is not None and is_shared(topic_filter):
             target = share_target(topic_filter)
             if target is None or is_ecq_topic(target):
+                log.warning("ECQ refused SUBSCRIBE of %s to %r: %s", session.client_id, topic_filter,
+                            "a malformed shared subscription" if target is None else
+                            "no shared subscription reads $ECQ/ or $SCQ/ (an SCQ's shared groups are not built yet)")
                 return SUBACK_FAILURE
         return await original_add(broker, subscription, session)
 
