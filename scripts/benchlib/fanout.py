@@ -39,7 +39,7 @@ from benchlib.netns import private_netns, remove_stale
 from benchlib.report import Row, ScenarioResult
 from benchlib.scenarios import ECQ_QUEUE, REPO, Bench, dir_bytes, progress
 from ecq.queue.topics import is_position_id, is_scq_topic, scq_filter, scq_write_topic, write_topic
-from ecq.store.leveldb_tables import STATE, read_s
+from ecq.store.leveldb_tables import STATE, decode_state, read_s
 
 NETNS_PREFIX = "ecq-fanout-"     # + the pid of the run
 QUEUE = "fleet-config"           # the SCQ every device reads (the name of acl/acl-fleet.example.conf)
@@ -154,28 +154,30 @@ def deliver(bench: Bench, load: FleetLoad, broker, target: Target, phase: str, t
 
 
 def stored_state(queues_dir: Path) -> dict[str, Any]:
-    """Key + value bytes of the ack state rows in the stopped broker's LevelDB at ``queues_dir``: SCQ readers'
-    positions and ECQ consumers' states apart; and the directory's size in bytes. Raises plyvel.Error when LevelDB
-    cannot be opened."""
+    """The ack state rows in the stopped broker's LevelDB at ``queues_dir``, SCQ readers' positions and ECQ consumers'
+    states apart (see :func:`row_sizes`); and the directory's size in bytes. Raises plyvel.Error when LevelDB cannot
+    be opened."""
     positions, consumers = [], []
     db = plyvel.DB(str(queues_dir))
     try:
         for key, value in db.iterator(prefix=STATE):
             stored_id = read_s(key, len(STATE))[0]
             if is_position_id(stored_id):
-                positions.append(len(key) + len(value))
+                positions.append((key, value))
             elif not is_scq_topic(stored_id):
-                consumers.append(len(key) + len(value))
+                consumers.append((key, value))
     finally:
         db.close()
     return {"positions": row_sizes(positions), "consumer_states": row_sizes(consumers),
             "leveldb_dir_bytes": dir_bytes(queues_dir)}
 
 
-def row_sizes(sizes: list[int]) -> dict[str, Any]:
-    """How many rows, their mean and largest size in bytes (None without rows)."""
-    return {"rows": len(sizes), "mean_bytes": round(sum(sizes) / len(sizes), 1) if sizes else None,
-            "max_bytes": max(sizes, default=None)}
+def row_sizes(rows: list[tuple[bytes, bytes]]) -> dict[str, Any]:
+    """How many ack state rows, how many of them acked the first write (seqno 1: the broker recorded that PUBACK),
+    and their mean and largest key + value size in bytes (None without rows)."""
+    sizes = [len(key) + len(value) for key, value in rows]
+    return {"rows": len(rows), "acked": sum(1 for _, value in rows if decode_state(value).acked >= 1),
+            "mean_bytes": round(sum(sizes) / len(sizes), 1) if sizes else None, "max_bytes": max(sizes, default=None)}
 
 
 # --- rows -----------------------------------------------------------------------------------------------------
@@ -192,7 +194,8 @@ def figure(run: dict[str, Any] | None, *path: str) -> Any:
 
 def fanout_rows(out: ScenarioResult) -> None:
     """Per size: time to all devices, deliveries/s, stored payload bytes and stored state per reader, SCQ against ECQ,
-    with issue 33's targets; the group-of-4 row (not built); SCQ's stored bytes at the largest size over the smallest."""
+    with issue 33's targets; the group-of-4 row (not built); SCQ's stored bytes at the largest size over the
+    smallest."""
     runs, sizes = out.details.get("runs", {}), out.details.get("sizes", [])
     for size in sizes:
         scq, ecq = runs.get(f"SCQ @{size}"), runs.get(f"ECQ @{size}")
@@ -254,8 +257,9 @@ def store_rows(out: ScenarioResult, size: int, scq, ecq) -> None:
                         figure(ecq, "state", "consumer_states", "mean_bytes"), f"<= {STATE_TARGET_BYTES} B",
                         None if largest is None else largest <= STATE_TARGET_BYTES,
                         note=f"key + value of a reader's position row (LevelDB table a), mean of "
-                             f"{positions.get('rows', 0):,}, largest {largest}; queue {QUEUE!r}, client ids "
-                             "car-NNNNNN; baseline: an ECQ consumer's ack state"))
+                             f"{positions.get('rows', 0):,} ({number(positions.get('acked'))} acked), largest "
+                             f"{largest}; queue {QUEUE!r}, client ids car-NNNNNN; baseline: an ECQ consumer's ack "
+                             f"state ({number(figure(ecq, 'state', 'consumer_states', 'acked'))} acked)"))
 
 
 def number(value: int | None) -> str:
