@@ -276,13 +276,15 @@ class Worker:
         return {"disconnected": len(devices), "closed_late": len(pending)}
 
     async def publish(self, target: Target, topics: list[str], wait_deliveries: int, deadline_s: float,
-                      producer_id: str) -> dict[str, Any]:
-        """One producer connection publishes one QoS 1 message to each topic, PRODUCER_WINDOW in flight; waits for
-        every PUBACK and until this process's devices received ``wait_deliveries`` messages, or the deadline."""
+                      producer_id: str, payload: bytes = b"fleet") -> dict[str, Any]:
+        """One producer connection publishes one QoS 1 message with ``payload`` to each topic, PRODUCER_WINDOW in
+        flight; waits for every PUBACK and until this process's devices received ``wait_deliveries`` messages, or the
+        deadline. Without topics no producer connects: the process only waits for its devices' deliveries (of a write
+        another process made)."""
         self.counts = Counts()
         for device in self.devices.values():
             device.counts = self.counts
-        producer, _ = await self.open(target, producer_id, True)
+        producer = (await self.open(target, producer_id, True))[0] if topics else None
         window = asyncio.Semaphore(PRODUCER_WINDOW)
         acked = {"count": 0, "last_ns": 0}
 
@@ -291,13 +293,14 @@ class Worker:
             acked["last_ns"] = time.monotonic_ns()
             window.release()
 
-        producer.on_puback = on_puback
+        if producer:
+            producer.on_puback = on_puback
         start_ns = time.monotonic_ns()
 
         async def send_all() -> None:
             for n, topic in enumerate(topics):
                 await window.acquire()
-                producer.send(publish_packet(n % 65535 + 1, topic, b"fleet"))
+                producer.send(publish_packet(n % 65535 + 1, topic, payload))
             while acked["count"] < len(topics) or self.counts.delivered < wait_deliveries:
                 await asyncio.sleep(0.005)
 
@@ -305,8 +308,9 @@ class Worker:
         done, _ = await asyncio.wait([sending], timeout=deadline_s)
         if not done:
             sending.cancel()
-        producer.send(DISCONNECT)
-        producer.close()
+        if producer:
+            producer.send(DISCONNECT)
+            producer.close()
         return {"published": len(topics), "acked": acked["count"], "acked_end_ns": acked["last_ns"],
                 "delivered": self.counts.delivered, "delivered_end_ns": self.counts.last_delivery_ns,
                 "start_ns": start_ns, "timed_out": not done}

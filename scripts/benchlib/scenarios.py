@@ -795,3 +795,13 @@ def fleet(bench: Bench, out: ScenarioResult) -> None:
 
 
 SCENARIOS["fleet"] = fleet
+
+
+def fanout(bench: Bench, out: ScenarioResult) -> None:
+    """The fanout scenario (issue 33 point 8), in benchlib.fanout (imported when it runs, since it builds on this
+    module)."""
+    from benchlib.fanout import fanout as fanout_scenario
+    fanout_scenario(bench, out)
+
+
+SCENARIOS["fanout"] = fanout
