@@ -190,3 +190,25 @@ async def stored_count(urls: list[str], stream: str) -> int | None:
         return None
     finally:
         await client.close()
+
+
+def test_a_qos2_message_the_client_received_is_released_not_sent_again_on_the_other_node(cluster_nodes, connect):
+    """MQTT 3.1.1 section 4.3.3: once the client sent PUBREC it holds the message; the sender may only send PUBREL
+    for that packet id (section 4.4: again on reconnect), never the PUBLISH again, or a QoS 2 message is
+    delivered twice."""
+    node1, node2 = started(cluster_nodes())
+    old = RawClient(node1.port, "q2", clean_session=False)
+    assert old.subscribe(b"q2/#", qos=2)[0] == 0x90
+    connect(node1.port, "pub").publish("q2/m", b"exactly once", qos=2)
+    header, body = old.receive()
+    assert header & 0xF6 == 0x34, f"expected a QoS 2 PUBLISH, got {header:#x}"
+    packet_id = body[2 + int.from_bytes(body[:2], "big"):][:2]
+    old.send(0x50, packet_id)  # PUBREC; the broker's PUBREL is left without PUBCOMP
+    assert old.receive() == (0x62, packet_id)
+    old.close()
+
+    moved = RawClient(node2.port, "q2", clean_session=False)
+    assert moved.receive() == (0x62, packet_id)  # PUBREL again, the same packet id (DUP-free: section 4.4)
+    moved.send(0x70, packet_id)  # PUBCOMP
+    assert moved.ping()  # nothing else came before the PINGRESP: the message was not sent again
+    moved.close()

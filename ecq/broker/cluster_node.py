@@ -110,5 +110,5 @@ class ClusterNode:
         await self.bus.link.submit(self.state.settle())
         if handed is None:
             return SessionState(False)
-        held, messages = handed
-        return SessionState(True, held.subscriptions, messages, held.username)
+        return SessionState(True, handed.session.subscriptions, handed.messages, handed.session.username,
+                            releases=handed.releases)

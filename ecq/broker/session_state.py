@@ -47,28 +47,34 @@ class SessionState:
     stored by a broker that did not record its owner (none resumes it), ``subscriptions`` ``[(filter, granted QoS,
     MQTT 5.0 options or None)]`` (``amqtt_hooks.Subscription``: No Local, Retain As Published, Retain Handling,
     Subscription Identifier) and ``messages`` ``[(topic, QoS, payload)]`` queued for it, oldest first (a payload
-    may be an MQTT 5.0 one, with its properties); ``present`` False when there is none."""
+    may be an MQTT 5.0 one, with its properties); ``releases`` the packet ids of QoS 2 messages its client received
+    and has not completed, for which the PUBREL goes out again (MQTT 3.1.1 section 4.3.3); ``present`` False when
+    there is none."""
 
     present: bool
     subscriptions: list[tuple[str, int, Subscription | None]] = field(default_factory=list)
     messages: list[tuple[str, int, bytes]] = field(default_factory=list)
     username: str | None = None
     owner_known: bool = True
+    releases: list[int] = field(default_factory=list)
 
     def to_bytes(self) -> bytes:
         """JSON: the owner, the subscriptions (:func:`subscriptions_value`), payloads in base64, each followed by its
-        cluster form (null for none)."""
+        cluster form (null for none), and the packet ids of the releases owed."""
         return json.dumps({"present": self.present, "username": self.username,
                            "subscriptions": subscriptions_value(self.subscriptions),
                            "messages": [[t, q, base64.b64encode(d).decode(), cluster_form(d)]
-                                        for t, q, d in self.messages]}).encode()
+                                        for t, q, d in self.messages],
+                           "releases": self.releases}).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> SessionState:
         """Inverse of :meth:`to_bytes`; from a broker of an earlier version (no ``username``), a session of no known
-        owner. Raises ValueError (or KeyError, TypeError) for anything else."""
+        owner (no ``releases``: none owed). Raises ValueError (or KeyError, TypeError) for anything else."""
         raw = json.loads(data)
-        return cls._of(raw, bool(raw["present"]), [_message(*entry) for entry in raw["messages"]])
+        state = cls._of(raw, bool(raw["present"]), [_message(*entry) for entry in raw["messages"]])
+        state.releases = [_packet_id(packet_id) for packet_id in raw.get("releases", [])]
+        return state
 
     @classmethod
     def from_kv(cls, value: bytes) -> SessionState:
@@ -100,6 +106,12 @@ def _subscription(options: dict[str, Any]) -> Subscription:
     subscription_id = options["subscription_id"]
     return Subscription(bool(options["no_local"]), bool(options["retain_as_published"]),
                         int(options["retain_handling"]), None if subscription_id is None else int(subscription_id))
+
+
+def _packet_id(value: Any) -> int:
+    if not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ValueError(f"a packet id {value!r}")
+    return value
 
 
 def _username(value: Any) -> str | None:

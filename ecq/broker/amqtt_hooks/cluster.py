@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 from amqtt.broker import Broker, BrokerContext, RetainedApplicationMessage
 from amqtt.mqtt.constants import QOS_1, QOS_2
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+from amqtt.mqtt.pubrel import PubrelPacket
+from amqtt.session import OutgoingApplicationMessage
 
 from ecq.broker.amqtt_hooks.connection_cap import connections_of
 from ecq.broker.amqtt_hooks.ecq_paths import holds_packet_ids
@@ -32,6 +34,16 @@ from ecq.broker.amqtt_hooks.session_owners import mark_owner_unknown
 from ecq.broker.amqtt_hooks.shared_subscriptions import is_shared
 from ecq.broker.amqtt_hooks.target import HandedOverSession, find_target
 from ecq.queue.topics import is_ecq_topic
+
+
+class HandedOver(NamedTuple):
+    """What :func:`hand_over_session` takes from this broker: the ``session`` (:class:`PersistentSession`), the
+    ``messages`` ``[(topic, QoS, payload)]`` its client has not received, oldest first, and the ``releases``, packet
+    ids of QoS 2 messages it received (PUBREC came) without completing them (no PUBCOMP)."""
+
+    session: PersistentSession
+    messages: list[tuple[str, int, bytes]]
+    releases: list[int]
 
 
 class PersistentSession(NamedTuple):
@@ -145,7 +157,17 @@ def _install_session(broker: Broker, clientid: str, state: HandedOverSession) ->
             options[topic_filter] = subscription
     for topic, qos, data in state.messages:
         session.retained_messages.put_nowait(RetainedApplicationMessage(None, topic, data, qos))
+    for packet_id in state.releases:
+        session.inflight_out[packet_id] = _release(packet_id)
     broker._sessions[clientid] = (session, None)
+
+
+def _release(packet_id: int) -> OutgoingApplicationMessage:
+    """An outgoing QoS 2 message whose PUBREC came and whose PUBREL is due: amqtt's resend at reconnect
+    (``_handle_message_flow``) sends the PUBREL again for it, never the PUBLISH (MQTT 3.1.1 sections 4.3.3, 4.4)."""
+    message = OutgoingApplicationMessage(packet_id, "", QOS_2, b"", False)
+    message.pubrel_packet = PubrelPacket.build(packet_id)
+    return message
 
 
 def persistent_session(context: BrokerContext, clientid: str) -> PersistentSession | None:
@@ -167,30 +189,38 @@ def persistent_sessions(context: BrokerContext) -> dict[str, PersistentSession]:
             if session.clean_session is False}
 
 
-async def hand_over_session(context: BrokerContext, clientid: str) -> tuple[PersistentSession,
-                                                                           list[tuple[str, int, bytes]]] | None:
+async def hand_over_session(context: BrokerContext, clientid: str) -> HandedOver | None:
     """Remove ``clientid``'s persistent session from this broker (its connection closed already) and return it
-    (:func:`persistent_session`) with the messages it has not received (:func:`_unreceived`). None, and nothing
-    removed, when it has none here."""
+    (:func:`persistent_session`) with the messages it has not received (:func:`_unreceived`) and the QoS 2 releases
+    it owes (:func:`_releases`). None, and nothing removed, when it has none here."""
     broker = context._broker_instance
     held = persistent_session(context, clientid)
     if held is None:
         if clientid in broker._sessions:
             await broker._cleanup_session(clientid)
         return None
-    messages = _unreceived(broker._sessions[clientid][0])
+    session = broker._sessions[clientid][0]
+    handed = HandedOver(held, _unreceived(session), _releases(session))
     await broker._cleanup_session(clientid)
-    return held, messages
+    return handed
 
 
 def _unreceived(session: Any) -> list[tuple[str, int, bytes]]:
     """The messages amqtt's ``session`` holds that its client has not received, oldest first, left in place: those
-    sent but not acknowledged (MQTT 3.1.1 section 4.4; they go out again as new messages) then those queued while it
-    was offline (QoS 1 and 2 only, ``$ECQ/`` excluded: ECQ redelivers its queues itself)."""
+    sent but not acknowledged (MQTT 3.1.1 section 4.4; they go out again as new messages; a QoS 2 one whose PUBREC
+    came is received, :func:`_releases`) then those queued while it was offline (QoS 1 and 2 only, ``$ECQ/``
+    excluded: ECQ redelivers its queues itself)."""
     messages = [(m.topic, m.qos, bytes(m.data)) for m in session.inflight_out.values()
                 if m.qos in (QOS_1, QOS_2) and not is_ecq_topic(m.topic)
-                and (m.puback_packet if m.qos == QOS_1 else m.pubcomp_packet) is None]
+                and (m.puback_packet if m.qos == QOS_1 else m.pubrec_packet) is None]
     return messages + [(m.topic, m.qos, bytes(m.data)) for m in session.retained_messages.items()]
+
+
+def _releases(session: Any) -> list[int]:
+    """The packet ids of the QoS 2 messages amqtt's ``session`` sent that its client received (PUBREC came) and has
+    not completed (no PUBCOMP): the broker owes a PUBREL for each (MQTT 3.1.1 section 4.3.3)."""
+    return [packet_id for packet_id, m in session.inflight_out.items()
+            if m.qos == QOS_2 and m.pubrec_packet is not None and m.pubcomp_packet is None]
 
 
 def hand_offline_sessions_to_the_store() -> None:

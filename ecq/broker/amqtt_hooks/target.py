@@ -27,13 +27,15 @@ class HandedOverSession(Protocol):
     """A persistent session as the cluster hands it to this broker (``ecq.broker.session_state.SessionState``):
     ``present`` False when there is none; ``username`` its owner's (None for none), ``owner_known`` False when the
     broker that stored it did not record its owner; ``subscriptions`` ``[(filter, granted QoS, MQTT 5.0 options or
-    None)]``; ``messages`` ``[(topic, QoS, payload)]`` queued for it, oldest first."""
+    None)]``; ``messages`` ``[(topic, QoS, payload)]`` queued for it, oldest first; ``releases`` the packet ids of
+    QoS 2 messages its client received (PUBREC came) and has not completed (no PUBCOMP yet)."""
 
     present: bool
     subscriptions: list[tuple[str, int, Subscription | None]]
     messages: list[tuple[str, int, bytes]]
     username: str | None
     owner_known: bool
+    releases: list[int]
 
 
 class EcqHooksTarget(Protocol):
