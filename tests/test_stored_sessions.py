@@ -533,3 +533,37 @@ def test_offline_consumers_hold_no_amqtt_session(broker_with_plugin, connect):
         device.close()
     wait_stored_only(broker, count)
     assert census(asker, connected=1)["referenced"]["sessions"] == 1  # the asker's
+
+
+@pytest.mark.parametrize("qos", [1, 2])
+def test_a_message_in_flight_at_sigterm_comes_again_after_the_restart(make_broker, connect, qos):
+    """A message of an ordinary topic sent to a persistent session and not acknowledged when the broker stops (SIGTERM)
+    is stored with the session and sent again after the restart (MQTT 3.1.1 section 4.4; the store keeps no packet
+    ids, so as a new PUBLISH), as Mosquitto with persistence does; a QoS 2 one whose PUBREC came is released
+    (PUBREL, the same packet id), never sent again (section 4.3.3)."""
+    broker = make_broker()
+    device = RawClient(broker.port, "inf2", clean_session=False)
+    assert device.subscribe(b"cmd/#", qos=qos)[0] == 0x90
+    producer = connect(broker.port, "backend")
+    producer.publish("cmd/a", b"in flight", qos=qos)
+    header, body = device.receive()  # and no PUBACK or PUBREC
+    assert header & 0xF6 == 0x30 | qos << 1
+    if qos == 2:
+        producer.publish("cmd/b", b"received", qos=2)
+        header, second = device.receive()
+        released = second[2 + struct.unpack_from(">H", second)[0]:][:2]
+        device.send(0x50, released)  # PUBREC: the client holds it now
+        assert device.receive() == (0x62, released)  # the broker's PUBREL, left without PUBCOMP
+    producer.close()
+    assert broker.stop() == 0
+    device.close()
+    broker.start()
+    device = RawClient(broker.port, "inf2", clean_session=False)
+    packets = [device.receive() for _ in range(qos)]
+    publishes = [body[2:2 + struct.unpack_from(">H", body)[0]] + body[4 + struct.unpack_from(">H", body)[0]:]
+                 for header, body in packets if header & 0xF0 == 0x30]
+    assert publishes == [b"cmd/a" + b"in flight"]
+    if qos == 2:
+        assert (0x62, released) in packets
+    assert device.ping()  # nothing else came before the PINGRESP: "received" was not sent again
+    device.close()

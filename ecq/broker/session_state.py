@@ -72,9 +72,7 @@ class SessionState:
         """Inverse of :meth:`to_bytes`; from a broker of an earlier version (no ``username``), a session of no known
         owner (no ``releases``: none owed). Raises ValueError (or KeyError, TypeError) for anything else."""
         raw = json.loads(data)
-        state = cls._of(raw, bool(raw["present"]), [_message(*entry) for entry in raw["messages"]])
-        state.releases = [_packet_id(packet_id) for packet_id in raw.get("releases", [])]
-        return state
+        return cls._of(raw, bool(raw["present"]), [_message(*entry) for entry in raw["messages"]])
 
     @classmethod
     def from_kv(cls, value: bytes) -> SessionState:
@@ -87,7 +85,7 @@ class SessionState:
     @classmethod
     def _of(cls, raw: dict[str, Any], present: bool, messages: list[tuple[str, int, bytes]]) -> SessionState:
         return cls(present, read_subscriptions(raw["subscriptions"]), messages, _username(raw.get("username")),
-                   owner_known="username" in raw)
+                   owner_known="username" in raw, releases=read_releases(raw.get("releases", [])))
 
 
 def subscriptions_value(subscriptions: list[tuple[str, int, Subscription | None]]) -> list[list[Any]]:
@@ -108,10 +106,12 @@ def _subscription(options: dict[str, Any]) -> Subscription:
                         int(options["retain_handling"]), None if subscription_id is None else int(subscription_id))
 
 
-def _packet_id(value: Any) -> int:
-    if not isinstance(value, int) or not 1 <= value <= 65535:
-        raise ValueError(f"a packet id {value!r}")
-    return value
+def read_releases(value: list[Any]) -> list[int]:
+    """The packet ids of a session's ``releases`` (JSON integers 1-65535). Raises ValueError for anything else."""
+    for packet_id in value:
+        if not isinstance(packet_id, int) or not 1 <= packet_id <= 65535:
+            raise ValueError(f"a packet id {packet_id!r} among the releases")
+    return list(value)
 
 
 def _username(value: Any) -> str | None:

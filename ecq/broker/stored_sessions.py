@@ -5,6 +5,8 @@ store's session tables (``ecq.store.leveldb_sessions``, layout in ``ecq.store.le
 subscriptions with their v5 options, expiry) at each SUBSCRIBE, UNSUBSCRIBE and disconnect, and each QoS 1/2 message
 of an ordinary topic queued for it while offline as it is queued (at most ``session_max_queued``, the oldest
 dropped), deleted when the queue is taken for sending or the session ends (clean session, another owner, expiry).
+At shutdown (SIGTERM) the messages sent to a session and not acknowledged join its stored queue, and the packet ids
+of the QoS 2 PUBRELs it owes its record (:meth:`save_at_shutdown`).
 ECQ queues need nothing here: their entries and ack positions are the queue store's.
 
 While the broker runs, amqtt does not hold an offline one either: when a persistent session's connection ends (not
@@ -49,7 +51,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ecq.broker.amqtt_hooks import PersistentSession
+from ecq.broker.amqtt_hooks import HeldSession, PersistentSession
 from ecq.broker.session_state import SessionState, message_value, read_message, subscriptions_value
 from ecq.config import EcqSettings
 from ecq.queue.deadlines import DeadlineHeap
@@ -142,11 +144,19 @@ class StoredSessions:
         """Store the record of ``clientid``'s session (see the module's docstring)."""
         self._write(f"session of {clientid!r}", self._table.put, clientid, _record(session, _now_ms()))
 
-    def save_at_shutdown(self, sessions: dict[str, PersistentSession]) -> None:
+    def save_at_shutdown(self, sessions: dict[str, HeldSession]) -> None:
         """Store every persistent session the broker holds as offline from now (a stopping broker ends every
-        connection): a session's expiry then runs from the shutdown, not from the next start."""
-        for clientid, session in sessions.items():
-            self.save_session(clientid, session._replace(offline=True))
+        connection): a session's expiry then runs from the shutdown, not from the next start. One with messages sent
+        and not acknowledged, or QoS 2 releases owed, gets them stored too (its stored queue becomes what its client
+        has not received, oldest first), so that they come again after the restart (MQTT 3.1.1 section 4.4; as new
+        PUBLISHes, the PUBRELs with their packet ids)."""
+        for clientid, (session, messages, releases) in sessions.items():
+            offline = session._replace(offline=True)
+            if not messages and not releases:
+                self.save_session(clientid, offline)
+            elif self._write(f"session of {clientid!r}", self._table.put, clientid,
+                             _record(offline, _now_ms(), releases)):
+                self._replace_queue(clientid, messages)
 
     def forget_session(self, clientid: str) -> None:
         """Delete ``clientid``'s stored session and queue, and its index entries."""
@@ -198,13 +208,16 @@ class StoredSessions:
         offline_ms = _now_ms()
         if not self._write(f"session of {clientid!r}", self._table.put, clientid, _record(session, offline_ms)):
             return False
-        self.drop_queue(clientid)
-        for topic, qos, payload in messages:
-            self.queue_message(clientid, topic, qos, payload)
+        self._replace_queue(clientid, messages)
         self._unindex(clientid)
         self._index(clientid, self._expires_ms({"expiry_s": session.expiry_s, "offline_ms": offline_ms}),
                     [(topic_filter, qos) for topic_filter, qos, _options in session.subscriptions])
         return True
+
+    def _replace_queue(self, clientid: str, messages: list[tuple[str, int, bytes]]) -> None:
+        self.drop_queue(clientid)
+        for topic, qos, payload in messages:
+            self.queue_message(clientid, topic, qos, payload)
 
     async def _expire_if_due(self, clientid: str) -> None:
         """At the deadline of ``clientid``'s stored session: ``expire`` it if it is still unclaimed and its expiry has
@@ -273,10 +286,12 @@ def _topic_of(value: bytes) -> str:
         return "?"
 
 
-def _record(session: PersistentSession, now_ms: int) -> bytes:
-    """The stored record of ``session``: owner, subscriptions, expiry, and since when offline (null while online)."""
-    return json.dumps({"username": session.username, "subscriptions": subscriptions_value(session.subscriptions),
-                       "expiry_s": session.expiry_s, "offline_ms": now_ms if session.offline else None}).encode()
+def _record(session: PersistentSession, now_ms: int, releases: list[int] | None = None) -> bytes:
+    """The stored record of ``session``: owner, subscriptions, expiry, since when offline (null while online), and the
+    packet ids of the QoS 2 releases it owes, when there are any."""
+    record = {"username": session.username, "subscriptions": subscriptions_value(session.subscriptions),
+              "expiry_s": session.expiry_s, "offline_ms": now_ms if session.offline else None}
+    return json.dumps(record | {"releases": releases} if releases else record).encode()
 
 
 def _now_ms() -> int:

@@ -72,7 +72,7 @@ from ecq.broker.amqtt_hooks import (acks, authentication, bad_clients, cluster, 
                                     mqtt5_routing, mqtt5_sessions, seam, session_memory, session_owners,
                                     shared_subscriptions, start_up, target, websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
-from ecq.broker.amqtt_hooks.cluster import (PersistentSession, broadcast_from_cluster, discard_session,
+from ecq.broker.amqtt_hooks.cluster import (HeldSession, PersistentSession, broadcast_from_cluster, discard_session,
                                            hand_over_session, persistent_session, persistent_sessions,
                                            set_retained_from_cluster)
 from ecq.broker.amqtt_hooks.drain import close_listeners, open_connections, received_unread, stop_reading
@@ -90,14 +90,14 @@ from ecq.broker.amqtt_hooks.mqtt5_sessions import tell as send_disconnect
 from ecq.broker.amqtt_hooks.seam import AmqttSeamError
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget
 
-__all__ = ["AmqttSeamError", "CORRECTIONS", "EcqHooksTarget", "PersistentSession", "ProtocolViolation",
+__all__ = ["AmqttSeamError", "CORRECTIONS", "EcqHooksTarget", "HeldSession", "PersistentSession", "ProtocolViolation",
            "SERVER_SHUTTING_DOWN", "SESSION_TAKEN_OVER", "Subscription", "acknowledge_soon", "broadcast_from_cluster",
            "client_id", "close_connection", "close_listeners", "cluster_form", "connection_is_open", "connections",
            "count_routed_publishes", "delivery_fits", "discard_session", "filters_held", "from_cluster_form",
-           "hand_over_session", "install", "listener_addresses", "live_connection", "open_connections", "persistent_session",
-           "persistent_sessions", "publish_qos1", "qos2_receipts", "receive_maximum", "received_unread",
-           "send_disconnect", "send_soon", "session_deadlines", "set_listen_backlog", "set_retained_from_cluster",
-           "set_session_expiry", "shorten_subscriptions_repr", "stop_reading"]
+           "hand_over_session", "install", "listener_addresses", "live_connection", "open_connections",
+           "persistent_session", "persistent_sessions", "publish_qos1", "qos2_receipts", "receive_maximum",
+           "received_unread", "send_disconnect", "send_soon", "session_deadlines", "set_listen_backlog",
+           "set_retained_from_cluster", "set_session_expiry", "shorten_subscriptions_repr", "stop_reading"]
 
 
 # Every correction of amqtt, in the order of wrapping: where two replace the same method, the later one wraps the

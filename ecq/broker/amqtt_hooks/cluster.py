@@ -36,10 +36,11 @@ from ecq.broker.amqtt_hooks.target import HandedOverSession, find_target
 from ecq.queue.topics import is_ecq_topic
 
 
-class HandedOver(NamedTuple):
-    """What :func:`hand_over_session` takes from this broker: the ``session`` (:class:`PersistentSession`), the
-    ``messages`` ``[(topic, QoS, payload)]`` its client has not received, oldest first, and the ``releases``, packet
-    ids of QoS 2 messages it received (PUBREC came) without completing them (no PUBCOMP)."""
+class HeldSession(NamedTuple):
+    """A persistent session this broker holds, as another broker or the store takes it (:func:`hand_over_session`,
+    :func:`persistent_sessions`): the ``session`` (:class:`PersistentSession`), the ``messages`` ``[(topic, QoS,
+    payload)]`` its client has not received, oldest first (:func:`_unreceived`), and the ``releases``, packet ids of
+    QoS 2 messages it received (PUBREC came) without completing them (no PUBCOMP, :func:`_releases`)."""
 
     session: PersistentSession
     messages: list[tuple[str, int, bytes]]
@@ -182,25 +183,28 @@ def persistent_session(context: BrokerContext, clientid: str) -> PersistentSessi
                              expiry_of(session), session.transitions.state != "connected")
 
 
-def persistent_sessions(context: BrokerContext) -> dict[str, PersistentSession]:
-    """Every persistent session on this broker (:func:`persistent_session`) by client id."""
-    return {clientid: persistent_session(context, clientid)
-            for clientid, (session, _handler) in context._broker_instance._sessions.items()
-            if session.clean_session is False}
+def persistent_sessions(context: BrokerContext) -> dict[str, HeldSession]:
+    """Every persistent session on this broker by client id, with what its client has not received and the releases
+    it owes (:class:`HeldSession`), left in place."""
+    return {clientid: _held(context, clientid) for clientid, (session, _handler) in
+            context._broker_instance._sessions.items() if session.clean_session is False}
 
 
-async def hand_over_session(context: BrokerContext, clientid: str) -> HandedOver | None:
+def _held(context: BrokerContext, clientid: str) -> HeldSession:
+    session, handler = context._broker_instance._sessions[clientid]
+    return HeldSession(persistent_session(context, clientid), _unreceived(session), _releases(session, handler))
+
+
+async def hand_over_session(context: BrokerContext, clientid: str) -> HeldSession | None:
     """Remove ``clientid``'s persistent session from this broker (its connection closed already) and return it
     (:func:`persistent_session`) with the messages it has not received (:func:`_unreceived`) and the QoS 2 releases
     it owes (:func:`_releases`). None, and nothing removed, when it has none here."""
     broker = context._broker_instance
-    held = persistent_session(context, clientid)
-    if held is None:
+    if persistent_session(context, clientid) is None:
         if clientid in broker._sessions:
             await broker._cleanup_session(clientid)
         return None
-    session = broker._sessions[clientid][0]
-    handed = HandedOver(held, _unreceived(session), _releases(session))
+    handed = _held(context, clientid)
     await broker._cleanup_session(clientid)
     return handed
 
@@ -216,11 +220,15 @@ def _unreceived(session: Any) -> list[tuple[str, int, bytes]]:
     return messages + [(m.topic, m.qos, bytes(m.data)) for m in session.retained_messages.items()]
 
 
-def _releases(session: Any) -> list[int]:
+def _releases(session: Any, handler: BrokerProtocolHandler | None) -> list[int]:
     """The packet ids of the QoS 2 messages amqtt's ``session`` sent that its client received (PUBREC came) and has
-    not completed (no PUBCOMP): the broker owes a PUBREL for each (MQTT 3.1.1 section 4.3.3)."""
-    return [packet_id for packet_id, m in session.inflight_out.items()
-            if m.qos == QOS_2 and m.pubrec_packet is not None and m.pubcomp_packet is None]
+    not completed (no PUBCOMP): the broker owes a PUBREL for each (MQTT 3.1.1 section 4.3.3). amqtt takes such a
+    message out of ``inflight_out`` at its PUBREC, so while its connection ``handler`` waits for the PUBCOMP only
+    the waiter has its packet id; once the connection closed, ``conformance._keep_for_resend`` put it back."""
+    released = [packet_id for packet_id, m in session.inflight_out.items()
+                if m.qos == QOS_2 and m.pubrec_packet is not None and m.pubcomp_packet is None]
+    waiting = handler._pubcomp_waiters if handler is not None else ()
+    return released + [packet_id for packet_id in waiting if packet_id not in released]
 
 
 def hand_offline_sessions_to_the_store() -> None:
