@@ -38,7 +38,7 @@ from amqtt.session import IncomingApplicationMessage, OutgoingApplicationMessage
 
 from ecq.broker.amqtt_hooks.mqtt5_messages import subscriptions_of
 from ecq.broker.amqtt_hooks.mqtt5_packets import context_of, delivery, publish_acknowledgement, release_inbound
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import kept_on, replace
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic, reading_filter
 from ecq.store.protocol import Message
@@ -154,11 +154,7 @@ def qos2_receipts(handler: BrokerProtocolHandler) -> dict[int, asyncio.Future]:
     that resolves to True once the PUBREC is due (stored or refused) or False (the write failed; the id is then
     taken out). Kept on amqtt's Session, so it lasts across a persistent reconnect and ends with a clean session
     (MQTT 3.1.1 section 4.3.3: until PUBREL, a PUBLISH with the same packet id is not a new message)."""
-    session = handler.session
-    receipts = getattr(session, "_ecq_qos2_receipts", None)
-    if receipts is None:
-        receipts = session._ecq_qos2_receipts = {}
-    return receipts
+    return kept_on(handler.session, "_ecq_qos2_receipts", dict)
 
 
 def holds_packet_ids(session: Any) -> bool:

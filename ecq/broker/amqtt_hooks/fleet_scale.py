@@ -34,7 +34,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from transitions import MachineError
 
 from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import kept_on, replace
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.deadlines import DeadlineHeap
 from ecq.queue.topic_tree import TopicTree
@@ -121,16 +121,7 @@ def note_subscription(broker: Broker, clientid: str, topic_filter: str, qos: int
 
 
 def _filters_of_clients(broker: Broker) -> dict[str, dict[str, int]]:
-    return _kept_on(broker, _FILTERS_OF_CLIENTS, dict)
-
-
-def _kept_on(broker: Broker, name: str, make: Any) -> Any:
-    """What this module keeps on ``broker`` under the attribute ``name``, made by ``make()`` at its first use."""
-    kept = getattr(broker, name, None)
-    if kept is None:
-        kept = make()
-        setattr(broker, name, kept)
-    return kept
+    return kept_on(broker, _FILTERS_OF_CLIENTS, dict)
 
 
 def _held_by(broker: Broker, clientid: str) -> dict[str, int]:
@@ -238,7 +229,7 @@ class _Expiries:
 
 
 def _expiries(broker: Broker) -> _Expiries:
-    return _kept_on(broker, _EXPIRIES, lambda: _Expiries(broker))
+    return kept_on(broker, _EXPIRIES, lambda: _Expiries(broker))
 
 
 def session_deadlines(context: BrokerContext) -> DeadlineHeap:

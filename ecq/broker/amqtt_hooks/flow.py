@@ -44,7 +44,7 @@ from amqtt.mqtt.publish import PublishPacket
 
 from ecq.broker.amqtt_hooks.ecq_paths import client_id
 from ecq.broker.amqtt_hooks.mqtt5_sessions import tell
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import kept_on, replace
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
 from ecq.queue.throttle import LogThrottle
 from ecq.queue.topics import is_ecq_topic
@@ -86,10 +86,7 @@ class Outbound:
 
 
 def _outbound(handler: BrokerProtocolHandler) -> Outbound:
-    outbound = getattr(handler, "_ecq_outbound", None)
-    if outbound is None:
-        outbound = handler._ecq_outbound = Outbound()
-    return outbound
+    return kept_on(handler, "_ecq_outbound", Outbound)
 
 
 def _transport(handler: BrokerProtocolHandler) -> asyncio.Transport | None:

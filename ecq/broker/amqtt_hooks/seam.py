@@ -103,6 +103,16 @@ def replace(owner: Owner, name: str, replacement: Any) -> None:
     setattr(owner, name, replacement)
 
 
+def kept_on(obj: Any, name: str, make: Callable[[], Any]) -> Any:
+    """What ECQ keeps on the amqtt object ``obj`` (a Broker, Session, handler or reader adapter) under the attribute
+    ``name`` (``_ecq_...``: amqtt has none of that name), made by ``make()`` at its first use."""
+    kept = getattr(obj, name, None)
+    if kept is None:
+        kept = make()
+        setattr(obj, name, kept)
+    return kept
+
+
 def get_original(owner: Owner, name: str) -> Any:
     """amqtt's own ``owner.name`` as it was before ECQ replaced it (the class's attribute: a classmethod object for a
     classmethod); the current attribute when ECQ does not replace it."""
