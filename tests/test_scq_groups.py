@@ -86,13 +86,33 @@ def test_the_group_keeps_its_position_while_no_member_is_connected(broker, conne
     write_keys(producer, ["a", "b"])
     got = first.expect(2)
     first.ack(got[0])
-    wait_until(lambda: False, 0.5)  # nothing to wait on: the ack of "a" goes out before the close below
-    first.close()
+    first.close()  # a clean close sends the PUBACK of "a" before its DISCONNECT
     write_keys(producer, ["c"])
     later = connect(broker.port, "later")
     assert later.subscribe(GROUP) == 1
     assert keys_of(later.expect(2)) == ["b", "c"]
     assert later.quiet(0.5) == []
+
+
+def test_unsubscribe_leaves_the_group(broker, connect):
+    """The last member unsubscribes holding an unacked entry: a member joining then gets the next writes, and the
+    unacked entry once the one that left is gone."""
+    producer = connect(broker.port, "producer")
+    leaving = connect(broker.port, "leaving", manual_ack=True)
+    assert leaving.subscribe(GROUP) == 1
+    write_keys(producer, ["a"])
+    assert keys_of(leaving.expect(1)) == ["a"]
+    unsubscribed = threading.Event()
+    leaving._c.on_unsubscribe = lambda *_args: unsubscribed.set()
+    leaving._c.unsubscribe(GROUP)
+    assert unsubscribed.wait(10)
+    joining = connect(broker.port, "joining")
+    assert joining.subscribe(GROUP) == 1
+    write_keys(producer, ["b"])
+    assert keys_of(joining.expect(1)) == ["b"]
+    assert leaving.quiet(0.3) == []
+    leaving.close(clean=False)
+    assert keys_of(joining.expect(1)) == ["a"]
 
 
 def test_round_robin_alternates_between_equal_members(make_broker, connect):

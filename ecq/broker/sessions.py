@@ -159,7 +159,8 @@ class QueueSessions:
     async def _join_group(self, clientid: str, group: str, queue: str,
                           connection: BrokerProtocolHandler | None) -> None:
         """Make ``connection`` a member of the shared group ``group`` of the SCQ ``queue``; the group's consumer is
-        attached to its members (ecq.queue.groups.GroupDispatch) when it is not yet."""
+        attached to its members (ecq.queue.groups.GroupDispatch), or sends again when the last member had
+        unsubscribed."""
         if (claim := self._claims.get(clientid)) is not None:
             await asyncio.shield(claim)
         if not hooks.connection_is_open(connection) or connection is not hooks.live_connection(self._context, clientid):
@@ -168,8 +169,7 @@ class QueueSessions:
         dispatch = self._groups.setdefault(position, GroupDispatch(self._engine.settings.scq_dispatch))
         dispatch.join(clientid, connection, hooks.receive_maximum(connection))
         self._memberships.setdefault(clientid, set()).add(position)
-        if self._engine.connection_of(position) is not dispatch:
-            await self._engine.attach(position, dispatch, lambda: bool(dispatch.members), queue=queue)
+        await self._engine.attach(position, dispatch, lambda: bool(dispatch.members), queue=queue)
 
     def _leave_groups(self, clientid: str) -> None:
         """The connection of ``clientid`` closed: it leaves its groups (a newer connection stays or joins again);
