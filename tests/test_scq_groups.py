@@ -1,6 +1,6 @@
 """SCQ shared reads (issue 33 point 3): ``$share/<group>/$SCQ/<queue>/#``, a group with one position whose entries
 each go to one connected member; over TCP with paho (3.1.1 and MQTT 5) and mosquitto clients against a real broker
-process on the LevelDB backend."""
+process on the LevelDB backend (a group's members on one broker of a JetStream cluster too)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,8 @@ from collections import Counter
 
 import paho.mqtt.client as mqtt
 import pytest
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
 
-from tests.harness import topics_payloads, wait_until
+from tests.harness import wait_until
 from tests.test_scq import FILTER, Q, delivered, read_all, scq_write
 
 GROUP = f"$share/workers/{FILTER}"
@@ -46,9 +44,10 @@ def _take(members, got: list[list[str]]) -> list[list[str]]:
     return got
 
 
-def test_a_group_splits_the_compacted_queue_among_its_members(broker, connect):
+def test_a_group_splits_the_compacted_queue_among_its_members(backend_broker, connect):
     """Written before anyone reads, compacted: the group's members together get the newest value of every key, each
     entry exactly once among them; a write then goes to one member."""
+    broker = backend_broker()
     producer = connect(broker.port, "producer")
     write_keys(producer, [f"k{i}" for i in range(10)])
     write_keys(producer, ["k0", "k1"])  # compaction: k0 and k1 now come after k9
@@ -62,8 +61,9 @@ def test_a_group_splits_the_compacted_queue_among_its_members(broker, connect):
     assert sum(split_among(members, 1), []) == ["late"]
 
 
-def test_a_vanished_members_unacked_entries_go_to_another(broker, connect):
+def test_a_vanished_members_unacked_entries_go_to_another(backend_broker, connect):
     """A member that received entries and closed without acking them: another member gets them."""
+    broker = backend_broker()
     producer = connect(broker.port, "producer")
     holding = connect(broker.port, "holding", manual_ack=True)
     assert holding.subscribe(GROUP) == 1
@@ -77,9 +77,10 @@ def test_a_vanished_members_unacked_entries_go_to_another(broker, connect):
     assert other.quiet(0.5) == []
 
 
-def test_the_group_keeps_its_position_while_no_member_is_connected(broker, connect):
+def test_the_group_keeps_its_position_while_no_member_is_connected(backend_broker, connect):
     """The last member leaves: later writes wait for the group; a member joining later gets only what the group has
     not acked (an unacked entry of the one that left, and the later writes)."""
+    broker = backend_broker()
     producer = connect(broker.port, "producer")
     first = connect(broker.port, "first", manual_ack=True)
     assert first.subscribe(GROUP) == 1
@@ -276,8 +277,9 @@ def test_mosquitto_members(broker, connect):
     """Two mosquitto_sub members of one group (``$share`` is a plain filter to it): together they get each entry
     once, three each in turns (round robin; ``-C 3`` ends each, which flushes what it printed)."""
     producer = connect(broker.port, "producer")
-    subs = [subprocess.Popen(["stdbuf", "-oL", "mosquitto_sub", "-d", "-p", str(broker.port), "-i", f"sub-{i}", "-q", "1", "-t", GROUP,
-                              "-v", "-C", "3", "-W", "10"], stdout=subprocess.PIPE, text=True) for i in range(2)]
+    subs = [subprocess.Popen(["stdbuf", "-oL", "mosquitto_sub", "-d", "-p", str(broker.port), "-i", f"sub-{i}",
+                              "-q", "1", "-t", GROUP, "-v", "-C", "3", "-W", "10"], stdout=subprocess.PIPE, text=True)
+            for i in range(2)]
     for sub in subs:  # -d prints the SUBACK, a line at a time (stdbuf); -W ends mosquitto_sub: the read is bounded
         while "SUBACK" not in sub.stdout.readline():
             pass
