@@ -120,6 +120,9 @@ class EcqSettings(BaseModel):
                                   "false = amqtt's own reader")
     sync_writes: StrictBool = Field(default=False, description="fsync each commit (survives power loss, slower)")
     acl_file: Path | None = Field(default=None, description="EMQX-syntax ACL file; None = no ACL")
+    scq_dispatch: Literal["round_robin", "least_inflight", "random"] = Field(
+        default="round_robin", description="which connected member of a shared group ($share/<group>/$SCQ/<queue>/#) "
+                                           "gets each entry (EMQX's strategy names); broker-wide")
     acl_nomatch: Literal["allow", "deny"] = Field(default="allow", description="decision when no ACL rule matches")
     admin_bind: str | None = Field(default="127.0.0.1:18083", description="HOST:PORT of the admin API; None = off")
     admin_token: SecretStr | None = Field(default=None, description="bearer token the admin API requires; "

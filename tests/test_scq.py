@@ -184,7 +184,7 @@ def test_subscribe_refusals(broker, connect):
     assert reader.subscribe(FILTER, qos=2) == 1
     for bad in ("$SCQ/w/#", "$SCQ/ctl/#", "$SCQ/+/#", "$SCQ/fleet/a", "$SCQ/fleet/+", "$SCQ/#"):
         assert reader.subscribe(bad) == 0x80, bad
-    assert reader.subscribe(f"$share/g/{FILTER}") == 0x80
+    assert reader.subscribe("$share/g/$SCQ/+/#") == 0x80  # a group reads one SCQ (tests/test_scq_groups.py)
 
 
 def _refusals(broker, reason: str) -> float:
@@ -349,7 +349,7 @@ def test_a_readers_stored_position_is_small(broker, connect):
 
 def test_mqtt5_subscribe_codes(make_broker, tmp_path):
     """MQTT 5 SUBACK codes of SCQ filters: 0x87 where the ACL denies, 0x80 for QoS 0 or a malformed filter, 0x9E for
-    a shared subscription."""
+    a shared subscription on anything but ``$SCQ/<queue>/#``."""
     acl = tmp_path / "acl.conf"
     acl.write_text('{deny, all, subscribe, ["$SCQ/secret/#"]}.\n{allow, all}.\n')
     broker = make_broker(acl_file=str(acl))
@@ -360,7 +360,7 @@ def test_mqtt5_subscribe_codes(make_broker, tmp_path):
     v5.loop_start()
     try:
         for topic_filter, qos, code in (("$SCQ/secret/#", 1, 0x87), (FILTER, 0, 0x80), ("$SCQ/+/#", 1, 0x80),
-                                        (f"$share/g/{FILTER}", 1, 0x9E), (FILTER, 2, 1)):
+                                        ("$share/g/$SCQ/+/#", 1, 0x9E), (FILTER, 2, 1)):
             v5.subscribe(topic_filter, qos=qos)
             assert subacks.get(timeout=10) == [code], topic_filter
     finally:

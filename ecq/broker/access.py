@@ -10,6 +10,7 @@ from amqtt.session import Session
 
 from ecq.broker.acl import Acl, ClientInfo, Decision, load_acl
 from ecq.config import EcqSettings
+from ecq.queue.groups import SHARE_PREFIX
 from ecq.queue.throttle import LogThrottle
 from ecq.queue.topics import RESERVED_CLIENTIDS, is_ecq_topic, is_scq_topic, parse_scq_filter, queue_filter
 
@@ -64,9 +65,10 @@ class AccessControl:
         ``ctl`` own no queue (their filter would read the writes or control topics of every queue). The text is
         logged, and told to an MQTT 5 client as the SUBACK's Reason String. An ``$SCQ/`` filter must be exactly
         ``$SCQ/<queue>/#`` (``<queue>`` by the clientid rules), at QoS 1 or 2; who may read it is the ACL's to say
-        (``topic_filtering``), as for every filter."""
+        (``topic_filtering``), as for every filter; no client id starting ``$share/`` reads one (its position would
+        be a shared group's, ecq.queue.groups.group_position_id)."""
         if is_scq_topic(topic_filter):
-            return _scq_refusal(topic_filter, qos)
+            return _scq_refusal(clientid, topic_filter, qos)
         if clientid in RESERVED_CLIENTIDS:
             return (f"the clientids {' and '.join(sorted(RESERVED_CLIENTIDS))} cannot own an ECQ queue ($ECQ/w/ and "
                     "$ECQ/ctl/ are the write and control topics); connect with another clientid")
@@ -101,8 +103,12 @@ class AccessControl:
         return reason
 
 
-def _scq_refusal(topic_filter: str, qos: int) -> str | None:
-    """Why a SUBSCRIBE to the ``$SCQ/`` filter ``topic_filter`` at ``qos`` is refused, None when its form is right."""
+def _scq_refusal(clientid: str, topic_filter: str, qos: int) -> str | None:
+    """Why a SUBSCRIBE of ``clientid`` to the ``$SCQ/`` filter ``topic_filter`` at ``qos`` is refused, None when its
+    form is right."""
+    if clientid.startswith(SHARE_PREFIX):
+        return (f"the clientid {clientid!r} cannot read an SCQ: a position saved under a clientid starting "
+                f"{SHARE_PREFIX} is a shared group's; connect with another clientid")
     if parse_scq_filter(topic_filter) is None:
         return (f"{topic_filter!r} does not read an SCQ: the filter is $SCQ/<queue>/#, <queue> one level without "
                 "'+', '#' or NUL, not 'w' nor 'ctl'")

@@ -1,7 +1,8 @@
 """Which MQTT connection gets a queue: session takeover (MQTT 3.1.1 section 3.1.4), persistent sessions
 resuming their queue, and the attach/detach calls to the queue engine that follow from amqtt's
 connect, subscribe, unsubscribe and disconnect events: for a client's own ``$ECQ/<clientid>/#`` and for each
-``$SCQ/<queue>/#`` it reads (its position in that SCQ, ecq.queue.topics.position_id)."""
+``$SCQ/<queue>/#`` it reads (its position in that SCQ, ecq.queue.topics.position_id), and its membership of each
+shared group ``$share/<group>/$SCQ/<queue>/#`` it holds (the group's position, ecq.queue.groups)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker import amqtt_hooks as hooks
 from ecq.queue.engine import QueueEngine
+from ecq.queue.groups import GroupDispatch, group_position_id, parse_group_filter
 from ecq.queue.topics import parse_scq_filter, position_id, queue_filter
 
 if TYPE_CHECKING:
@@ -34,6 +36,8 @@ class QueueSessions:
         self.bus: ClusterBus | None = None  # in a cluster: takeover across brokers
         self._claims: dict[str, asyncio.Future] = {}
         self._reading: dict[str, dict[str, str]] = {}  # clientid -> {position id: SCQ queue id} attached for it
+        self._groups: dict[str, GroupDispatch] = {}  # a shared group's position id -> its connected members
+        self._memberships: dict[str, set[str]] = {}  # clientid -> the position ids of the groups it is a member of
 
     async def connected(self, client_id: str) -> None:
         """Enforce takeover (MQTT 3.1.1 section 3.1.4) and resume a persistent session's queue.
@@ -65,6 +69,8 @@ class QueueSessions:
             await self._attach(client_id, hooks.live_connection(self._context, client_id))
         elif (queue := parse_scq_filter(topic)) is not None:
             await self._attach_reader(client_id, queue, hooks.live_connection(self._context, client_id))
+        elif (group := parse_group_filter(topic)) is not None:
+            await self._join_group(client_id, *group, hooks.live_connection(self._context, client_id))
 
     async def unsubscribed(self, client_id: str, topic: str) -> None:
         """Start no new delivery once the consumer unsubscribed from its queue (or a reader from an SCQ); the
@@ -74,6 +80,13 @@ class QueueSessions:
             self._engine.stop_sending(client_id)
         elif (queue := parse_scq_filter(topic)) is not None:
             self._engine.stop_sending(position_id(queue, client_id))
+        elif (group := parse_group_filter(topic)) is not None:
+            position = group_position_id(group[1], group[0])
+            self._memberships.get(client_id, set()).discard(position)
+            if (dispatch := self._groups.get(position)) is not None:
+                dispatch.leave(client_id)
+                if not dispatch.members:
+                    self._engine.stop_sending(position)
 
     async def disconnected(self, client_id: str, persistent: bool) -> None:
         """Detach a consumer whose connection closed, and forget it if nothing of it must stay in memory
@@ -130,6 +143,8 @@ class QueueSessions:
         for topic_filter in hooks.filters_held(self._context, clientid):
             if (queue := parse_scq_filter(topic_filter)) is not None:
                 await self._attach_reader(clientid, queue, connection)
+            elif (group := parse_group_filter(topic_filter)) is not None:
+                await self._join_group(clientid, *group, connection)
 
     async def _attach_reader(self, clientid: str, queue: str, connection: BrokerProtocolHandler | None) -> None:
         if (claim := self._claims.get(clientid)) is not None:
@@ -141,9 +156,41 @@ class QueueSessions:
             and f"{queue}/#" in hooks.filters_held(self._context, clientid)), hooks.receive_maximum(connection),
             hooks.delivery_fits(connection), queue=queue)
 
+    async def _join_group(self, clientid: str, group: str, queue: str,
+                          connection: BrokerProtocolHandler | None) -> None:
+        """Make ``connection`` a member of the shared group ``group`` of the SCQ ``queue``; the group's consumer is
+        attached to its members (ecq.queue.groups.GroupDispatch), or sends again when the last member had
+        unsubscribed."""
+        if (claim := self._claims.get(clientid)) is not None:
+            await asyncio.shield(claim)
+        if not hooks.connection_is_open(connection) or connection is not hooks.live_connection(self._context, clientid):
+            return
+        position = group_position_id(queue, group)
+        dispatch = self._groups.setdefault(position, GroupDispatch(self._engine.settings.scq_dispatch))
+        dispatch.join(clientid, connection, hooks.receive_maximum(connection))
+        self._memberships.setdefault(clientid, set()).add(position)
+        await self._engine.attach(position, dispatch, lambda: bool(dispatch.members), queue=queue)
+
+    def _leave_groups(self, clientid: str) -> None:
+        """The connection of ``clientid`` closed: it leaves its groups (a newer connection stays or joins again);
+        a group left with no member detaches and keeps its position."""
+        for position in list(self._memberships.get(clientid, ())):
+            if (dispatch := self._groups.get(position)) is None:
+                continue
+            if hooks.connection_is_open((member := dispatch.members.get(clientid)) and member.connection):
+                continue
+            dispatch.leave(clientid)
+            if not dispatch.members:
+                del self._groups[position]
+                self._engine.detach(position)
+                self._engine.forget_if_idle(position)
+        if (live := hooks.live_connection(self._context, clientid)) is None or not hooks.connection_is_open(live):
+            self._memberships.pop(clientid, None)
+
     async def _detach_readers(self, clientid: str) -> None:
         """The connection of ``clientid`` closed: detach its SCQ readers (a newer connection keeps them or gets them
         again) and forget those with nothing left to keep in memory."""
+        self._leave_groups(clientid)
         detached = False
         for position in list(self._reading.get(clientid, ())):
             if hooks.connection_is_open(self._engine.connection_of(position)):

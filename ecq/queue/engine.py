@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from ecq.config import EcqSettings
@@ -21,6 +21,7 @@ from ecq.queue.census import Census
 from ecq.queue.clock import now_ms
 from ecq.queue.deadlines import SharedDeadline
 from ecq.queue.delivery import Consumer, Fits, Publish
+from ecq.queue.groups import GroupDispatch
 from ecq.queue.lag import LagIndex
 from ecq.queue.notices import ClusterNotices
 from ecq.queue.observer import QueueObserver
@@ -268,13 +269,20 @@ class QueueEngine:
         if (consumer := self.consumers.get(clientid)) is not None:
             return consumer
         consumer = self.consumers[clientid] = Consumer(
-            clientid, state, store=self.store, pool=self.pool, publish=self._publish, observer=self,
+            clientid, state, store=self.store, pool=self.pool, publish=self._send, observer=self,
             read=self._read_soon, window=self.settings.reader_batch_size, read_deadline=self._read_deadline,
             retention_s=self.settings.data_retention, tombstones=self.settings.tombstones,
             sent_before_ms=now_ms() if self.store.shared else self._started_ms, census=self.census, queue=queue)
         if consumer.queue != clientid:
             self.readers.setdefault(consumer.queue, {})[clientid] = consumer
         return consumer
+
+    def _send(self, connection: Any, *delivery: Any) -> Awaitable[None]:
+        """The injected ``publish`` on ``connection``, or, for an SCQ group's consumer, on one of its members
+        (ecq.queue.groups.GroupDispatch)."""
+        if isinstance(connection, GroupDispatch):
+            return connection.publish(self._publish, *delivery)
+        return self._publish(connection, *delivery)
 
     def _drop_consumer(self, clientid: str) -> None:
         """Forget the consumer of ``clientid`` (its state is in the store), and it as a reader of its queue."""

@@ -52,7 +52,8 @@ from ecq.broker.amqtt_hooks.mqtt5_packets import (MALFORMED_PACKET, PACKET_TOO_L
 from ecq.broker.amqtt_hooks.mqtt5_routing import subscribed, unsubscribed
 from ecq.broker.amqtt_hooks.mqtt5_sessions import take_disconnect_expiry, tell
 from ecq.broker.amqtt_hooks.seam import replace
-from ecq.broker.amqtt_hooks.shared_subscriptions import v5_refusal
+from ecq.broker.amqtt_hooks.shared_subscriptions import share_target, v5_refusal
+from ecq.queue.groups import parse_group_filter
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic, is_scq_topic, queue_filter
 
@@ -266,6 +267,8 @@ class Mqtt5Framer(Framer):
             kept.append(topic_filter)
             subscribed(self._handler, topic_filter, packet.subscription_id)
             pattern, clientid = topic_filter.pattern, client_id(self._handler) or ""
+            if parse_group_filter(pattern) is not None:  # an SCQ's shared group: judged as the $SCQ/ filter it reads
+                pattern = share_target(pattern)
             reason = self._plugin.subscription_refusal(clientid, pattern, int(topic_filter.max_qos)) \
                 if is_ecq_topic(pattern) else None
             # refused, another client's queue, or an SCQ the ACL denies, is 0x87; a refused form or QoS of one's own

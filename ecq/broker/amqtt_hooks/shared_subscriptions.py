@@ -28,6 +28,7 @@ from amqtt.contexts import Action
 from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE
 from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import find_target
+from ecq.queue.groups import parse_group_filter
 from ecq.queue.topics import is_ecq_topic
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,9 @@ def share_target(topic_filter: str) -> str | None:
 def v5_refusal(topic_filter: str) -> int | None:
     """The SUBACK reason code refusing ``topic_filter`` as a shared subscription, or None (not shared, or taken):
     0x8F Topic Filter invalid for a malformed one (see :func:`share_target`), 0x9E Shared Subscriptions not
-    supported for one on an ``$ECQ/`` filter (a queue has exactly one reader). MQTT 5.0 sections 3.9.3, 4.8.2."""
-    if not is_shared(topic_filter):
+    supported for one on an ``$ECQ/`` filter (a queue has exactly one reader) or on an ``$SCQ/`` one other than
+    ``$SCQ/<queue>/#``. MQTT 5.0 sections 3.9.3, 4.8.2. A shared group of an SCQ is not refused here."""
+    if not is_shared(topic_filter) or parse_group_filter(topic_filter) is not None:
         return None
     target = share_target(topic_filter)
     if target is None:
@@ -94,9 +96,10 @@ def take_shared_subscriptions() -> None:
     """amqtt 0.12.1's ``Broker.add_subscription`` records ``$share/...`` as any filter, malformed or not, and its
     ``topic_filtering`` plugins (ECQ's ACL) judge the whole string, so an ACL that denies ``secret/#`` let
     ``$share/g/secret/#`` through. MQTT 5.0 section 4.8.2: a malformed shared subscription, or one on an ``$ECQ/``
-    filter (a queue has one reader) or an ``$SCQ/`` one (an SCQ's shared groups are not built yet, issue 33), is
-    refused with SUBACK 0x80 (v5 clients get their codes from ``mqtt5_framer``), logged, and the ACL judges a
-    shared subscription by the filter it reads."""
+    filter (a queue has one reader) or on an ``$SCQ/`` one other than ``$SCQ/<queue>/#``, is refused with SUBACK
+    0x80 (v5 clients get their codes from ``mqtt5_framer``), logged; an SCQ's shared group
+    ``$share/<group>/$SCQ/<queue>/#`` is granted as the plugin grants ``$SCQ/<queue>/#`` (QoS 1; QoS 0 refused). The
+    ACL judges a shared subscription by the filter it reads, without ``$share/<group>/`` (as EMQX does)."""
     original_add = Broker.add_subscription
     original_filtering = Broker._topic_filtering
 
@@ -104,10 +107,16 @@ def take_shared_subscriptions() -> None:
         topic_filter = subscription[0]
         if find_target(broker.plugins_manager) is not None and is_shared(topic_filter):
             target = share_target(topic_filter)
-            if target is None or is_ecq_topic(target):
+            if parse_group_filter(topic_filter) is not None:
+                granted = find_target(broker.plugins_manager).grant_subscription(session.client_id, target,
+                                                                                 subscription[1])
+                if granted is None:
+                    return SUBACK_FAILURE
+                subscription = (topic_filter, granted)
+            elif target is None or is_ecq_topic(target):
                 log.warning("ECQ refused SUBSCRIBE of %s to %r: %s", session.client_id, topic_filter,
                             "a malformed shared subscription" if target is None else
-                            "no shared subscription reads $ECQ/ or $SCQ/ (an SCQ's shared groups are not built yet)")
+                            "no shared subscription reads $ECQ/, nor $SCQ/ but as $share/<group>/$SCQ/<queue>/#")
                 return SUBACK_FAILURE
         return await original_add(broker, subscription, session)
 

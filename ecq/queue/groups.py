@@ -1,0 +1,127 @@
+"""Shared reads of an SCQ (issue 33 point 3): ``$share/<group>/$SCQ/<queue>/#``.
+
+A group has one position in the queue, saved as the ack state of ``$SCQ/<queue>/$share/<group>``
+(:func:`group_position_id`), and one :class:`ecq.queue.delivery.Consumer` reading it, as any reader. That
+consumer's connection is a :class:`GroupDispatch`, standing for the group's connected members: each delivery goes
+to one member, chosen by ``scq_dispatch`` (EMQX's names: ``round_robin``, ``least_inflight``, ``random``), and its
+PUBACK, from that member, acks the group's position. A member whose connection goes away before its PUBACK hands
+the delivery on to another connected member (:meth:`GroupDispatch.publish`); with no member left the consumer
+detaches and the group keeps its position (what was in flight is sent again on the next attach). The group's
+window is the consumer's, ``reader_batch_size``, whatever the number of members; an MQTT 5 member gets at most its
+Receive Maximum of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ecq.queue.topics import parse_scq_filter, position_id
+
+SHARE_PREFIX = "$share/"
+DISPATCH_STRATEGIES = ("round_robin", "least_inflight", "random")
+
+
+def group_position_id(queue_id: str, group: str) -> str:
+    """The id the position of the shared group ``group`` in the SCQ ``queue_id`` is saved under:
+    ``$SCQ/<queue>/$share/<group>``. No client reads an SCQ under a client id starting ``$share/`` (refused at
+    SUBSCRIBE), so no reader's position can be a group's."""
+    return position_id(queue_id, f"{SHARE_PREFIX}{group}")
+
+
+def parse_group_filter(topic_filter: str) -> tuple[str, str] | None:
+    """(group, SCQ queue id) of ``$share/<group>/$SCQ/<queue>/#`` (a ``<group>`` without ``+`` or ``#``, MQTT 5.0
+    section 4.8.2; ``<queue>`` as for ``$SCQ/<queue>/#``), or None for any other filter."""
+    if not topic_filter.startswith(SHARE_PREFIX):
+        return None
+    group, _, target = topic_filter[len(SHARE_PREFIX):].partition("/")
+    queue = parse_scq_filter(target)
+    if not group or "+" in group or "#" in group or queue is None:
+        return None
+    return group, queue
+
+
+@dataclass(slots=True)
+class Member:
+    """A connected member of a group: its connection, the deliveries it holds unacked, at most ``cap`` of them."""
+
+    connection: Any
+    cap: int | None
+    inflight: int = 0
+
+    @property
+    def has_room(self) -> bool:
+        return self.cap is None or self.inflight < self.cap
+
+
+class GroupDispatch:
+    """The connected members of one group, by client id, and the choice of the member for each delivery."""
+
+    def __init__(self, strategy: str) -> None:
+        if strategy not in DISPATCH_STRATEGIES:
+            raise ValueError(f"scq_dispatch {strategy!r}: expected one of {', '.join(DISPATCH_STRATEGIES)}")
+        self.strategy = strategy
+        self.members: dict[str, Member] = {}  # in round-robin order: the member chosen moves to the end
+        self._room = asyncio.Event()          # set when a member may take one more delivery
+
+    def join(self, clientid: str, connection: Any, cap: int | None = None) -> None:
+        """``clientid`` takes deliveries on ``connection`` (a newer connection of it replaces the older one), at
+        most ``cap`` unacked at a time (its Receive Maximum; None: no bound of its own)."""
+        old = self.members.pop(clientid, None)
+        self.members[clientid] = Member(connection, cap, old.inflight if old and old.connection is connection else 0)
+        self._room.set()
+
+    def leave(self, clientid: str, connection: Any = None) -> None:
+        """``clientid`` takes no new delivery (its connection closed, or it unsubscribed); with ``connection``,
+        only when that is still the member's connection. Its deliveries in flight end with its PUBACKs or go to
+        another member when its connection closes."""
+        member = self.members.get(clientid)
+        if member is not None and (connection is None or member.connection is connection):
+            del self.members[clientid]
+            self._room.set()  # a delivery waiting for room finds no member left, or another one
+
+    def holds(self, clientid: str, connection: Any) -> bool:
+        """True when ``connection`` is the member connection of ``clientid``."""
+        member = self.members.get(clientid)
+        return member is not None and member.connection is connection
+
+    async def publish(self, send: Callable[..., Awaitable[None]], topic: str, payload: bytes, seqno: int,
+                      ts_ms: int, expires_ms: int, dup: bool) -> None:
+        """Send one delivery to a member with ``send(connection, topic, payload, seqno, ts_ms, expires_ms, dup)``
+        (ecq.queue.delivery.Publish) and return once a member acked it; a member whose connection closes first
+        leaves the group and the delivery goes to the next one chosen. Waits while every member holds as many
+        as it takes. Raises ConnectionError once no member is left."""
+        while True:
+            clientid, member = await self._choose()
+            member.inflight += 1
+            try:
+                await send(member.connection, topic, payload, seqno, ts_ms, expires_ms, dup)
+                return
+            except ConnectionError:
+                self.leave(clientid, member.connection)
+            finally:
+                member.inflight -= 1
+                self._room.set()
+
+    async def _choose(self) -> tuple[str, Member]:
+        while True:
+            if not self.members:
+                raise ConnectionError("no member of the group is connected")
+            ready = [(clientid, member) for clientid, member in self.members.items() if member.has_room]
+            if ready:
+                return self._pick(ready)
+            self._room.clear()
+            await self._room.wait()
+
+    def _pick(self, ready: list[tuple[str, Member]]) -> tuple[str, Member]:
+        if self.strategy == "random":
+            return random.choice(ready)
+        if self.strategy == "least_inflight":
+            chosen = min(ready, key=lambda item: item[1].inflight)  # the first in round-robin order among equals
+        else:
+            chosen = ready[0]
+        self.members[chosen[0]] = self.members.pop(chosen[0])  # to the end of the round-robin order
+        return chosen

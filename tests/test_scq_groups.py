@@ -1,0 +1,295 @@
+"""SCQ shared reads (issue 33 point 3): ``$share/<group>/$SCQ/<queue>/#``, a group with one position whose entries
+each go to one connected member; over TCP with paho (3.1.1 and MQTT 5) and mosquitto clients against a real broker
+process on the LevelDB backend (a group's members on one broker of a JetStream cluster too)."""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import subprocess
+import threading
+from collections import Counter
+
+import paho.mqtt.client as mqtt
+import pytest
+
+from tests.harness import wait_until
+from tests.test_scq import FILTER, Q, delivered, read_all, scq_write
+
+GROUP = f"$share/workers/{FILTER}"
+
+
+def write_keys(producer, keys: list[str]) -> None:
+    for key in keys:
+        scq_write(producer, key, key.encode())
+
+
+def keys_of(messages) -> list[str]:
+    return [message.topic.rsplit("/", 1)[1] for message in messages]
+
+
+def split_among(members, count: int, timeout: float = 10.0) -> list[list[str]]:
+    """The keys each member received until ``count`` arrived among them all, and nothing more within 0.5 s."""
+    got: list[list[str]] = [[] for _ in members]
+    wait_until(lambda: sum(map(len, _take(members, got))) >= count, timeout)
+    for member, keys in zip(members, got):
+        keys.extend(keys_of(member.quiet(0.5)))
+    return got
+
+
+def _take(members, got: list[list[str]]) -> list[list[str]]:
+    for member, keys in zip(members, got):
+        while not member.messages.empty():
+            keys.append(keys_of([member.messages.get_nowait()])[0])
+    return got
+
+
+def test_a_group_splits_the_compacted_queue_among_its_members(backend_broker, connect):
+    """Written before anyone reads, compacted: the group's members together get the newest value of every key, each
+    entry exactly once among them; a write then goes to one member."""
+    broker = backend_broker()
+    producer = connect(broker.port, "producer")
+    write_keys(producer, [f"k{i}" for i in range(10)])
+    write_keys(producer, ["k0", "k1"])  # compaction: k0 and k1 now come after k9
+    members = [connect(broker.port, f"worker-{i}") for i in range(3)]
+    for member in members:
+        assert member.subscribe(GROUP) == 1
+    got = split_among(members, 10)
+    assert sorted(sum(got, [])) == sorted(f"k{i}" for i in range(10))
+    assert all(got), got  # each member took a share
+    scq_write(producer, "late", b"x")
+    assert sum(split_among(members, 1), []) == ["late"]
+
+
+def test_a_vanished_members_unacked_entries_go_to_another(backend_broker, connect):
+    """A member that received entries and closed without acking them: another member gets them."""
+    broker = backend_broker()
+    producer = connect(broker.port, "producer")
+    holding = connect(broker.port, "holding", manual_ack=True)
+    assert holding.subscribe(GROUP) == 1
+    write_keys(producer, ["a", "b", "c"])
+    assert keys_of(holding.expect(3)) == ["a", "b", "c"]
+    other = connect(broker.port, "other")
+    assert other.subscribe(GROUP) == 1
+    assert other.quiet(0.5) == []  # the holding member keeps them while it is connected
+    holding.close(clean=False)
+    assert sorted(keys_of(other.expect(3))) == ["a", "b", "c"]
+    assert other.quiet(0.5) == []
+
+
+def test_the_group_keeps_its_position_while_no_member_is_connected(backend_broker, connect):
+    """The last member leaves: later writes wait for the group; a member joining later gets only what the group has
+    not acked (an unacked entry of the one that left, and the later writes)."""
+    broker = backend_broker()
+    producer = connect(broker.port, "producer")
+    first = connect(broker.port, "first", manual_ack=True)
+    assert first.subscribe(GROUP) == 1
+    write_keys(producer, ["a", "b"])
+    got = first.expect(2)
+    first.ack(got[0])
+    first.close()  # a clean close sends the PUBACK of "a" before its DISCONNECT
+    write_keys(producer, ["c"])
+    later = connect(broker.port, "later")
+    assert later.subscribe(GROUP) == 1
+    assert keys_of(later.expect(2)) == ["b", "c"]
+    assert later.quiet(0.5) == []
+
+
+def test_unsubscribe_leaves_the_group(broker, connect):
+    """The last member unsubscribes holding an unacked entry: a member joining then gets the next writes, and the
+    unacked entry once the one that left is gone."""
+    producer = connect(broker.port, "producer")
+    leaving = connect(broker.port, "leaving", manual_ack=True)
+    assert leaving.subscribe(GROUP) == 1
+    write_keys(producer, ["a"])
+    assert keys_of(leaving.expect(1)) == ["a"]
+    unsubscribed = threading.Event()
+    leaving._c.on_unsubscribe = lambda *_args: unsubscribed.set()
+    leaving._c.unsubscribe(GROUP)
+    assert unsubscribed.wait(10)
+    joining = connect(broker.port, "joining")
+    assert joining.subscribe(GROUP) == 1
+    write_keys(producer, ["b"])
+    assert keys_of(joining.expect(1)) == ["b"]
+    assert leaving.quiet(0.3) == []
+    leaving.close(clean=False)
+    assert keys_of(joining.expect(1)) == ["a"]
+
+
+def test_round_robin_alternates_between_equal_members(make_broker, connect):
+    broker = make_broker(scq_dispatch="round_robin")
+    producer = connect(broker.port, "producer")
+    members = [connect(broker.port, f"worker-{i}") for i in range(2)]
+    for member in members:
+        assert member.subscribe(GROUP) == 1
+    write_keys(producer, [f"k{i}" for i in range(4)])  # written one by one: each goes out alone
+    assert split_among(members, 4) == [["k0", "k2"], ["k1", "k3"]]
+
+
+def test_least_inflight_prefers_the_member_holding_fewer_unacked(make_broker, connect):
+    """The holding member keeps 3 entries unacked; the acking one never holds more than 2 of the window of 5."""
+    broker = make_broker(scq_dispatch="least_inflight")
+    producer = connect(broker.port, "producer")
+    holding = connect(broker.port, "holding", manual_ack=True)
+    assert holding.subscribe(GROUP) == 1
+    write_keys(producer, ["h0", "h1", "h2"])
+    assert keys_of(holding.expect(3)) == ["h0", "h1", "h2"]
+    acking = connect(broker.port, "acking")
+    assert acking.subscribe(GROUP) == 1
+    write_keys(producer, [f"k{i}" for i in range(4)])
+    assert split_among([holding, acking], 4) == [[], ["k0", "k1", "k2", "k3"]]
+
+
+def test_round_robin_gives_the_holding_member_its_turn(make_broker, connect):
+    """The counterpart of the least_inflight test: round robin gives a member holding an unacked entry its turn."""
+    broker = make_broker(scq_dispatch="round_robin")
+    producer = connect(broker.port, "producer")
+    holding = connect(broker.port, "holding", manual_ack=True)
+    assert holding.subscribe(GROUP) == 1
+    scq_write(producer, "held", b"x")
+    assert keys_of(holding.expect(1)) == ["held"]
+    acking = connect(broker.port, "acking")
+    assert acking.subscribe(GROUP) == 1
+    write_keys(producer, [f"k{i}" for i in range(4)])
+    got = split_among([holding, acking], 4)
+    assert got[0] and got[1], got
+
+
+def test_random_spreads_over_the_members(make_broker, connect):
+    broker = make_broker(scq_dispatch="random")
+    producer = connect(broker.port, "producer")
+    members = [connect(broker.port, f"worker-{i}") for i in range(2)]
+    for member in members:
+        assert member.subscribe(GROUP) == 1
+    keys = [f"k{i}" for i in range(40)]
+    producer.publish_many([(f"$SCQ/w/{Q}/{key}", key.encode()) for key in keys])
+    got = split_among(members, 40)
+    assert sorted(sum(got, [])) == sorted(keys)
+    assert all(got) and got != [keys[0::2], keys[1::2]], got  # both served, not in strict turns (p = 2^-38)
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "kill"])
+def test_restart_keeps_the_groups_position(make_broker, connect, stop):
+    """SIGTERM and kill -9: the group resumes after what its members acked (their acks are saved through the queue's
+    writer agent, ahead of the later write)."""
+    broker = make_broker()
+    producer = connect(broker.port, "producer")
+    member = connect(broker.port, "worker")
+    assert member.subscribe(GROUP) == 1
+    write_keys(producer, ["a", "b"])
+    assert keys_of(member.expect(2)) == ["a", "b"]
+    member.close()
+    write_keys(producer, ["c"])
+    producer.close()
+    if stop == "sigterm":
+        assert broker.stop() == 0
+    else:
+        broker.kill()
+    broker.start()
+    again = connect(broker.port, "another-worker")
+    assert again.subscribe(GROUP) == 1
+    assert keys_of(again.expect(1)) == ["c"]
+    assert again.quiet(0.5) == []
+
+
+def test_a_group_and_a_reader_have_independent_positions(broker, connect):
+    producer = connect(broker.port, "producer")
+    write_keys(producer, ["a", "b"])
+    member = connect(broker.port, "worker")
+    assert member.subscribe(GROUP) == 1
+    assert keys_of(member.expect(2)) == ["a", "b"]
+    assert read_all(connect, broker.port, "worker", 2) == [delivered("a", b"a"), delivered("b", b"b")]
+    other_group = connect(broker.port, "auditor")
+    assert other_group.subscribe(f"$share/audit/{FILTER}") == 1
+    assert keys_of(other_group.expect(2)) == ["a", "b"]
+
+
+def test_persistent_member_rejoins_without_subscribing_again(broker, connect):
+    producer = connect(broker.port, "producer")
+    member = connect(broker.port, "worker", clean_session=False)
+    assert member.subscribe(GROUP) == 1
+    member.close()
+    write_keys(producer, ["a"])
+    resumed = connect(broker.port, "worker", clean_session=False)
+    assert resumed.session_present
+    assert keys_of(resumed.expect(1)) == ["a"]
+
+
+def test_acl_decides_who_reads_a_group(make_broker, connect, tmp_path):
+    """The ACL judges ``$share/<group>/$SCQ/<queue>/#`` by the filter it reads, ``$SCQ/<queue>/#`` (as EMQX)."""
+    acl = tmp_path / "acl.conf"
+    acl.write_text('{allow, {username, "worker"}, subscribe, ["$SCQ/fleet/#"]}.\n'
+                   '{deny, all, subscribe, ["$SCQ/#"]}.\n{allow, all}.\n')
+    broker = make_broker(acl_file=str(acl))
+    assert connect(broker.port, "w1", username="worker").subscribe(GROUP) == 1
+    assert connect(broker.port, "x1", username="stranger").subscribe(GROUP) == 0x80
+
+
+def test_refusals(broker, connect):
+    """QoS 0, a malformed SCQ filter, ``$share`` on ``$ECQ/``, and an SCQ read by a client id that would be a group's
+    position, are refused."""
+    client = connect(broker.port, "worker")
+    assert client.subscribe(GROUP, qos=0) == 0x80
+    assert client.subscribe(GROUP, qos=2) == 1
+    assert client.subscribe(f"$share/workers/$SCQ/+/#") == 0x80
+    assert client.subscribe("$share/workers/$ECQ/worker/#") == 0x80
+    assert connect(broker.port, "$share/workers").subscribe(FILTER) == 0x80
+
+
+def v5_member(port: int, clientid: str) -> tuple[mqtt.Client, queue.Queue, queue.Queue]:
+    received: queue.Queue = queue.Queue()
+    subacks: queue.Queue = queue.Queue()
+    connected = threading.Event()
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=clientid, protocol=mqtt.MQTTv5)
+    client.on_connect = lambda *_args: connected.set()
+    client.on_message = lambda _c, _u, m: received.put(m)
+    client.on_subscribe = lambda _c, _u, _mid, codes, _p: subacks.put([c.value for c in codes])
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    assert connected.wait(10)
+    return client, received, subacks
+
+
+def test_mqtt5_members_and_codes(make_broker, connect, tmp_path):
+    """MQTT 5 members share a group as 3.1.1 ones do, get ``ecq-seqno``; the ACL's refusal is 0x87, ``$share`` on
+    ``$ECQ/`` 0x9E."""
+    acl = tmp_path / "acl.conf"
+    acl.write_text('{deny, all, subscribe, ["$SCQ/secret/#"]}.\n{allow, all}.\n')
+    broker = make_broker(acl_file=str(acl))
+    producer = connect(broker.port, "producer")
+    members = [v5_member(broker.port, f"v5-{i}") for i in range(2)]
+    try:
+        for client, _received, subacks in members:
+            client.subscribe(GROUP, qos=1)
+            assert subacks.get(timeout=10) == [1]
+        write_keys(producer, ["a", "b"])
+        got = [received.get(timeout=10) for _client, received, _subacks in members]
+        assert sorted(m.topic for m in got) == [f"$SCQ/{Q}/a", f"$SCQ/{Q}/b"]
+        assert all(dict(m.properties.UserProperty).get("ecq-seqno") for m in got)
+        client, _received, subacks = members[0]
+        client.subscribe("$share/g/$SCQ/secret/#", qos=1)
+        assert subacks.get(timeout=10) == [0x87]
+        client.subscribe("$share/g/$ECQ/v5-0/#", qos=1)
+        assert subacks.get(timeout=10) == [0x9E]
+    finally:
+        for client, _received, _subacks in members:
+            client.disconnect()
+            client.loop_stop()
+
+
+@pytest.mark.skipif(shutil.which("mosquitto_sub") is None or shutil.which("stdbuf") is None,
+                    reason="mosquitto clients or stdbuf not installed")
+def test_mosquitto_members(broker, connect):
+    """Two mosquitto_sub members of one group (``$share`` is a plain filter to it): together they get each entry
+    once, three each in turns (round robin; ``-C 3`` ends each, which flushes what it printed)."""
+    producer = connect(broker.port, "producer")
+    subs = [subprocess.Popen(["stdbuf", "-oL", "mosquitto_sub", "-d", "-p", str(broker.port), "-i", f"sub-{i}",
+                              "-q", "1", "-t", GROUP, "-v", "-C", "3", "-W", "10"], stdout=subprocess.PIPE, text=True)
+            for i in range(2)]
+    for sub in subs:  # -d prints the SUBACK, a line at a time (stdbuf); -W ends mosquitto_sub: the read is bounded
+        while "SUBACK" not in sub.stdout.readline():
+            pass
+    write_keys(producer, [f"k{i}" for i in range(6)])
+    lines = [line for sub in subs for line in sub.communicate(timeout=15)[0].splitlines()
+             if line.startswith("$SCQ/")]
+    assert Counter(lines) == Counter(f"$SCQ/{Q}/k{i} k{i}" for i in range(6))
