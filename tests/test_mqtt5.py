@@ -250,6 +250,37 @@ def test_receive_maximum_bounds_the_deliveries_in_flight(broker, v5):
     assert [v5_packet(p) for p in consumer.available(1.0)] == []
 
 
+def test_receive_maximum_bounds_what_is_in_flight_over_every_queue_and_topic_of_the_connection(broker, v5):
+    """Section 4.9: the client's Receive Maximum bounds the QoS 1/2 PUBLISHes in flight to it on the connection, not
+    per queue: its own ECQ queue, an SCQ it reads and an ordinary topic share the one window."""
+    producer = v5(broker.port, "rmx-producer")
+    for n in range(3):
+        assert producer.publish(f"$ECQ/w/rmx/k{n}", f"e{n}") == (0, None)
+        assert producer.publish(f"$SCQ/w/rmx-config/k{n}", f"s{n}") == (0, None)
+    consumer = wire(broker.port, "rmx", receive_max=2)
+    consumer.send(mqtt5.SubscribePacket(1, [mqtt5.TopicFilter("rmx-plain/#", max_qos=mqtt5.QoS.AT_LEAST_ONCE)]).write())
+    assert isinstance(v5_packet(consumer.next()), mqtt5.SubAckPacket)
+    for n in range(3):
+        producer.publish(f"rmx-plain/{n}", f"p{n}")
+    consumer.send(mqtt5.SubscribePacket(2, [mqtt5.TopicFilter(f, max_qos=mqtt5.QoS.AT_LEAST_ONCE)
+                                            for f in ("$ECQ/rmx/#", "$SCQ/rmx-config/#")]).write())
+    packets = [v5_packet(p) for p in consumer.available(3.0)]
+    deliveries = [p for p in packets if isinstance(p, mqtt5.PublishPacket)]
+    assert len(deliveries) == 2, [p.topic for p in deliveries]
+    consumer.send(b"".join(mqtt5.PubAckPacket(p.packet_id).write() for p in deliveries))
+    seen = [p.topic for p in deliveries]
+    while len(seen) < 9:
+        arrived = [consumer.next(), *consumer.available(0.5)]
+        batch = [p for p in map(v5_packet, arrived) if isinstance(p, mqtt5.PublishPacket)]
+        assert 1 <= len(batch) <= 2, (seen, [p.topic for p in batch])
+        consumer.send(b"".join(mqtt5.PubAckPacket(p.packet_id).write() for p in batch))
+        seen += [p.topic for p in batch]
+    assert sorted(seen) == sorted([f"$ECQ/rmx/k{n}" for n in range(3)] + [f"$SCQ/rmx-config/k{n}" for n in range(3)]
+                                  + [f"rmx-plain/{n}" for n in range(3)])
+    assert [t for t in seen if t.startswith("$ECQ/")] == [f"$ECQ/rmx/k{n}" for n in range(3)]  # each queue in order
+    assert [t for t in seen if t.startswith("$SCQ/")] == [f"$SCQ/rmx-config/k{n}" for n in range(3)]
+
+
 def test_an_empty_client_id_gets_an_assigned_one(broker, v5):
     client = v5(broker.port, "")
     assigned = client.connack[1].AssignedClientIdentifier

@@ -251,8 +251,19 @@ async def publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: byte
     amqtt's own ``mqtt_publish`` gives up after a fixed 5 s and forgets the packet id, so under load a
     late PUBACK was lost and the resend added more load. MQTT 3.1.1 section 4.4 resends unacknowledged
     PUBLISHes only when the client reconnects, which is what ECQ's redelivery does.
+    On an MQTT 5 connection the send waits for room in the connection's one window of the client's Receive Maximum
+    (MQTT 5.0 section 4.9), which every queue the connection reads and its ordinary topics share (the semaphore is
+    FIFO, so one queue's deliveries keep their order).
     Raises ConnectionError when the connection is closed or closes before the PUBACK.
     """
+    if (context := context_of(handler)) is None:
+        return await _publish_qos1(handler, topic, payload, seqno, ts_ms, expires_ms, dup)
+    async with context.window():
+        return await _publish_qos1(handler, topic, payload, seqno, ts_ms, expires_ms, dup)
+
+
+async def _publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: bytes, seqno: int | None,
+                        ts_ms: int | None, expires_ms: int, dup: bool) -> None:
     if not connection_is_open(handler):
         raise ConnectionError("connection closed")
     session = handler.session
