@@ -189,15 +189,19 @@ def inspect(clientid: str, admin: str, token: str | None, as_json: bool, data_di
               help="how many queues to list")
 @click.option("--by", type=click.Choice(TOP_ORDERS), default="pending", show_default=True,
               help="rank by pending entries, age of the oldest pending entry, or pending payload bytes")
+@click.option("--scq", "scq", default=None, help="only the readers of this SCQ: its slowest readers")
 @admin_options
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=Path("storage"),
               show_default=True, help="read this data dir when no broker answers")
-def top(count: int, by: str, admin: str, token: str | None, as_json: bool, data_dir: Path) -> None:
-    """The most lagging queues: pending entries (stored, not acked), their payload bytes, the oldest one's age."""
+def top(count: int, by: str, scq: str | None, admin: str, token: str | None, as_json: bool, data_dir: Path) -> None:
+    """The most lagging queues: pending entries (stored, not acked), their payload bytes, the oldest one's age; an
+    SCQ's lag is its readers' (one row per reader)."""
+    query = f"n={count}&by={by}" + (f"&scq={urllib.request.quote(scq, safe='')}" if scq is not None else "")
     try:
-        data = check_answer(*call_admin(admin, f"/api/v1/top?n={count}&by={by}", token))
+        data = check_answer(*call_admin(admin, f"/api/v1/top?{query}", token))
     except Unreachable:
-        data = read_data_dir(data_dir, admin, lambda store: top_report(scan_lag(store, {}), count, by, now_ms()))
+        data = read_data_dir(data_dir, admin,
+                             lambda store: top_report(scan_lag(store, {}), count, by, now_ms(), scq))
         data["source"] = f"data dir {data_dir} (no broker running)"
     emit(data, as_json, render_top)
 
@@ -213,21 +217,28 @@ def gc(admin: str, token: str | None, as_json: bool) -> None:
 @main.command()
 @click.argument("clientid")
 @click.argument("point", metavar="(N|earliest|latest|since:MS)")
+@click.option("--scq", "scq", default=None, help="rewind the position of the reader CLIENTID in this SCQ instead")
 @admin_options
-def rewind(clientid: str, point: str, admin: str, token: str | None, as_json: bool) -> None:
+def rewind(clientid: str, point: str, scq: str | None, admin: str, token: str | None, as_json: bool) -> None:
     """Rewind the queue of CLIENTID on the running broker, online or offline: the next delivery is the first stored
     entry after seqno N, the oldest stored entry (earliest), the next write (latest), or the first entry published
-    at or after MS, ms since the Unix epoch (since:MS). Prints the new acked seqno. Exits 1 for an N above the
-    queue's last seqno and for a queue the broker knows nothing of (nothing is created)."""
+    at or after MS, ms since the Unix epoch (since:MS). With --scq QUEUE, the position of the reader CLIENTID in
+    that SCQ. Prints the new acked seqno. Exits 1 for an N above the queue's last seqno and for a queue (a reader's
+    position) the broker knows nothing of (nothing is created)."""
     try:
         parse_rewind_point(point)
     except BadWrite as exc:
         raise click.BadParameter(str(exc), param_hint="POINT") from None
-    path = (f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}/rewind"
-            f"?to={urllib.request.quote(point, safe='')}")
+    target = (f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}" if scq is None else
+              f"/api/v1/scq/{urllib.request.quote(scq, safe='')}/readers/{urllib.request.quote(clientid, safe='')}")
+    path = f"{target}/rewind?to={urllib.request.quote(point, safe='')}"
     data = check_answer(*call_admin(admin, path, token, method="POST"))
-    emit(data, as_json, lambda d: f"rewound {d['clientid']}: acked seqno {d['acked']}, the next delivery is the "
+    emit(data, as_json, lambda d: f"rewound {_rewound_name(d)}: acked seqno {d['acked']}, the next delivery is the "
                                   f"first stored entry after it")
+
+
+def _rewound_name(answer: dict) -> str:
+    return answer["clientid"] if "clientid" in answer else f"the reader {answer['reader']} of the SCQ {answer['scq']}"
 
 
 @main.command()

@@ -34,6 +34,9 @@ POST   /api/v1/queues/{clientid}/   rewind the queue (``to``: ``N``, ``earliest`
                                     first stored entry above N); 400 for a bad ``to`` or a seqno above the
                                     queue's last one, 404 for a queue with no seqno and no consumer state
                                     (nothing is created), 503 when it cannot be stored now
+POST   /api/v1/scq/{queue}/readers/ rewind the position of the reader (a client id) in the SCQ ``queue``, as
+       {reader}/rewind?to=POINT     above: ``{"scq": ..., "reader": ..., "acked": N}``; 400 for a bad queue
+                                    name, 404 for a reader with no stored position and no consumer here
 POST   /api/v1/queues/{clientid}/   write a tombstone for KEY through the normal write path:
        delete?key=KEY               ``{"clientid": ..., "key": ..., "seqno": N}`` once committed; 400 without a
        [&stored_only=1]             key, 409 with ``tombstones: false``, 503 when it cannot be stored now; with
@@ -42,9 +45,11 @@ POST   /api/v1/queues/{clientid}/   write a tombstone for KEY through the normal
 POST   /api/v1/queues/{clientid}/   delete every stored entry of the queue (seqno counter and acked position
        purge                        stay): ``{"clientid": ..., "purged": n}``; 503 when it cannot be done now
 GET    /api/v1/top?n=N&by=K         the N (1..1000, default 20) queues with the most pending entries (K
-                                    ``pending``, the default), the oldest pending entry (``age``) or the most
+       [&scq=Q]                     ``pending``, the default), the oldest pending entry (``age``) or the most
                                     pending payload bytes (``bytes``), from the engine's lag index (see
-                                    ecq.queue.lag.top_report); 400 for a bad N or K
+                                    ecq.queue.lag.top_report), an SCQ reader's position as a row of kind
+                                    ``scq``; with Q (an SCQ's name) the slowest readers of that SCQ only; 400
+                                    for a bad N, K or Q
 GET    /api/v1/config?which=W       plugin options, ``origin`` (as given) or ``inuse`` (in effect: computed values
                                     such as ``max_packet_bytes`` and ``node_name`` resolved)
 POST   /api/v1/acl/reload           reload the ACL file: ``{"reloaded": true, "rules": n}``; 400 and the
@@ -77,7 +82,8 @@ from ecq.queue.lag import check_top
 from ecq.queue.rewind import UnknownQueue
 from ecq.store.protocol import StoreError
 from ecq.queue.tombstones import TombstonesOff
-from ecq.queue.topics import RESERVED_CLIENTIDS, BadWrite, parse_rewind_point, parse_write
+from ecq.queue.topics import (RESERVED_CLIENTIDS, BadWrite, check_scq_name, parse_rewind_point, parse_write,
+                              position_id, scq_queue_id)
 from ecq.queue.writer import PoolClosed
 
 log = logging.getLogger(__name__)
@@ -137,6 +143,7 @@ def build_app(engine: QueueEngine, controls: BrokerControls, metrics: EcqMetrics
         web.get("/api/v1/queues/{clientid}", _queue),
         web.post("/api/v1/gc", _gc),
         web.post("/api/v1/queues/{clientid}/rewind", _rewind),
+        web.post("/api/v1/scq/{queue}/readers/{reader}/rewind", _rewind_reader),
         web.post("/api/v1/queues/{clientid}/delete", _delete),
         web.post("/api/v1/queues/{clientid}/purge", _purge),
         web.get("/api/v1/top", _top),
@@ -261,9 +268,23 @@ async def _gc(request: web.Request) -> web.Response:
 
 async def _rewind(request: web.Request) -> web.Response:
     clientid = request.match_info["clientid"]
+    if clientid in RESERVED_CLIENTIDS:
+        return web.json_response({"error": f"{clientid!r} cannot own a queue"}, status=400)
+    return await _rewound(request, clientid, {"clientid": clientid})
+
+
+async def _rewind_reader(request: web.Request) -> web.Response:
+    queue, reader = request.match_info["queue"], request.match_info["reader"]
     try:
-        if clientid in RESERVED_CLIENTIDS:
-            raise BadWrite("bad_clientid", f"{clientid!r} cannot own a queue")
+        check_scq_name(queue)
+    except ValueError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    return await _rewound(request, position_id(scq_queue_id(queue), reader), {"scq": queue, "reader": reader})
+
+
+async def _rewound(request: web.Request, clientid: str, named: dict[str, str]) -> web.Response:
+    """Rewind the queue (or SCQ reader's position) ``clientid`` to the request's ``to``; ``named`` heads the answer."""
+    try:
         point = parse_rewind_point(request.query.get("to", ""))
     except BadWrite as exc:
         return web.json_response({"error": str(exc)}, status=400)
@@ -277,7 +298,7 @@ async def _rewind(request: web.Request) -> web.Response:
     except (TimeoutError, StoreError, PoolClosed) as exc:
         return web.json_response({"error": f"rewind of {clientid!r} not stored: {exc or type(exc).__name__}"},
                                  status=503)
-    return web.json_response({"clientid": clientid, "acked": acked})
+    return web.json_response({**named, "acked": acked})
 
 
 async def _delete(request: web.Request) -> web.Response:
@@ -316,9 +337,12 @@ async def _top(request: web.Request) -> web.Response:
     try:
         n = int(request.query.get("n", "20"))
         check_top(n, by)
+        scq = request.query.get("scq")
+        if scq is not None:
+            check_scq_name(scq)
     except ValueError as exc:
         return web.json_response({"error": f"bad top request: {exc}"}, status=400)
-    return web.json_response(await request.app[_ENGINE].lag.report(n, by))
+    return web.json_response(await request.app[_ENGINE].lag.report(n, by, scq))
 
 
 async def _config(request: web.Request) -> web.Response:

@@ -185,12 +185,20 @@ def render_top(d: dict[str, Any]) -> str:
              f" (by {d['by']})"]
     if "source" in d:
         lines.append(f"source:  {d['source']}")
-    width = max([len("CLIENTID"), *(len(q["clientid"]) for q in d["queues"])])
-    lines.append(f"{'CLIENTID':<{width}}  {'PENDING':>10}  {'BYTES':>12}  {'OLDEST AGE S':>14}")
-    for q in d["queues"]:
-        lines.append(f"{q['clientid']:<{width}}  {q['pending']:>10}  {q['pending_bytes']:>12}  "
+    if "scq" in d:
+        lines.append(f"readers of the SCQ {d['scq']}")
+    names = [_top_name(q) for q in d["queues"]]
+    width = max([len("QUEUE"), *map(len, names)])
+    lines.append(f"{'QUEUE':<{width}}  {'PENDING':>10}  {'BYTES':>12}  {'OLDEST AGE S':>14}")
+    for name, q in zip(names, d["queues"], strict=True):
+        lines.append(f"{name:<{width}}  {q['pending']:>10}  {q['pending_bytes']:>12}  "
                      f"{q['oldest_pending_age_s']:>14.1f}")
     return "\n".join(lines)
+
+
+def _top_name(row: dict[str, Any]) -> str:
+    """An ECQ queue by its clientid; an SCQ reader's position as ``scq <queue> reader <clientid>``."""
+    return f"scq {row['queue']} reader {row['reader']}" if row.get("kind") == "scq" else row["clientid"]
 
 
 def _age(seconds: float | None) -> str:

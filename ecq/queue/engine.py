@@ -31,7 +31,7 @@ from ecq.queue.snapshots import ConsumerSnapshot, EngineSnapshot, Totals, consum
 from ecq.store.protocol import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, Message, Op, QueueStore,
                              StoreReadError)
 from ecq.queue.tombstones import TombstonesOff, stored_rows
-from ecq.queue.topics import BadWrite, RewindPoint
+from ecq.queue.topics import BadWrite, RewindPoint, queue_of_position
 from ecq.queue.writer import WriterPool
 
 log = logging.getLogger(__name__)
@@ -284,7 +284,8 @@ class QueueEngine:
             del self.readers[consumer.queue]
 
     async def rewind(self, clientid: str, point: RewindPoint, *, must_exist: bool = False) -> int:
-        """Rewind the queue of ``clientid`` to ``point``; returns the new acked seqno once it is stored.
+        """Rewind the queue of ``clientid`` (or an SCQ reader's position, by its position id) to ``point``; returns
+        the new acked seqno once it is stored.
 
         The next delivery is the first stored entry with a seqno above it (see ecq.queue.rewind for each
         kind of point); entries compaction or GC removed are not brought back. An online consumer's inflight
@@ -299,7 +300,7 @@ class QueueEngine:
         acked = await self.read(rewind_seqno, self.store, clientid, point, must_exist)
         if clientid not in self.consumers:
             state = await self._load_ack_state(clientid, lambda: True)
-            self._consumer(clientid, state)
+            self._consumer(clientid, state, queue_of_position(clientid))
         await self._write_deadline.watch(self.consumers[clientid].rewind(acked))
         log.info("ECQ rewound the queue of %s to %s: acked seqno %d", clientid, point, acked)
         for observer in self.observers:

@@ -1,0 +1,118 @@
+"""Operating SCQs (issue 33, points 5 and 6): lag per reader (`ecq top`, GET /api/v1/top, the pending metrics),
+over TCP with paho against a real broker process, on both storage backends."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+
+import pytest
+
+from tests.harness import free_port, topics_payloads, wait_until, write
+from tests.test_operations import ecq, scrape
+from tests.test_rewind import admin_post
+from tests.test_scq import FILTER, Q, _refusals, delivered, read_all, scq_write
+from tests.test_top import api, top
+
+
+def reader_rows(report: dict) -> list[tuple[str, str, int, int]]:
+    return [(row["kind"], row.get("reader", row["clientid"]), row["pending"], row["pending_bytes"])
+            for row in report["queues"]]
+
+
+def test_lag_is_counted_per_reader_and_the_slowest_readers_are_listed(backend_broker, connect):
+    """Each reader's pending entries are the SCQ's entries above its position, minus what it acked out of order;
+    the SCQ itself is no queue with everything pending; ``scq=<queue>`` lists that SCQ's slowest readers."""
+    broker = backend_broker()
+    producer = connect(broker.port, "producer")
+    for key in ("a", "b", "c"):
+        scq_write(producer, key, key * 10)
+    write(producer, "own", "k", "xyz")  # an ECQ queue beside it
+    assert len(read_all(connect, broker.port, "fast", 3)) == 3
+    slow = connect(broker.port, "slow", manual_ack=True)
+    assert slow.subscribe(FILTER) == 1
+    got = slow.expect(3)
+    slow.ack(got[1])  # b acked out of order: a and c pending
+    assert wait_until(lambda: ("scq", "slow", 2, 20) in reader_rows(api(broker, "/api/v1/top?n=10")))
+    slow.close()
+
+    scq_write(producer, "d", b"d" * 10)
+    expected = [("scq", "slow", 3, 30), ("ecq", "own", 1, 3), ("scq", "fast", 1, 10)]
+    assert wait_until(lambda: reader_rows(api(broker, "/api/v1/top?n=10")) == expected)
+    assert reader_rows(top(broker, "--scq", Q)) == [("scq", "slow", 3, 30), ("scq", "fast", 1, 10)]
+    slowest = api(broker, f"/api/v1/top?n=1&scq={Q}")
+    assert (slowest["scq"], slowest["pending"], slowest["lagging"], reader_rows(slowest)) == (
+        Q, 4, 2, [("scq", "slow", 3, 30)])
+    assert slowest["queues"][0]["clientid"] == f"$SCQ/{Q}/slow"
+
+    fast = connect(broker.port, "fast")
+    assert fast.subscribe(FILTER) == 1
+    assert topics_payloads(fast.expect(1)) == [(f"$SCQ/{Q}/d", b"d" * 10)]
+    assert wait_until(lambda: scrape(broker)["ecq_pending_messages"] == 4)  # slow's 3 and own's 1, not 4 entries x 1
+    assert reader_rows(api(broker, "/api/v1/top?n=10")) == [("scq", "slow", 3, 30), ("ecq", "own", 1, 3)]
+
+
+def test_lag_per_reader_survives_a_restart_and_is_read_offline(make_broker, connect):
+    """A restart builds the per-reader lag from the stored positions; `ecq top` reads it from the data dir too."""
+    broker = make_broker()
+    producer = connect(broker.port, "producer")
+    for key in ("a", "b"):
+        scq_write(producer, key, key)
+    assert len(read_all(connect, broker.port, "r1", 2)) == 2
+    scq_write(producer, "c", b"c")
+    producer.close()
+    broker.stop()
+    result = ecq("top", "--json", "--scq", Q, "--data-dir", str(broker.data_dir), admin=free_port())
+    assert result.returncode == 0, result.stderr
+    offline = json.loads(result.stdout)
+    assert reader_rows(offline) == [("scq", "r1", 1, 1)] and "source" in offline
+    broker.start()
+    assert reader_rows(api(broker, "/api/v1/top?n=10")) == [("scq", "r1", 1, 1)]
+
+
+def test_top_refuses_a_bad_scq_name(broker):
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        api(broker, "/api/v1/top?scq=w")
+    assert refused.value.code == 400
+
+
+def test_a_reader_rewinds_its_own_position_and_no_other(backend_broker, connect):
+    """``$SCQ/ctl/<queue>/rewind`` (payload as ``$ECQ/ctl/<clientid>/rewind``) moves the publisher's position only;
+    a bad payload or another command is refused."""
+    broker = backend_broker()
+    producer = connect(broker.port, "producer")
+    for key in ("a", "b", "c"):
+        scq_write(producer, key, key)
+    everything = [delivered(key, key.encode()) for key in ("a", "b", "c")]
+    assert read_all(connect, broker.port, "r1", 3) == everything
+    assert read_all(connect, broker.port, "r2", 3) == everything
+    r1 = connect(broker.port, "r1")
+    assert r1.subscribe(FILTER) == 1
+    r1.publish(f"$SCQ/ctl/{Q}/rewind", b"earliest", 1)
+    assert topics_payloads(r1.expect(3)) == everything
+    r1.publish(f"$SCQ/ctl/{Q}/rewind", b"sometime", 1)
+    r1.publish(f"$SCQ/ctl/{Q}/forward", b"earliest", 1)
+    assert wait_until(lambda: _refusals(broker, "bad_rewind") == 1 and _refusals(broker, "not_a_write") == 1)
+    assert topics_payloads(r1.quiet(0.5)) == []
+    assert read_all(connect, broker.port, "r2", 0) == []
+
+
+def test_operator_rewinds_one_reader_by_cli_and_api(backend_broker, connect):
+    broker = backend_broker()
+    producer = connect(broker.port, "producer")
+    for key in ("a", "b"):
+        scq_write(producer, key, key)
+    assert len(read_all(connect, broker.port, "r1", 2)) == 2
+    assert len(read_all(connect, broker.port, "r2", 2)) == 2
+    result = ecq("rewind", "--json", "--scq", Q, "r1", "earliest", admin=broker.admin_port)
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert (answer["scq"], answer["reader"], isinstance(answer["acked"], int)) == (Q, "r1", True)
+    assert read_all(connect, broker.port, "r1", 2) == [delivered("a", b"a"), delivered("b", b"b")]
+    assert read_all(connect, broker.port, "r2", 0) == []
+    status, answer = admin_post(broker, f"/api/v1/scq/{Q}/readers/r2/rewind?to=earliest")
+    assert (status, answer["reader"]) == (200, "r2")
+    assert read_all(connect, broker.port, "r2", 2) == [delivered("a", b"a"), delivered("b", b"b")]
+    assert admin_post(broker, f"/api/v1/scq/{Q}/readers/nobody/rewind?to=earliest")[0] == 404
+    assert admin_post(broker, "/api/v1/scq/ctl/readers/r1/rewind?to=earliest")[0] == 400
+    assert admin_post(broker, f"/api/v1/scq/{Q}/readers/r1/rewind?to=999999999")[0] == 400
