@@ -4,6 +4,7 @@ over TCP with paho against a real broker process, on both storage backends."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 
 import pytest
@@ -116,3 +117,43 @@ def test_operator_rewinds_one_reader_by_cli_and_api(backend_broker, connect):
     assert admin_post(broker, f"/api/v1/scq/{Q}/readers/nobody/rewind?to=earliest")[0] == 404
     assert admin_post(broker, "/api/v1/scq/ctl/readers/r1/rewind?to=earliest")[0] == 400
     assert admin_post(broker, f"/api/v1/scq/{Q}/readers/r1/rewind?to=999999999")[0] == 400
+
+
+def test_an_idle_readers_position_is_forgotten_but_never_an_online_ones(backend_broker, connect):
+    """State GC forgets the position of a reader offline without an ack for ``state_retention`` (its next subscribe
+    starts at the oldest entry again), never an online reader's, nor the SCQ's entries or seqno counter."""
+    broker = backend_broker(state_retention="1s", gc_interval="1h")
+    producer = connect(broker.port, "producer")
+    for key in ("a", "b"):
+        scq_write(producer, key, key)
+    both = [delivered("a", b"a"), delivered("b", b"b")]
+    assert read_all(connect, broker.port, "gone", 2) == both
+    online = connect(broker.port, "online")
+    assert online.subscribe(FILTER) == 1
+    assert topics_payloads(online.expect(2)) == both
+    idle_since = time.monotonic()
+    assert wait_until(lambda: time.monotonic() - idle_since > 1.5, 5)
+
+    def forgotten() -> bool:
+        admin_post(broker, "/api/v1/gc")
+        return scrape(broker).get("ecq_scq_positions_forgotten_total", 0) >= 1
+    assert wait_until(forgotten, 15, 0.3)
+    admin_post(broker, "/api/v1/gc")
+    metrics = scrape(broker)
+    assert (metrics["ecq_scq_positions_forgotten_total"], metrics.get("ecq_queues_forgotten_total", 0)) == (1, 0)
+    scq_write(producer, "c", b"c")
+    assert topics_payloads(online.expect(1)) == [delivered("c", b"c")]
+    assert read_all(connect, broker.port, "gone", 3) == [*both, delivered("c", b"c")]
+
+
+def test_each_node_of_a_cluster_counts_the_lag_of_readers_on_the_other(cluster_nodes, connect):
+    """JetStream, two brokers: a reader that read on node 2 is followed by node 1's lag index from the notice of its
+    saved position, so node 1 counts the next write as pending for it."""
+    node1, node2 = (node.start() for node in cluster_nodes())
+    producer = connect(node1.port, "producer")
+    for key in ("a", "b"):
+        scq_write(producer, key, key)
+    assert len(read_all(connect, node2.port, "far", 2)) == 2
+    scq_write(producer, "c", b"cc")
+    assert wait_until(lambda: reader_rows(api(node1, f"/api/v1/top?scq={Q}")) == [("scq", "far", 1, 2)], 15)
+    assert reader_rows(api(node2, f"/api/v1/top?scq={Q}")) == [("scq", "far", 1, 2)]

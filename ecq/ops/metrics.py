@@ -13,7 +13,7 @@ from typing import Any
 
 from ecq.queue.lag import LagIndex
 from ecq.store.protocol import Append, Appended, ExpiredRow, Message
-from ecq.queue.topics import RewindPoint
+from ecq.queue.topics import RewindPoint, is_position_id
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
@@ -71,6 +71,9 @@ class EcqMetrics:
                                        "max_queue_messages / max_queue_bytes (quota_policy drop_oldest)", registry=r)
         self.queues_forgotten = Counter("ecq_queues_forgotten", "empty idle queues whose seqno and ack state GC "
                                         "deleted (state_retention)", registry=r)
+        self.scq_positions_forgotten = Counter("ecq_scq_positions_forgotten", "SCQ readers' positions GC deleted, "
+                                               "their reader offline and without an ack for state_retention",
+                                               registry=r)
         self.gc_deleted = Counter("ecq_gc_deleted_rows", "entries deleted by garbage collection", registry=r)
         self.append_latency = Histogram("ecq_append_latency_seconds", "PUBLISH received to write committed",
                                         buckets=_LATENCY_BUCKETS_S, registry=r)
@@ -219,8 +222,8 @@ class MetricsObserver:
         self._m.gc_runs.inc()
 
     def forgotten(self, clientid: str) -> None:
-        """Count a queue whose seqno and ack state state GC deleted."""
-        self._m.queues_forgotten.inc()
+        """Count a queue whose seqno and ack state state GC deleted, or an SCQ reader's position."""
+        (self._m.scq_positions_forgotten if is_position_id(clientid) else self._m.queues_forgotten).inc()
 
     def rewound(self, clientid: str, point: RewindPoint, acked: int) -> None:
         """Count a rewind."""

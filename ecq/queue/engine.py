@@ -31,7 +31,7 @@ from ecq.queue.snapshots import ConsumerSnapshot, EngineSnapshot, Totals, consum
 from ecq.store.protocol import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, Message, Op, QueueStore,
                              StoreReadError)
 from ecq.queue.tombstones import TombstonesOff, stored_rows
-from ecq.queue.topics import BadWrite, RewindPoint, queue_of_position
+from ecq.queue.topics import BadWrite, RewindPoint, is_position_id, queue_of_position
 from ecq.queue.writer import WriterPool
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ class QueueEngine:
             elif isinstance(op, Expire) and result:
                 self.deleted(op.clientid, result, op.reason)
             elif isinstance(op, ForgetQueue) and result:
-                self._queues -= 1
+                self._queues -= not is_position_id(op.clientid)
                 for observer in observers:
                     observer.forgotten(op.clientid)
 

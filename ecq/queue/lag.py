@@ -102,8 +102,9 @@ class LagIndex:
 
     async def resync(self, clientids: set[str]) -> None:
         """Recount the queues of ``clientids`` from their ack states (this broker's consumer's, or the stored one):
-        notices of what changed them were lost. A failed read of an ack state leaves that queue as it was."""
-        for clientid in clientids:
+        notices of what changed them were lost (an SCQ's: each of its readers followed here). A failed read of an
+        ack state leaves that queue as it was."""
+        for clientid in [owner for stored_id in clientids for owner in self._owners(stored_id)]:
             if (consumer := self._consumers.get(clientid)) is not None:
                 state = consumer.state
             else:
@@ -176,7 +177,7 @@ class LagIndex:
     def appended(self, op: Append, result: Appended) -> None:
         """A write: one more pending entry (for each reader followed, on an SCQ); the values compaction deleted are
         pending no more."""
-        for clientid in self._positions.get(op.clientid, ()) if is_scq_queue_id(op.clientid) else (op.clientid,):
+        for clientid in self._owners(op.clientid):
             self._appended(clientid, op, result)
 
     def _appended(self, clientid: str, op: Append, result: Appended) -> None:
@@ -212,7 +213,7 @@ class LagIndex:
     def expired(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str = "retention") -> None:
         """Deleted entries (GC, purge, an acked tombstone, a quota eviction) are pending no more (for any reader, on
         an SCQ)."""
-        for owner in self._positions.get(clientid, ()) if is_scq_queue_id(clientid) else (clientid,):
+        for owner in self._owners(clientid):
             self._expired(owner, rows)
 
     def _expired(self, clientid: str, rows: tuple[ExpiredRow, ...]) -> None:
@@ -297,6 +298,10 @@ class LagIndex:
     def delivered(self, clientid: str, message: Message, attempt: int) -> None:
         """A send changes no lag; the first one to an SCQ reader not followed yet makes the index follow it."""
         self._follow_reader(clientid)
+
+    def _owners(self, stored_id: str) -> tuple[str, ...]:
+        """The ids whose lag a change to the queue ``stored_id`` changes: the readers followed, for an SCQ."""
+        return tuple(self._positions.get(stored_id, ())) if is_scq_queue_id(stored_id) else (stored_id,)
 
     def _follow_reader(self, clientid: str) -> None:
         """Follow the position ``clientid`` of an SCQ reader first heard of (a reader new to its queue, which has no
