@@ -29,8 +29,8 @@ from ecq.broker import config_file
 from ecq.config import split_host_port
 from ecq.pipeline.cli import pipeline
 from ecq.ops.client import (DEFAULT_ADMIN, EXIT_NOT_FOUND, Unreachable, admin_target, call_admin, check_answer,
-                            emit, render_config, render_queue, render_status, render_top)
-from ecq.ops.status import broker_status, queue_info
+                            emit, render_config, render_queue, render_scq, render_status, render_top)
+from ecq.ops.status import broker_status, queue_info, scq_info
 from ecq.queue.clock import now_ms
 from ecq.queue.lag_reads import TOP_MAX, TOP_ORDERS, scan_lag, top_report
 from ecq.store.protocol import StoreError
@@ -168,12 +168,20 @@ def status(admin: str, token: str | None, as_json: bool, data_dir: Path) -> None
 
 
 @main.command()
-@click.argument("clientid")
+@click.argument("clientid", required=False)
+@click.option("--scq", "scq", default=None, help="the SCQ of this name and its readers instead of a queue")
 @admin_options
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=Path("storage"),
               show_default=True, help="read this data dir when no broker answers")
-def inspect(clientid: str, admin: str, token: str | None, as_json: bool, data_dir: Path) -> None:
-    """One queue: acked seqno, last ack time, queue range such as [3,...,9], pending, inflight, online."""
+def inspect(clientid: str | None, scq: str | None, admin: str, token: str | None, as_json: bool,
+            data_dir: Path) -> None:
+    """One queue: acked seqno, last ack time, queue range such as [3,...,9], pending, inflight, online. With --scq
+    QUEUE (and no CLIENTID): that SCQ's range and its readers, each with its acked seqno and pending entries."""
+    if (clientid is None) == (scq is None):
+        raise click.UsageError("give a CLIENTID or --scq QUEUE")
+    if scq is not None:
+        inspect_scq(scq, admin, token, as_json, data_dir)
+        return
     try:
         data = check_answer(*call_admin(admin, f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}", token))
     except Unreachable:
@@ -182,6 +190,18 @@ def inspect(clientid: str, admin: str, token: str | None, as_json: bool, data_di
             click.echo(f"no queue for clientid {clientid!r}", err=True)
             sys.exit(EXIT_NOT_FOUND)
     emit(data, as_json, render_queue)
+
+
+def inspect_scq(queue: str, admin: str, token: str | None, as_json: bool, data_dir: Path) -> None:
+    """`ecq inspect --scq QUEUE`: from the running broker, or the data dir when none answers."""
+    try:
+        data = check_answer(*call_admin(admin, f"/api/v1/scq/{urllib.request.quote(queue, safe='')}", token))
+    except Unreachable:
+        data = read_data_dir(data_dir, admin, lambda store: scq_info(store, queue))
+        if data is None:
+            click.echo(f"no SCQ {queue!r}", err=True)
+            sys.exit(EXIT_NOT_FOUND)
+    emit(data, as_json, render_scq)
 
 
 @main.command()
@@ -243,22 +263,31 @@ def _rewound_name(answer: dict) -> str:
 
 @main.command()
 @click.argument("clientid")
-@click.argument("key")
+@click.argument("key", required=False)
 @click.option("--force", is_flag=True, help="write the tombstone even when the queue stores no value of KEY")
+@click.option("--scq", "scq", default=None, help="delete from the SCQ of this name (then the one argument is KEY)")
 @admin_options
-def delete(clientid: str, key: str, force: bool, admin: str, token: str | None, as_json: bool) -> None:
+def delete(clientid: str, key: str | None, force: bool, scq: str | None, admin: str, token: str | None,
+           as_json: bool) -> None:
     """Delete KEY from the queue of CLIENTID on the running broker: writes a tombstone (an empty payload), which the
     consumer gets once as an empty PUBLISH. Prints its seqno. Exits 1, writing nothing, when the queue stores no
     value of KEY (never written, a typo, or deleted or expired since), unless --force. Refused when the broker runs
-    with tombstones: false."""
-    path = (f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}/delete"
-            f"?key={urllib.request.quote(key, safe='')}{'' if force else '&stored_only=1'}")
+    with tombstones: false. ``ecq delete --scq QUEUE KEY`` deletes KEY from an SCQ, for every reader."""
+    if scq is not None and key is None:
+        clientid, key = scq, clientid
+        target = f"/api/v1/scq/{urllib.request.quote(scq, safe='')}"
+    elif scq is None and key is not None:
+        target = f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}"
+    else:
+        raise click.UsageError("give CLIENTID KEY, or --scq QUEUE KEY")
+    path = f"{target}/delete?key={urllib.request.quote(key, safe='')}{'' if force else '&stored_only=1'}"
     status, data = call_admin(admin, path, token, method="POST")
     if status == 404:
         click.echo(f"{printable(str(data.get('error')))}; --force writes the tombstone anyway", err=True)
         sys.exit(EXIT_NOT_FOUND)
     data = check_answer(status, data)
-    emit(data, as_json, lambda d: f"deleted {d['key']} of {d['clientid']}: tombstone seqno {d['seqno']}")
+    emit(data, as_json, lambda d: f"deleted {d['key']} of {d.get('clientid') or 'the SCQ ' + d['scq']}: tombstone "
+                                  f"seqno {d['seqno']}")
 
 
 @main.command()

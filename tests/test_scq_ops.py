@@ -157,3 +157,52 @@ def test_each_node_of_a_cluster_counts_the_lag_of_readers_on_the_other(cluster_n
     scq_write(producer, "c", b"cc")
     assert wait_until(lambda: reader_rows(api(node1, f"/api/v1/top?scq={Q}")) == [("scq", "far", 1, 2)], 15)
     assert reader_rows(api(node2, f"/api/v1/top?scq={Q}")) == [("scq", "far", 1, 2)]
+
+
+def cli_json(broker, *args: str, **options) -> dict:
+    result = ecq(*args, "--json", admin=options.get("admin", broker.admin_port))
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_status_inspect_delete_and_metrics_show_scqs_with_their_readers(backend_broker, connect):
+    """`ecq status` lists SCQs of kind scq with their readers (no reader as a consumer), `ecq inspect --scq` one SCQ
+    and its readers' pending entries, `ecq delete --scq` a key for every reader; the ecq_scq_* metrics."""
+    broker = backend_broker(tombstones=True)
+    producer = connect(broker.port, "producer")
+    for key in ("a", "b"):
+        scq_write(producer, key, key * 3)
+    write(producer, "own", "k", "v")
+    assert len(read_all(connect, broker.port, "r1", 2)) == 2
+    r2 = connect(broker.port, "r2", manual_ack=True)
+    assert r2.subscribe(FILTER) == 1
+    assert len(r2.expect(2)) == 2
+
+    status = cli_json(broker, "status")
+    assert not [c for c in status["consumers"] if c["clientid"].startswith("$SCQ/")]
+    assert (status["scqs_total"], status["scqs"]) == (1, [{"kind": "scq", "queue": Q, "readers": 2,
+                                                           "readers_online": 1}])
+    assert status["consumers_online"] == 0
+    info = cli_json(broker, "inspect", "--scq", Q)
+    assert (info["kind"], info["queue"], info["stored"], info["readers_total"], info["readers_online"]) == (
+        "scq", Q, 2, 2, 1)
+    assert [(r["reader"], r["pending"], r["pending_bytes"], r["online"]) for r in info["readers"]] == [
+        ("r2", 2, 6, True), ("r1", 0, 0, False)]
+    assert ecq("inspect", "--scq", "nosuch", admin=broker.admin_port).returncode == 1
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        api(broker, "/api/v1/scq/w")
+    assert refused.value.code == 400
+    assert wait_until(lambda: (scrape(broker)["ecq_scq_readers"], scrape(broker)["ecq_scq_pending_messages"]) == (2, 2))
+
+    deleted = cli_json(broker, "delete", "--scq", Q, "a")
+    assert (deleted["scq"], deleted["key"]) == (Q, "a")
+    assert ecq("delete", "--scq", Q, "never", admin=broker.admin_port).returncode == 1
+    assert read_all(connect, broker.port, "r1", 1) == [delivered("a", b"")]
+    r2.close()
+    if broker.options.get("backend") == "jetstream":
+        return  # the data dir holds no queue there
+    broker.stop()
+    result = ecq("inspect", "--json", "--scq", Q, "--data-dir", str(broker.data_dir), admin=free_port())
+    assert result.returncode == 0, result.stderr
+    offline = json.loads(result.stdout)
+    assert (offline["stored"], [r["reader"] for r in offline["readers"]]) == (2, ["r1"])

@@ -42,6 +42,10 @@ POST   /api/v1/queues/{clientid}/   write a tombstone for KEY through the normal
        [&stored_only=1]             key, 409 with ``tombstones: false``, 503 when it cannot be stored now; with
                                     ``stored_only=1`` (``ecq delete`` without ``--force``), 404 and nothing
                                     written when the queue stores no value of KEY
+GET    /api/v1/scq/{queue}          one SCQ and its readers (see ecq.ops.status.scq_info); 400 for a bad name,
+                                    404 when unknown
+POST   /api/v1/scq/{queue}/delete?  a tombstone for KEY in the SCQ, as for a queue above: ``{"scq": ..., "key":
+       key=KEY[&stored_only=1]      ..., "seqno": N}``
 POST   /api/v1/queues/{clientid}/   delete every stored entry of the queue (seqno counter and acked position
        purge                        stay): ``{"clientid": ..., "purged": n}``; 503 when it cannot be done now
 GET    /api/v1/top?n=N&by=K         the N (1..1000, default 20) queues with the most pending entries (K
@@ -76,7 +80,7 @@ from aiohttp import hdrs, web
 from ecq.config import is_loopback
 from ecq.ops.dashboard import PUBLIC_PATHS, add_dashboard
 from ecq.ops.metrics import EcqMetrics
-from ecq.ops.status import broker_status, queue_info
+from ecq.ops.status import broker_status, queue_info, scq_info
 from ecq.queue.engine import QueueEngine
 from ecq.queue.lag import check_top
 from ecq.queue.rewind import UnknownQueue
@@ -144,6 +148,8 @@ def build_app(engine: QueueEngine, controls: BrokerControls, metrics: EcqMetrics
         web.post("/api/v1/gc", _gc),
         web.post("/api/v1/queues/{clientid}/rewind", _rewind),
         web.post("/api/v1/scq/{queue}/readers/{reader}/rewind", _rewind_reader),
+        web.get("/api/v1/scq/{queue}", _scq),
+        web.post("/api/v1/scq/{queue}/delete", _scq_delete),
         web.post("/api/v1/queues/{clientid}/delete", _delete),
         web.post("/api/v1/queues/{clientid}/purge", _purge),
         web.get("/api/v1/top", _top),
@@ -262,6 +268,18 @@ async def _queue(request: web.Request) -> web.Response:
     return web.json_response(info)
 
 
+async def _scq(request: web.Request) -> web.Response:
+    engine, queue = request.app[_ENGINE], request.match_info["queue"]
+    try:
+        check_scq_name(queue)
+    except ValueError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    info = await engine.read(scq_info, engine.store, queue, engine.reader_snapshots(scq_queue_id(queue)))
+    if info is None:
+        return web.json_response({"error": f"no SCQ {queue!r}"}, status=404)
+    return web.json_response(info)
+
+
 async def _gc(request: web.Request) -> web.Response:
     return web.json_response({"deleted": await request.app[_ENGINE].run_gc()})
 
@@ -302,10 +320,22 @@ async def _rewound(request: web.Request, clientid: str, named: dict[str, str]) -
 
 
 async def _delete(request: web.Request) -> web.Response:
-    clientid, key = request.match_info["clientid"], request.query.get("key", "")
+    clientid = request.match_info["clientid"]
+    return await _tombstone(request, f"$ECQ/w/{clientid}/", clientid, {"clientid": clientid})
+
+
+async def _scq_delete(request: web.Request) -> web.Response:
+    queue = request.match_info["queue"]
+    return await _tombstone(request, f"$SCQ/w/{queue}/", queue, {"scq": queue})
+
+
+async def _tombstone(request: web.Request, prefix: str, clientid: str, named: dict[str, str]) -> web.Response:
+    """Write a tombstone for the request's ``key`` as a write to ``prefix<key>`` would (``clientid``: the queue's
+    name in that topic); ``named`` heads the answer."""
+    key = request.query.get("key", "")
     try:
-        write = parse_write(f"$ECQ/w/{clientid}/{key}", 0, 0)
-        if write.clientid != clientid:
+        write = parse_write(f"{prefix}{key}", 0, 0)
+        if write.key != key:
             raise BadWrite("bad_clientid", "a clientid with '/' cannot be written to")
         appended = await request.app[_ENGINE].delete(write.clientid, write.key,
                                                      stored_only=request.query.get("stored_only") == "1")
@@ -319,7 +349,7 @@ async def _delete(request: web.Request) -> web.Response:
     if appended is None:
         return web.json_response({"error": f"the queue of {clientid!r} stores no value of key {key!r} (never "
                                            f"written, or deleted or expired since): nothing deleted"}, status=404)
-    return web.json_response({"clientid": clientid, "key": key, "seqno": appended.seqno})
+    return web.json_response({**named, "key": key, "seqno": appended.seqno})
 
 
 async def _purge(request: web.Request) -> web.Response:

@@ -151,6 +151,19 @@ def render_status(d: dict[str, Any]) -> str:
     for c in d["consumers"]:
         lines.append(f"  {c['clientid']}  acked {c['acked']}  last ack {c['last_ack_ts'] or 'never'}"
                      f"  {'online' if c['online'] else 'offline'}")
+    lines.append(f"SCQs ({d.get('scqs_total', 0)} with readers):")
+    for q in d.get("scqs", []):
+        lines.append(f"  {q['queue']}  readers {q['readers']}  online {q['readers_online']}")
+    return "\n".join(lines)
+
+
+def render_scq(d: dict[str, Any]) -> str:
+    """Human-readable `ecq inspect --scq QUEUE`: the SCQ, then one line per reader listed."""
+    lines = [f"scq:         {d['queue']}", f"last seqno:  {d['last_seqno']}", f"range:       {d['range']}",
+             f"stored:      {d['stored']}", f"readers:     {d['readers_total']} ({d['readers_online']} online)"]
+    for r in d["readers"]:
+        lines.append(f"  {r['reader']}  acked {r['acked']}  pending {r['pending']} ({r['pending_bytes']} bytes, oldest "
+                     f"{_age(r['oldest_pending_age_s'])})  {'online' if r['online'] else 'offline'}")
     return "\n".join(lines)
 
 

@@ -119,16 +119,18 @@ def _gauge_help(gauges: dict[str, Callable[[], float]]) -> dict[str, tuple[str, 
 
 
 class LagCollector:
-    """A prometheus_client collector over the lag index: ``ecq_pending_messages`` (pending entries, all queues),
-    ``ecq_oldest_pending_age_seconds`` (the oldest pending entry's age, 0 when none) and the histogram
-    ``ecq_queue_pending_messages`` of pending entries per queue (buckets 0, 1, 10, ..., 10000, +Inf; its count is
-    ``queues()``, every queue of the broker). No per-clientid labels: a fleet has 100,000+ queues."""
+    """A prometheus_client collector over the lag index: ``ecq_pending_messages`` (pending entries, all queues, an
+    SCQ's once per reader), ``ecq_oldest_pending_age_seconds`` (the oldest pending entry's age, 0 when none), the
+    histogram ``ecq_queue_pending_messages`` of pending entries per ECQ queue (buckets 0, 1, 10, ..., 10000, +Inf;
+    its count is ``queues()``, every queue of the broker), and for SCQs ``ecq_scq_readers`` (reader positions the
+    index follows) and ``ecq_scq_pending_messages`` (pending entries over them). No per-clientid labels: a fleet has
+    100,000+ queues."""
 
     def __init__(self, lag: LagIndex, queues: Callable[[], int]) -> None:
         self._lag, self._queues = lag, queues
 
     def collect(self):
-        """The three metric families, computed now (on the event loop, from the index in memory)."""
+        """The metric families, computed now (on the event loop, from the index in memory)."""
         pending, age_s = self._lag.totals()
         yield GaugeMetricFamily("ecq_pending_messages", "entries stored and not yet acked, over every queue",
                                 value=pending)
@@ -142,8 +144,13 @@ class LagCollector:
                 counts[index] += count <= bound
         total = max(self._queues(), lagging)
         cumulative = [(str(float(bound)), n + total - lagging) for bound, n in zip(_PENDING_BUCKETS, counts)]
+        readers, scq_pending = self._lag.scq_totals()
         yield HistogramMetricFamily("ecq_queue_pending_messages", "queues by their count of entries not yet acked",
-                                    buckets=[*cumulative, ("+Inf", total)], sum_value=pending)
+                                    buckets=[*cumulative, ("+Inf", total)], sum_value=pending - scq_pending)
+        yield GaugeMetricFamily("ecq_scq_readers", "SCQ readers' positions (stored or in memory) the lag index "
+                                "follows", value=readers)
+        yield GaugeMetricFamily("ecq_scq_pending_messages", "SCQ entries not yet acked, counted once per reader",
+                                value=scq_pending)
 
 
 class StreamCollector:

@@ -451,6 +451,10 @@ class QueueEngine:
         """An immutable copy of the totals and of every known consumer's state (call on the event loop)."""
         return EngineSnapshot(self.totals(), {cid: consumer_snapshot(c) for cid, c in self.consumers.items()})
 
+    def reader_snapshots(self, queue: str) -> dict[str, ConsumerSnapshot]:
+        """Immutable copies of the states of the SCQ ``queue``'s (a queue id) readers in memory, by position id."""
+        return {cid: consumer_snapshot(c) for cid, c in self.readers.get(queue, {}).items()}
+
     def consumer_snapshot(self, clientid: str) -> ConsumerSnapshot | None:
         """An immutable copy of one consumer's state, or None when it has no consumer in memory."""
         consumer = self.consumers.get(clientid)

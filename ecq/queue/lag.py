@@ -169,8 +169,14 @@ class LagIndex:
         return pending, max(0.0, (now_ms() - oldest) / 1000) if oldest else 0.0
 
     def pending_counts(self) -> Iterator[int]:
-        """The pending count of every lagging queue (queues not listed have none)."""
-        return (lag.pending for lag in self.queues.values())
+        """The pending count of every lagging queue, SCQ readers' positions left out (queues not listed have
+        none)."""
+        return (lag.pending for cid, lag in self.queues.items() if not is_position_id(cid))
+
+    def scq_totals(self) -> tuple[int, int]:
+        """(SCQ readers' positions followed, pending entries over them). O(lagging queues + SCQs)."""
+        return (sum(map(len, self._positions.values())),
+                sum(lag.pending for cid, lag in self.queues.items() if is_position_id(cid)))
 
     # --- observer calls -----------------------------------------------------------------------------
 
