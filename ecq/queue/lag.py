@@ -18,6 +18,12 @@ appends and deletions reach :meth:`LagIndex.appended` and :meth:`LagIndex.expire
 saved marks its queue for a recount from that state (:meth:`LagIndex.saved_elsewhere`); queues changed by lost
 notices are recounted (:meth:`LagIndex.resync`). Nothing is re-scanned while the cluster is idle.
 
+An SCQ (ecq.queue.topics.scq_queue_id) is read by many readers, each from its own position: the index keeps the
+lag of each reader's position (under its position id) and none for the SCQ's queue id. It follows the positions
+found at start (stored ack states), and a reader first heard of later (its first delivery or ack here, or its
+position saved by another broker) from its state; an append or deletion of the SCQ is applied to each position
+followed, one update per reader.
+
 The blocking reads and the ``ecq top`` answer are in ecq.queue.lag_reads.
 """
 
