@@ -29,8 +29,8 @@ from ecq.broker import config_file
 from ecq.config import split_host_port
 from ecq.pipeline.cli import pipeline
 from ecq.ops.client import (DEFAULT_ADMIN, EXIT_NOT_FOUND, Unreachable, admin_target, call_admin, check_answer,
-                            emit, render_config, render_queue, render_status, render_top)
-from ecq.ops.status import broker_status, queue_info
+                            emit, render_config, render_queue, render_scq, render_status, render_top)
+from ecq.ops.status import broker_status, queue_info, scq_info
 from ecq.queue.clock import now_ms
 from ecq.queue.lag_reads import TOP_MAX, TOP_ORDERS, scan_lag, top_report
 from ecq.store.protocol import StoreError
@@ -168,12 +168,20 @@ def status(admin: str, token: str | None, as_json: bool, data_dir: Path) -> None
 
 
 @main.command()
-@click.argument("clientid")
+@click.argument("clientid", required=False)
+@click.option("--scq", "scq", default=None, help="the SCQ of this name and its readers instead of a queue")
 @admin_options
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=Path("storage"),
               show_default=True, help="read this data dir when no broker answers")
-def inspect(clientid: str, admin: str, token: str | None, as_json: bool, data_dir: Path) -> None:
-    """One queue: acked seqno, last ack time, queue range such as [3,...,9], pending, inflight, online."""
+def inspect(clientid: str | None, scq: str | None, admin: str, token: str | None, as_json: bool,
+            data_dir: Path) -> None:
+    """One queue: acked seqno, last ack time, queue range such as [3,...,9], pending, inflight, online. With --scq
+    QUEUE (and no CLIENTID): that SCQ's range and its readers, each with its acked seqno and pending entries."""
+    if (clientid is None) == (scq is None):
+        raise click.UsageError("give a CLIENTID or --scq QUEUE")
+    if scq is not None:
+        inspect_scq(scq, admin, token, as_json, data_dir)
+        return
     try:
         data = check_answer(*call_admin(admin, f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}", token))
     except Unreachable:
@@ -184,20 +192,36 @@ def inspect(clientid: str, admin: str, token: str | None, as_json: bool, data_di
     emit(data, as_json, render_queue)
 
 
+def inspect_scq(queue: str, admin: str, token: str | None, as_json: bool, data_dir: Path) -> None:
+    """`ecq inspect --scq QUEUE`: from the running broker, or the data dir when none answers."""
+    try:
+        data = check_answer(*call_admin(admin, f"/api/v1/scq/{urllib.request.quote(queue, safe='')}", token))
+    except Unreachable:
+        data = read_data_dir(data_dir, admin, lambda store: scq_info(store, queue))
+        if data is None:
+            click.echo(f"no SCQ {queue!r}", err=True)
+            sys.exit(EXIT_NOT_FOUND)
+    emit(data, as_json, render_scq)
+
+
 @main.command()
 @click.option("-n", "count", type=click.IntRange(1, TOP_MAX), default=20, show_default=True,
               help="how many queues to list")
 @click.option("--by", type=click.Choice(TOP_ORDERS), default="pending", show_default=True,
               help="rank by pending entries, age of the oldest pending entry, or pending payload bytes")
+@click.option("--scq", "scq", default=None, help="only the readers of this SCQ: its slowest readers")
 @admin_options
 @click.option("--data-dir", type=click.Path(path_type=Path, file_okay=False), default=Path("storage"),
               show_default=True, help="read this data dir when no broker answers")
-def top(count: int, by: str, admin: str, token: str | None, as_json: bool, data_dir: Path) -> None:
-    """The most lagging queues: pending entries (stored, not acked), their payload bytes, the oldest one's age."""
+def top(count: int, by: str, scq: str | None, admin: str, token: str | None, as_json: bool, data_dir: Path) -> None:
+    """The most lagging queues: pending entries (stored, not acked), their payload bytes, the oldest one's age; an
+    SCQ's lag is its readers' (one row per reader)."""
+    query = f"n={count}&by={by}" + (f"&scq={urllib.request.quote(scq, safe='')}" if scq is not None else "")
     try:
-        data = check_answer(*call_admin(admin, f"/api/v1/top?n={count}&by={by}", token))
+        data = check_answer(*call_admin(admin, f"/api/v1/top?{query}", token))
     except Unreachable:
-        data = read_data_dir(data_dir, admin, lambda store: top_report(scan_lag(store, {}), count, by, now_ms()))
+        data = read_data_dir(data_dir, admin,
+                             lambda store: top_report(scan_lag(store, {}), count, by, now_ms(), scq))
         data["source"] = f"data dir {data_dir} (no broker running)"
     emit(data, as_json, render_top)
 
@@ -213,41 +237,57 @@ def gc(admin: str, token: str | None, as_json: bool) -> None:
 @main.command()
 @click.argument("clientid")
 @click.argument("point", metavar="(N|earliest|latest|since:MS)")
+@click.option("--scq", "scq", default=None, help="rewind the position of the reader CLIENTID in this SCQ instead")
 @admin_options
-def rewind(clientid: str, point: str, admin: str, token: str | None, as_json: bool) -> None:
+def rewind(clientid: str, point: str, scq: str | None, admin: str, token: str | None, as_json: bool) -> None:
     """Rewind the queue of CLIENTID on the running broker, online or offline: the next delivery is the first stored
     entry after seqno N, the oldest stored entry (earliest), the next write (latest), or the first entry published
-    at or after MS, ms since the Unix epoch (since:MS). Prints the new acked seqno. Exits 1 for an N above the
-    queue's last seqno and for a queue the broker knows nothing of (nothing is created)."""
+    at or after MS, ms since the Unix epoch (since:MS). With --scq QUEUE, the position of the reader CLIENTID in
+    that SCQ. Prints the new acked seqno. Exits 1 for an N above the queue's last seqno and for a queue (a reader's
+    position) the broker knows nothing of (nothing is created)."""
     try:
         parse_rewind_point(point)
     except BadWrite as exc:
         raise click.BadParameter(str(exc), param_hint="POINT") from None
-    path = (f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}/rewind"
-            f"?to={urllib.request.quote(point, safe='')}")
+    target = (f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}" if scq is None else
+              f"/api/v1/scq/{urllib.request.quote(scq, safe='')}/readers/{urllib.request.quote(clientid, safe='')}")
+    path = f"{target}/rewind?to={urllib.request.quote(point, safe='')}"
     data = check_answer(*call_admin(admin, path, token, method="POST"))
-    emit(data, as_json, lambda d: f"rewound {d['clientid']}: acked seqno {d['acked']}, the next delivery is the "
+    emit(data, as_json, lambda d: f"rewound {_rewound_name(d)}: acked seqno {d['acked']}, the next delivery is the "
                                   f"first stored entry after it")
+
+
+def _rewound_name(answer: dict) -> str:
+    return answer["clientid"] if "clientid" in answer else f"the reader {answer['reader']} of the SCQ {answer['scq']}"
 
 
 @main.command()
 @click.argument("clientid")
-@click.argument("key")
+@click.argument("key", required=False)
 @click.option("--force", is_flag=True, help="write the tombstone even when the queue stores no value of KEY")
+@click.option("--scq", "scq", default=None, help="delete from the SCQ of this name (then the one argument is KEY)")
 @admin_options
-def delete(clientid: str, key: str, force: bool, admin: str, token: str | None, as_json: bool) -> None:
+def delete(clientid: str, key: str | None, force: bool, scq: str | None, admin: str, token: str | None,
+           as_json: bool) -> None:
     """Delete KEY from the queue of CLIENTID on the running broker: writes a tombstone (an empty payload), which the
     consumer gets once as an empty PUBLISH. Prints its seqno. Exits 1, writing nothing, when the queue stores no
     value of KEY (never written, a typo, or deleted or expired since), unless --force. Refused when the broker runs
-    with tombstones: false."""
-    path = (f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}/delete"
-            f"?key={urllib.request.quote(key, safe='')}{'' if force else '&stored_only=1'}")
+    with tombstones: false. ``ecq delete --scq QUEUE KEY`` deletes KEY from an SCQ, for every reader."""
+    if scq is not None and key is None:
+        clientid, key = scq, clientid
+        target = f"/api/v1/scq/{urllib.request.quote(scq, safe='')}"
+    elif scq is None and key is not None:
+        target = f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}"
+    else:
+        raise click.UsageError("give CLIENTID KEY, or --scq QUEUE KEY")
+    path = f"{target}/delete?key={urllib.request.quote(key, safe='')}{'' if force else '&stored_only=1'}"
     status, data = call_admin(admin, path, token, method="POST")
     if status == 404:
         click.echo(f"{printable(str(data.get('error')))}; --force writes the tombstone anyway", err=True)
         sys.exit(EXIT_NOT_FOUND)
     data = check_answer(status, data)
-    emit(data, as_json, lambda d: f"deleted {d['key']} of {d['clientid']}: tombstone seqno {d['seqno']}")
+    emit(data, as_json, lambda d: f"deleted {d['key']} of {d.get('clientid') or 'the SCQ ' + d['scq']}: tombstone "
+                                  f"seqno {d['seqno']}")
 
 
 @main.command()

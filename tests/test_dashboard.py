@@ -249,7 +249,8 @@ def test_the_json_gives_history_gc_progress_and_no_cluster_on_leveldb(broker, co
     assert data["cluster"] is None and data["backend"] == "leveldb" and data["health"] == {"status": "ok"}
     assert data["store"]["queues"] == 1 and data["store"]["disk_bytes"] > 0
     assert data["lag"]["queues"] == [{"clientid": "j", "pending": 1, "pending_bytes": 1,
-                                      "oldest_pending_age_s": data["lag"]["queues"][0]["oldest_pending_age_s"]}]
+                                      "oldest_pending_age_s": data["lag"]["queues"][0]["oldest_pending_age_s"],
+                                      "kind": "ecq"}]
     assert data["oldest"][0]["clientid"] == "j" and data["events"]["recorded"] >= 1
     assert data["gc"]["passes"] == 0 and data["gc"]["pass_started_ms"] is None
 

@@ -199,6 +199,9 @@ class _NoLag:
     def pending_counts(self):
         return []
 
+    def scq_totals(self):
+        return 0, 0
+
 
 def metric_names() -> list[str]:
     """Every metric a broker can serve (the cluster's included), as Prometheus shows it: counters with ``_total``."""

@@ -293,4 +293,4 @@ def test_top_orders_by_each_key_with_ties_by_clientid(tmp_path):
     report = top_report(queues, 1, "age", 10_000)
     assert (report["pending"], report["lagging"], report["oldest_pending_age_s"]) == (13, 4, 9.9)
     assert report["queues"] == [{"clientid": "few-old", "pending": 1, "pending_bytes": 1,
-                                 "oldest_pending_age_s": 9.9}]
+                                 "oldest_pending_age_s": 9.9, "kind": "ecq"}]

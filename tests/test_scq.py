@@ -199,7 +199,7 @@ def test_write_refusals_are_counted_and_store_nothing(broker, connect):
     reader = connect(broker.port, "car")
     assert reader.subscribe(FILTER) == 1
     refused = {"$SCQ/fleet/a": "not_a_write", "$SCQ/w/w/k": "bad_clientid", "$SCQ/w/ctl/k": "bad_clientid",
-               "$SCQ/w//k": "empty_clientid", "$SCQ/w/fleet/": "empty_key", "$SCQ/ctl/fleet/rewind": "not_a_write"}
+               "$SCQ/w//k": "empty_clientid", "$SCQ/w/fleet/": "empty_key", "$SCQ/ctl/fleet/other": "not_a_write"}
     for topic in refused:
         producer.publish(topic, b"x", 1)
     for reason in set(refused.values()):

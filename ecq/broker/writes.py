@@ -22,7 +22,8 @@ from ecq.config import EcqSettings
 from ecq.ops.metrics import EcqMetrics
 from ecq.queue.engine import QueueEngine
 from ecq.queue.throttle import LogThrottle
-from ecq.queue.topics import BadWrite, is_ctl_topic, parse_rewind_point, parse_rewind_target, parse_target, parse_write
+from ecq.queue.topics import (BadWrite, is_ctl_topic, is_scq_topic, parse_rewind_point, parse_rewind_target,
+                              parse_scq_rewind_target, parse_target, parse_write)
 from ecq.queue.writer import PoolClosed
 
 log = logging.getLogger(__name__)
@@ -180,10 +181,13 @@ class EcqWrites:
             raise BadWrite("acl_denied", f"refused {what} {topic!r}: denied by the ACL")
 
     def _rewind(self, handler: BrokerProtocolHandler, topic: str, payload: bytes) -> asyncio.Future:
-        """Start the rewind a PUBLISH to ``$ECQ/ctl/<clientid>/rewind`` asks for; the future resolves once it is
-        stored. Raises BadWrite: ``not_owner`` (the publisher is not ``<clientid>``), ``acl_denied``,
-        ``bad_rewind`` (a malformed payload), or a topic reason (see parse_rewind_target)."""
-        clientid = parse_rewind_target(topic, hooks.client_id(handler) or "")
+        """Start the rewind a PUBLISH to ``$ECQ/ctl/<clientid>/rewind`` asks for (or to ``$SCQ/ctl/<queue>/rewind``:
+        the publisher's own position in that SCQ); the future resolves once it is stored. Raises BadWrite:
+        ``not_owner`` (the publisher is not ``<clientid>``), ``acl_denied``, ``bad_rewind`` (a malformed payload),
+        or a topic reason (see parse_rewind_target, parse_scq_rewind_target)."""
+        publisher = hooks.client_id(handler) or ""
+        clientid = (parse_scq_rewind_target(topic, publisher) if is_scq_topic(topic)
+                    else parse_rewind_target(topic, publisher))
         self._check_acl(handler, topic, "rewind")
         point = parse_rewind_point(payload)
         return asyncio.ensure_future(self._engine.rewind(clientid, point))

@@ -34,17 +34,26 @@ POST   /api/v1/queues/{clientid}/   rewind the queue (``to``: ``N``, ``earliest`
                                     first stored entry above N); 400 for a bad ``to`` or a seqno above the
                                     queue's last one, 404 for a queue with no seqno and no consumer state
                                     (nothing is created), 503 when it cannot be stored now
+POST   /api/v1/scq/{queue}/readers/ rewind the position of the reader (a client id) in the SCQ ``queue``, as
+       {reader}/rewind?to=POINT     above: ``{"scq": ..., "reader": ..., "acked": N}``; 400 for a bad queue
+                                    name, 404 for a reader with no stored position and no consumer here
 POST   /api/v1/queues/{clientid}/   write a tombstone for KEY through the normal write path:
        delete?key=KEY               ``{"clientid": ..., "key": ..., "seqno": N}`` once committed; 400 without a
        [&stored_only=1]             key, 409 with ``tombstones: false``, 503 when it cannot be stored now; with
                                     ``stored_only=1`` (``ecq delete`` without ``--force``), 404 and nothing
                                     written when the queue stores no value of KEY
+GET    /api/v1/scq/{queue}          one SCQ and its readers (see ecq.ops.status.scq_info); 400 for a bad name,
+                                    404 when unknown
+POST   /api/v1/scq/{queue}/delete?  a tombstone for KEY in the SCQ, as for a queue above: ``{"scq": ..., "key":
+       key=KEY[&stored_only=1]      ..., "seqno": N}``
 POST   /api/v1/queues/{clientid}/   delete every stored entry of the queue (seqno counter and acked position
        purge                        stay): ``{"clientid": ..., "purged": n}``; 503 when it cannot be done now
 GET    /api/v1/top?n=N&by=K         the N (1..1000, default 20) queues with the most pending entries (K
-                                    ``pending``, the default), the oldest pending entry (``age``) or the most
+       [&scq=Q]                     ``pending``, the default), the oldest pending entry (``age``) or the most
                                     pending payload bytes (``bytes``), from the engine's lag index (see
-                                    ecq.queue.lag.top_report); 400 for a bad N or K
+                                    ecq.queue.lag.top_report), an SCQ reader's position as a row of kind
+                                    ``scq``; with Q (an SCQ's name) the slowest readers of that SCQ only; 400
+                                    for a bad N, K or Q
 GET    /api/v1/config?which=W       plugin options, ``origin`` (as given) or ``inuse`` (in effect: computed values
                                     such as ``max_packet_bytes`` and ``node_name`` resolved)
 POST   /api/v1/acl/reload           reload the ACL file: ``{"reloaded": true, "rules": n}``; 400 and the
@@ -71,13 +80,14 @@ from aiohttp import hdrs, web
 from ecq.config import is_loopback
 from ecq.ops.dashboard import PUBLIC_PATHS, add_dashboard
 from ecq.ops.metrics import EcqMetrics
-from ecq.ops.status import broker_status, queue_info
+from ecq.ops.status import broker_status, queue_info, scq_info
 from ecq.queue.engine import QueueEngine
 from ecq.queue.lag import check_top
 from ecq.queue.rewind import UnknownQueue
 from ecq.store.protocol import StoreError
 from ecq.queue.tombstones import TombstonesOff
-from ecq.queue.topics import RESERVED_CLIENTIDS, BadWrite, parse_rewind_point, parse_write
+from ecq.queue.topics import (RESERVED_CLIENTIDS, BadWrite, check_scq_name, parse_rewind_point, parse_write,
+                              position_id, scq_queue_id)
 from ecq.queue.writer import PoolClosed
 
 log = logging.getLogger(__name__)
@@ -137,6 +147,9 @@ def build_app(engine: QueueEngine, controls: BrokerControls, metrics: EcqMetrics
         web.get("/api/v1/queues/{clientid}", _queue),
         web.post("/api/v1/gc", _gc),
         web.post("/api/v1/queues/{clientid}/rewind", _rewind),
+        web.post("/api/v1/scq/{queue}/readers/{reader}/rewind", _rewind_reader),
+        web.get("/api/v1/scq/{queue}", _scq),
+        web.post("/api/v1/scq/{queue}/delete", _scq_delete),
         web.post("/api/v1/queues/{clientid}/delete", _delete),
         web.post("/api/v1/queues/{clientid}/purge", _purge),
         web.get("/api/v1/top", _top),
@@ -255,15 +268,41 @@ async def _queue(request: web.Request) -> web.Response:
     return web.json_response(info)
 
 
+async def _scq(request: web.Request) -> web.Response:
+    engine, queue = request.app[_ENGINE], request.match_info["queue"]
+    try:
+        check_scq_name(queue)
+    except ValueError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    info = await engine.read(scq_info, engine.store, queue, engine.reader_snapshots(scq_queue_id(queue)))
+    if info is None:
+        return web.json_response({"error": f"no SCQ {queue!r}"}, status=404)
+    return web.json_response(info)
+
+
 async def _gc(request: web.Request) -> web.Response:
     return web.json_response({"deleted": await request.app[_ENGINE].run_gc()})
 
 
 async def _rewind(request: web.Request) -> web.Response:
     clientid = request.match_info["clientid"]
+    if clientid in RESERVED_CLIENTIDS:
+        return web.json_response({"error": f"{clientid!r} cannot own a queue"}, status=400)
+    return await _rewound(request, clientid, {"clientid": clientid})
+
+
+async def _rewind_reader(request: web.Request) -> web.Response:
+    queue, reader = request.match_info["queue"], request.match_info["reader"]
     try:
-        if clientid in RESERVED_CLIENTIDS:
-            raise BadWrite("bad_clientid", f"{clientid!r} cannot own a queue")
+        check_scq_name(queue)
+    except ValueError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    return await _rewound(request, position_id(scq_queue_id(queue), reader), {"scq": queue, "reader": reader})
+
+
+async def _rewound(request: web.Request, clientid: str, named: dict[str, str]) -> web.Response:
+    """Rewind the queue (or SCQ reader's position) ``clientid`` to the request's ``to``; ``named`` heads the answer."""
+    try:
         point = parse_rewind_point(request.query.get("to", ""))
     except BadWrite as exc:
         return web.json_response({"error": str(exc)}, status=400)
@@ -277,14 +316,26 @@ async def _rewind(request: web.Request) -> web.Response:
     except (TimeoutError, StoreError, PoolClosed) as exc:
         return web.json_response({"error": f"rewind of {clientid!r} not stored: {exc or type(exc).__name__}"},
                                  status=503)
-    return web.json_response({"clientid": clientid, "acked": acked})
+    return web.json_response({**named, "acked": acked})
 
 
 async def _delete(request: web.Request) -> web.Response:
-    clientid, key = request.match_info["clientid"], request.query.get("key", "")
+    clientid = request.match_info["clientid"]
+    return await _tombstone(request, f"$ECQ/w/{clientid}/", clientid, {"clientid": clientid})
+
+
+async def _scq_delete(request: web.Request) -> web.Response:
+    queue = request.match_info["queue"]
+    return await _tombstone(request, f"$SCQ/w/{queue}/", queue, {"scq": queue})
+
+
+async def _tombstone(request: web.Request, prefix: str, clientid: str, named: dict[str, str]) -> web.Response:
+    """Write a tombstone for the request's ``key`` as a write to ``prefix<key>`` would (``clientid``: the queue's
+    name in that topic); ``named`` heads the answer."""
+    key = request.query.get("key", "")
     try:
-        write = parse_write(f"$ECQ/w/{clientid}/{key}", 0, 0)
-        if write.clientid != clientid:
+        write = parse_write(f"{prefix}{key}", 0, 0)
+        if write.key != key:
             raise BadWrite("bad_clientid", "a clientid with '/' cannot be written to")
         appended = await request.app[_ENGINE].delete(write.clientid, write.key,
                                                      stored_only=request.query.get("stored_only") == "1")
@@ -298,7 +349,7 @@ async def _delete(request: web.Request) -> web.Response:
     if appended is None:
         return web.json_response({"error": f"the queue of {clientid!r} stores no value of key {key!r} (never "
                                            f"written, or deleted or expired since): nothing deleted"}, status=404)
-    return web.json_response({"clientid": clientid, "key": key, "seqno": appended.seqno})
+    return web.json_response({**named, "key": key, "seqno": appended.seqno})
 
 
 async def _purge(request: web.Request) -> web.Response:
@@ -316,9 +367,12 @@ async def _top(request: web.Request) -> web.Response:
     try:
         n = int(request.query.get("n", "20"))
         check_top(n, by)
+        scq = request.query.get("scq")
+        if scq is not None:
+            check_scq_name(scq)
     except ValueError as exc:
         return web.json_response({"error": f"bad top request: {exc}"}, status=400)
-    return web.json_response(await request.app[_ENGINE].lag.report(n, by))
+    return web.json_response(await request.app[_ENGINE].lag.report(n, by, scq))
 
 
 async def _config(request: web.Request) -> web.Response:

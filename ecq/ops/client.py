@@ -151,6 +151,19 @@ def render_status(d: dict[str, Any]) -> str:
     for c in d["consumers"]:
         lines.append(f"  {c['clientid']}  acked {c['acked']}  last ack {c['last_ack_ts'] or 'never'}"
                      f"  {'online' if c['online'] else 'offline'}")
+    lines.append(f"SCQs ({d.get('scqs_total', 0)} with readers):")
+    for q in d.get("scqs", []):
+        lines.append(f"  {q['queue']}  readers {q['readers']}  online {q['readers_online']}")
+    return "\n".join(lines)
+
+
+def render_scq(d: dict[str, Any]) -> str:
+    """Human-readable `ecq inspect --scq QUEUE`: the SCQ, then one line per reader listed."""
+    lines = [f"scq:         {d['queue']}", f"last seqno:  {d['last_seqno']}", f"range:       {d['range']}",
+             f"stored:      {d['stored']}", f"readers:     {d['readers_total']} ({d['readers_online']} online)"]
+    for r in d["readers"]:
+        lines.append(f"  {r['reader']}  acked {r['acked']}  pending {r['pending']} ({r['pending_bytes']} bytes, oldest "
+                     f"{_age(r['oldest_pending_age_s'])})  {'online' if r['online'] else 'offline'}")
     return "\n".join(lines)
 
 
@@ -185,12 +198,20 @@ def render_top(d: dict[str, Any]) -> str:
              f" (by {d['by']})"]
     if "source" in d:
         lines.append(f"source:  {d['source']}")
-    width = max([len("CLIENTID"), *(len(q["clientid"]) for q in d["queues"])])
-    lines.append(f"{'CLIENTID':<{width}}  {'PENDING':>10}  {'BYTES':>12}  {'OLDEST AGE S':>14}")
-    for q in d["queues"]:
-        lines.append(f"{q['clientid']:<{width}}  {q['pending']:>10}  {q['pending_bytes']:>12}  "
+    if "scq" in d:
+        lines.append(f"readers of the SCQ {d['scq']}")
+    names = [_top_name(q) for q in d["queues"]]
+    width = max([len("QUEUE"), *map(len, names)])
+    lines.append(f"{'QUEUE':<{width}}  {'PENDING':>10}  {'BYTES':>12}  {'OLDEST AGE S':>14}")
+    for name, q in zip(names, d["queues"], strict=True):
+        lines.append(f"{name:<{width}}  {q['pending']:>10}  {q['pending_bytes']:>12}  "
                      f"{q['oldest_pending_age_s']:>14.1f}")
     return "\n".join(lines)
+
+
+def _top_name(row: dict[str, Any]) -> str:
+    """An ECQ queue by its clientid; an SCQ reader's position as ``scq <queue> reader <clientid>``."""
+    return f"scq {row['queue']} reader {row['reader']}" if row.get("kind") == "scq" else row["clientid"]
 
 
 def _age(seconds: float | None) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 from ecq.queue.lag import LagIndex
 from ecq.store.protocol import Append, Appended, ExpiredRow, Message
-from ecq.queue.topics import RewindPoint
+from ecq.queue.topics import RewindPoint, is_position_id
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
@@ -71,6 +71,9 @@ class EcqMetrics:
                                        "max_queue_messages / max_queue_bytes (quota_policy drop_oldest)", registry=r)
         self.queues_forgotten = Counter("ecq_queues_forgotten", "empty idle queues whose seqno and ack state GC "
                                         "deleted (state_retention)", registry=r)
+        self.scq_positions_forgotten = Counter("ecq_scq_positions_forgotten", "SCQ readers' positions GC deleted, "
+                                               "their reader offline and without an ack for state_retention",
+                                               registry=r)
         self.gc_deleted = Counter("ecq_gc_deleted_rows", "entries deleted by garbage collection", registry=r)
         self.append_latency = Histogram("ecq_append_latency_seconds", "PUBLISH received to write committed",
                                         buckets=_LATENCY_BUCKETS_S, registry=r)
@@ -116,16 +119,18 @@ def _gauge_help(gauges: dict[str, Callable[[], float]]) -> dict[str, tuple[str, 
 
 
 class LagCollector:
-    """A prometheus_client collector over the lag index: ``ecq_pending_messages`` (pending entries, all queues),
-    ``ecq_oldest_pending_age_seconds`` (the oldest pending entry's age, 0 when none) and the histogram
-    ``ecq_queue_pending_messages`` of pending entries per queue (buckets 0, 1, 10, ..., 10000, +Inf; its count is
-    ``queues()``, every queue of the broker). No per-clientid labels: a fleet has 100,000+ queues."""
+    """A prometheus_client collector over the lag index: ``ecq_pending_messages`` (pending entries, all queues, an
+    SCQ's once per reader), ``ecq_oldest_pending_age_seconds`` (the oldest pending entry's age, 0 when none), the
+    histogram ``ecq_queue_pending_messages`` of pending entries per ECQ queue (buckets 0, 1, 10, ..., 10000, +Inf;
+    its count is ``queues()``, every queue of the broker), and for SCQs ``ecq_scq_readers`` (reader positions the
+    index follows) and ``ecq_scq_pending_messages`` (pending entries over them). No per-clientid labels: a fleet has
+    100,000+ queues."""
 
     def __init__(self, lag: LagIndex, queues: Callable[[], int]) -> None:
         self._lag, self._queues = lag, queues
 
     def collect(self):
-        """The three metric families, computed now (on the event loop, from the index in memory)."""
+        """The metric families, computed now (on the event loop, from the index in memory)."""
         pending, age_s = self._lag.totals()
         yield GaugeMetricFamily("ecq_pending_messages", "entries stored and not yet acked, over every queue",
                                 value=pending)
@@ -139,8 +144,13 @@ class LagCollector:
                 counts[index] += count <= bound
         total = max(self._queues(), lagging)
         cumulative = [(str(float(bound)), n + total - lagging) for bound, n in zip(_PENDING_BUCKETS, counts)]
+        readers, scq_pending = self._lag.scq_totals()
         yield HistogramMetricFamily("ecq_queue_pending_messages", "queues by their count of entries not yet acked",
-                                    buckets=[*cumulative, ("+Inf", total)], sum_value=pending)
+                                    buckets=[*cumulative, ("+Inf", total)], sum_value=pending - scq_pending)
+        yield GaugeMetricFamily("ecq_scq_readers", "SCQ readers' positions (stored or in memory) the lag index "
+                                "follows", value=readers)
+        yield GaugeMetricFamily("ecq_scq_pending_messages", "SCQ entries not yet acked, counted once per reader",
+                                value=scq_pending)
 
 
 class StreamCollector:
@@ -219,8 +229,8 @@ class MetricsObserver:
         self._m.gc_runs.inc()
 
     def forgotten(self, clientid: str) -> None:
-        """Count a queue whose seqno and ack state state GC deleted."""
-        self._m.queues_forgotten.inc()
+        """Count a queue whose seqno and ack state state GC deleted, or an SCQ reader's position."""
+        (self._m.scq_positions_forgotten if is_position_id(clientid) else self._m.queues_forgotten).inc()
 
     def rewound(self, clientid: str, point: RewindPoint, acked: int) -> None:
         """Count a rewind."""

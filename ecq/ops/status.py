@@ -6,12 +6,14 @@ Timestamps are RFC 3339 strings in UTC (or null); counts are entries; bytes are 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from ecq.queue.clock import now_ms
 from ecq.queue.snapshots import ConsumerSnapshot, EngineSnapshot
-from ecq.store.protocol import AckState, IndexEntry, QueueStore, stored_pages
+from ecq.queue.topics import SCQ_PREFIX, is_position_id, queue_of_position, scq_queue_id
+from ecq.store.protocol import AckState, IndexEntry, Message, QueueStore, stored_pages
 
 CONSUMERS_LISTED = 100
 
@@ -45,7 +47,6 @@ def queue_info(store: QueueStore, clientid: str, consumer: ConsumerSnapshot | No
         return None
     entries = [message for page in stored_pages(store, clientid, 256) for message in page]
     seqnos = [m.seqno for m in entries]
-    pending = [m for m in entries if m.seqno > state.acked and m.seqno not in state.above]
     return {
         "clientid": clientid,
         "acked": state.acked,
@@ -53,13 +54,48 @@ def queue_info(store: QueueStore, clientid: str, consumer: ConsumerSnapshot | No
         "last_seqno": last_seqno,
         "range": format_range(seqnos),
         "stored": len(seqnos),
-        "pending": len(pending),
-        "pending_bytes": sum(len(m.payload) for m in pending),
-        "oldest_pending_age_s": round((now_ms() - min(m.ts_ms for m in pending)) / 1000, 3) if pending else None,
+        **_pending(entries, state),
         "inflight": consumer.inflight if consumer else 0,
         "online": bool(consumer and consumer.online),
         "skipped_too_large": consumer.skipped if consumer else 0,
     }
+
+
+def scq_info(store: QueueStore, queue: str, readers: Mapping[str, ConsumerSnapshot] | None = None
+             ) -> dict[str, Any] | None:
+    """State of the SCQ named ``queue`` and of its readers, or None when it never had a write nor a reader's stored
+    position. ``readers``: the running broker's snapshots of its readers in memory, by position id (None: the stored
+    positions only).
+
+    Keys: kind (``scq``), queue, last_seqno, range, stored (as :func:`queue_info`), readers_total, readers_online
+    and ``readers``: at most CONSUMERS_LISTED, the most pending first, ties by client id, each as reader (its client
+    id), acked, last_ack_ts, pending, pending_bytes, oldest_pending_age_s, inflight, online. Reads the whole SCQ and
+    every stored ack state: O(stored entries + states + listed readers x entries)."""
+    queue_id, readers = scq_queue_id(queue), readers or {}
+    states = {cid: state for cid, state in store.ack_states() if is_position_id(cid) and queue_of_position(cid) ==
+              queue_id}
+    states.update((cid, snapshot.ack_state()) for cid, snapshot in readers.items())
+    last_seqno = store.last_seqno(queue_id)
+    if last_seqno == 0 and not states:
+        return None
+    entries = [message for page in stored_pages(store, queue_id, 256) for message in page]
+    rows = []
+    for cid, state in states.items():
+        live = readers.get(cid)
+        rows.append({"reader": cid[len(queue_id) + 1:], "acked": state.acked, "last_ack_ts": rfc3339(state.last_ack_ms),
+                     **_pending(entries, state), "inflight": live.inflight if live else 0,
+                     "online": bool(live and live.online)})
+    rows.sort(key=lambda row: (-row["pending"], row["reader"]))
+    return {"kind": "scq", "queue": queue, "last_seqno": last_seqno, "range": format_range([m.seqno for m in entries]),
+            "stored": len(entries), "readers_total": len(rows), "readers_online": sum(row["online"] for row in rows),
+            "readers": rows[:CONSUMERS_LISTED]}
+
+
+def _pending(entries: list[Message], state: AckState) -> dict[str, Any]:
+    """pending, pending_bytes and oldest_pending_age_s of ``entries`` for a consumer at ``state``."""
+    pending = [m for m in entries if m.seqno > state.acked and m.seqno not in state.above]
+    return {"pending": len(pending), "pending_bytes": sum(len(m.payload) for m in pending),
+            "oldest_pending_age_s": round((now_ms() - min(m.ts_ms for m in pending)) / 1000, 3) if pending else None}
 
 
 def broker_status(store: QueueStore, snapshot: EngineSnapshot | None = None) -> dict[str, Any]:
@@ -72,7 +108,9 @@ def broker_status(store: QueueStore, snapshot: EngineSnapshot | None = None) -> 
     ``snapshot`` is the running broker's engine snapshot, whose consumers and (entries, payload bytes)
     counts are used; None when reading a data dir directly (then the store is scanned). A shared store
     (a cluster) is always asked for its counts, so that every broker reports the same figures.
-    At most 100 consumer states are listed; ``consumers_total`` gives how many are stored.
+    At most 100 consumer states are listed; ``consumers_total`` gives how many are stored. An SCQ reader's position
+    is no consumer here: ``scqs`` lists the SCQs that have readers (stored positions, or readers in memory), by name,
+    at most 100, each as kind (``scq``), queue, readers, readers_online; ``scqs_total`` gives how many.
     """
     consumers = snapshot.consumers if snapshot else {}
     if snapshot is None or store.shared:
@@ -82,7 +120,14 @@ def broker_status(store: QueueStore, snapshot: EngineSnapshot | None = None) -> 
     first, last = store.edge_index_entries()
     states = []
     total = 0
+    readers: dict[str, set[str]] = {}
+    for clientid in consumers:
+        if is_position_id(clientid):
+            readers.setdefault(queue_of_position(clientid), set()).add(clientid)
     for clientid, stored_state in store.ack_states():
+        if is_position_id(clientid):
+            readers.setdefault(queue_of_position(clientid), set()).add(clientid)
+            continue
         total += 1
         if len(states) < CONSUMERS_LISTED:
             live = consumers.get(clientid)
@@ -93,12 +138,16 @@ def broker_status(store: QueueStore, snapshot: EngineSnapshot | None = None) -> 
         "queues": store.count_queues(),
         "messages": messages,
         "bytes": size,
-        "consumers_online": sum(1 for c in consumers.values() if c.online),
+        "consumers_online": sum(1 for cid, c in consumers.items() if c.online and not is_position_id(cid)),
         "first_index": _entry(first),
         "last_index": _entry(last),
         "index_order": store.edge_order,
         "consumers_total": total,
         "consumers": states,
+        "scqs_total": len(readers),
+        "scqs": [{"kind": "scq", "queue": queue_id[len(SCQ_PREFIX):], "readers": len(positions),
+                  "readers_online": sum(1 for cid in positions if (live := consumers.get(cid)) and live.online)}
+                 for queue_id, positions in sorted(readers.items())[:CONSUMERS_LISTED]],
     }
 
 

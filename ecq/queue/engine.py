@@ -32,7 +32,7 @@ from ecq.queue.snapshots import ConsumerSnapshot, EngineSnapshot, Totals, consum
 from ecq.store.protocol import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, Message, Op, QueueStore,
                              StoreReadError)
 from ecq.queue.tombstones import TombstonesOff, stored_rows
-from ecq.queue.topics import BadWrite, RewindPoint
+from ecq.queue.topics import BadWrite, RewindPoint, is_position_id, queue_of_position
 from ecq.queue.writer import WriterPool
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class QueueEngine:
             elif isinstance(op, Expire) and result:
                 self.deleted(op.clientid, result, op.reason)
             elif isinstance(op, ForgetQueue) and result:
-                self._queues -= 1
+                self._queues -= not is_position_id(op.clientid)
                 for observer in observers:
                     observer.forgotten(op.clientid)
 
@@ -292,7 +292,8 @@ class QueueEngine:
             del self.readers[consumer.queue]
 
     async def rewind(self, clientid: str, point: RewindPoint, *, must_exist: bool = False) -> int:
-        """Rewind the queue of ``clientid`` to ``point``; returns the new acked seqno once it is stored.
+        """Rewind the queue of ``clientid`` (or an SCQ reader's position, by its position id) to ``point``; returns
+        the new acked seqno once it is stored.
 
         The next delivery is the first stored entry with a seqno above it (see ecq.queue.rewind for each
         kind of point); entries compaction or GC removed are not brought back. An online consumer's inflight
@@ -307,7 +308,7 @@ class QueueEngine:
         acked = await self.read(rewind_seqno, self.store, clientid, point, must_exist)
         if clientid not in self.consumers:
             state = await self._load_ack_state(clientid, lambda: True)
-            self._consumer(clientid, state)
+            self._consumer(clientid, state, queue_of_position(clientid))
         await self._write_deadline.watch(self.consumers[clientid].rewind(acked))
         log.info("ECQ rewound the queue of %s to %s: acked seqno %d", clientid, point, acked)
         for observer in self.observers:
@@ -457,6 +458,10 @@ class QueueEngine:
     def snapshot(self) -> EngineSnapshot:
         """An immutable copy of the totals and of every known consumer's state (call on the event loop)."""
         return EngineSnapshot(self.totals(), {cid: consumer_snapshot(c) for cid, c in self.consumers.items()})
+
+    def reader_snapshots(self, queue: str) -> dict[str, ConsumerSnapshot]:
+        """Immutable copies of the states of the SCQ ``queue``'s (a queue id) readers in memory, by position id."""
+        return {cid: consumer_snapshot(c) for cid, c in self.readers.get(queue, {}).items()}
 
     def consumer_snapshot(self, clientid: str) -> ConsumerSnapshot | None:
         """An immutable copy of one consumer's state, or None when it has no consumer in memory."""

@@ -18,6 +18,12 @@ appends and deletions reach :meth:`LagIndex.appended` and :meth:`LagIndex.expire
 saved marks its queue for a recount from that state (:meth:`LagIndex.saved_elsewhere`); queues changed by lost
 notices are recounted (:meth:`LagIndex.resync`). Nothing is re-scanned while the cluster is idle.
 
+An SCQ (ecq.queue.topics.scq_queue_id) is read by many readers, each from its own position: the index keeps the
+lag of each reader's position (under its position id) and none for the SCQ's queue id. It follows the positions
+found at start (stored ack states), and a reader first heard of later (its first delivery or ack here, or its
+position saved by another broker) from its state; an append or deletion of the SCQ is applied to each position
+followed, one update per reader.
+
 The blocking reads and the ``ecq top`` answer are in ecq.queue.lag_reads.
 """
 
@@ -31,7 +37,7 @@ from typing import Any
 from ecq.queue.clock import now_ms
 from ecq.queue.lag_reads import (OLDEST_CANDIDATES, QueueLag, QueueRead, check_top, read_queues, scan_lag,
                                  top_report)
-from ecq.queue.topics import RewindPoint
+from ecq.queue.topics import RewindPoint, is_position_id, is_scq_queue_id, queue_of_position
 from ecq.store.protocol import AckState, Append, Appended, ExpiredRow, Message, QueueStore
 
 __all__ = ["LagIndex", "QueueLag", "QueueRead", "check_top", "read_queues", "scan_lag", "top_report"]
@@ -72,6 +78,7 @@ class LagIndex:
         self._lock = asyncio.Lock()
         self._soon: asyncio.Task | None = None
         self._summed: tuple[int, int] | None = None  # (pending, oldest ms) over every queue; None: changed since
+        self._positions: dict[str, set[str]] = {}  # SCQ queue id -> the position ids of its readers followed here
 
     # --- building -----------------------------------------------------------------------------------
 
@@ -84,10 +91,14 @@ class LagIndex:
             self._touched = set()
         try:
             ahead: dict[str, int] = {}
-            scanned = await self._read(scan_lag, self._store, live, ahead)
+            positions: dict[str, set[str]] = {}
+            scanned = await self._read(scan_lag, self._store, live, ahead, positions)
         finally:
             touched, self._touched = self._touched, None
         self._summed = None
+        for queue, readers in self._positions.items():  # followed while the scan ran
+            positions.setdefault(queue, set()).update(readers)
+        self._positions = positions
         for clientid in touched:  # recounted from the scan's floor: an entry the scan missed is above it
             if clientid not in scanned and clientid in self.queues:
                 scanned[clientid] = self.queues[clientid]  # nothing pending when scanned: what was heard since
@@ -97,8 +108,9 @@ class LagIndex:
 
     async def resync(self, clientids: set[str]) -> None:
         """Recount the queues of ``clientids`` from their ack states (this broker's consumer's, or the stored one):
-        notices of what changed them were lost. A failed read of an ack state leaves that queue as it was."""
-        for clientid in clientids:
+        notices of what changed them were lost (an SCQ's: each of its readers followed here). A failed read of an
+        ack state leaves that queue as it was."""
+        for clientid in [owner for stored_id in clientids for owner in self._owners(stored_id)]:
             if (consumer := self._consumers.get(clientid)) is not None:
                 state = consumer.state
             else:
@@ -145,11 +157,12 @@ class LagIndex:
 
     # --- answers ------------------------------------------------------------------------------------
 
-    async def report(self, n: int, by: str = "pending") -> dict[str, Any]:
-        """:func:`top_report` of the index, after a refresh. Raises ValueError for a bad ``n`` or ``by``."""
+    async def report(self, n: int, by: str = "pending", scq: str | None = None) -> dict[str, Any]:
+        """:func:`top_report` of the index (of the readers of the SCQ named ``scq`` only, when given), after a
+        refresh. Raises ValueError for a bad ``n`` or ``by``."""
         check_top(n, by)
         await self.refresh()
-        return top_report(self.queues, n, by, now_ms())
+        return top_report(self.queues, n, by, now_ms(), scq)
 
     def totals(self) -> tuple[int, float]:
         """(pending entries over every queue, age in seconds of the oldest pending entry, 0 when none). Summed over
@@ -162,14 +175,25 @@ class LagIndex:
         return pending, max(0.0, (now_ms() - oldest) / 1000) if oldest else 0.0
 
     def pending_counts(self) -> Iterator[int]:
-        """The pending count of every lagging queue (queues not listed have none)."""
-        return (lag.pending for lag in self.queues.values())
+        """The pending count of every lagging queue, SCQ readers' positions left out (queues not listed have
+        none)."""
+        return (lag.pending for cid, lag in self.queues.items() if not is_position_id(cid))
+
+    def scq_totals(self) -> tuple[int, int]:
+        """(SCQ readers' positions followed, pending entries over them). O(lagging queues + SCQs)."""
+        return (sum(map(len, self._positions.values())),
+                sum(lag.pending for cid, lag in self.queues.items() if is_position_id(cid)))
 
     # --- observer calls -----------------------------------------------------------------------------
 
     def appended(self, op: Append, result: Appended) -> None:
-        """A write: one more pending entry; the values compaction deleted are pending no more."""
-        clientid, seqno, size = op.clientid, result.seqno, len(op.payload)
+        """A write: one more pending entry (for each reader followed, on an SCQ); the values compaction deleted are
+        pending no more."""
+        for clientid in self._owners(op.clientid):
+            self._appended(clientid, op, result)
+
+    def _appended(self, clientid: str, op: Append, result: Appended) -> None:
+        seqno, size = result.seqno, len(op.payload)
         self._note(clientid)
         if (ahead := self._ahead.get(clientid)) is not None:
             if seqno <= ahead:  # already "acked" by a rewind past the queue's end: never delivered
@@ -199,7 +223,12 @@ class LagIndex:
             self._removed(clientid, lag, seqno, result.replaced_bytes if whole and index == 0 else 0)
 
     def expired(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str = "retention") -> None:
-        """Deleted entries (GC, purge, an acked tombstone, a quota eviction) are pending no more."""
+        """Deleted entries (GC, purge, an acked tombstone, a quota eviction) are pending no more (for any reader, on
+        an SCQ)."""
+        for owner in self._owners(clientid):
+            self._expired(owner, rows)
+
+    def _expired(self, clientid: str, rows: tuple[ExpiredRow, ...]) -> None:
         self._note(clientid)
         if reading := self._reading.get(clientid):
             reading.removed.update(row.seqno for row in rows)
@@ -221,6 +250,7 @@ class LagIndex:
 
     def acked(self, clientid: str, message: Message, sent_monotonic: float) -> None:
         """A PUBACK: that entry is pending no more, unless it was deleted meanwhile."""
+        self._follow_reader(clientid)
         self._note(clientid)
         if (lag := self.queues.get(clientid)) is None:
             return
@@ -253,6 +283,8 @@ class LagIndex:
 
     def rewound(self, clientid: str, point: RewindPoint, acked: int) -> None:
         """A rewind: the queue is recounted from its new acked seqno."""
+        if is_position_id(clientid):
+            self._positions.setdefault(queue_of_position(clientid), set()).add(clientid)
         self._note(clientid)
         if reading := self._reading.get(clientid):
             reading.void = True
@@ -263,15 +295,34 @@ class LagIndex:
         self._dirty[clientid] = True
 
     def forgotten(self, clientid: str) -> None:
-        """State GC forgot an empty queue: it starts again at seqno 1 with nothing acked."""
+        """State GC forgot an empty queue (it starts again at seqno 1 with nothing acked) or an SCQ reader's
+        position (followed no more)."""
         self._note(clientid)
+        if (readers := self._positions.get(queue_of_position(clientid))) is not None and clientid in readers:
+            readers.discard(clientid)
+            if not readers:
+                del self._positions[queue_of_position(clientid)]
         self._ahead.pop(clientid, None)
         if clientid not in self._reading:
             self._dirty.pop(clientid, None)
             self.queues.pop(clientid, None)
 
     def delivered(self, clientid: str, message: Message, attempt: int) -> None:
-        """Nothing to do: a send changes no lag."""
+        """A send changes no lag; the first one to an SCQ reader not followed yet makes the index follow it."""
+        self._follow_reader(clientid)
+
+    def _owners(self, stored_id: str) -> tuple[str, ...]:
+        """The ids whose lag a change to the queue ``stored_id`` changes: the readers followed, for an SCQ."""
+        return tuple(self._positions.get(stored_id, ())) if is_scq_queue_id(stored_id) else (stored_id,)
+
+    def _follow_reader(self, clientid: str) -> None:
+        """Follow the position ``clientid`` of an SCQ reader first heard of (a reader new to its queue, which has no
+        stored state yet): counted from its consumer's state at the next :meth:`refresh`. Nothing for a queue id."""
+        if not is_position_id(clientid):
+            return
+        readers = self._positions.setdefault(queue_of_position(clientid), set())
+        if clientid not in readers and (consumer := self._consumers.get(clientid)) is not None:
+            self.saved_elsewhere(clientid, consumer.state)
 
     def skipped(self, clientid: str, message: Message, reason: str) -> None:
         """Nothing to do: a skipped entry stays pending."""

@@ -8,7 +8,7 @@ import heapq
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from ecq.queue.topics import is_position_id
+from ecq.queue.topics import SCQ_PREFIX, is_position_id, is_scq_queue_id, queue_of_position, scq_queue_id
 from ecq.store.protocol import QueueStore
 
 OLDEST_CANDIDATES = 64    # pending entries one dirty-queue read returns: acks arriving meanwhile may use up some
@@ -62,30 +62,45 @@ class QueueRead(NamedTuple):
 
 
 def scan_lag(store: QueueStore, live: Mapping[str, tuple[int, frozenset[int]]],
-             ahead: dict[str, int] | None = None) -> dict[str, QueueLag]:
+             ahead: dict[str, int] | None = None, positions: dict[str, set[str]] | None = None) -> dict[str, QueueLag]:
     """The lag of every queue from one pass over the stored entries, judged by the stored ack states or, for the
-    clientids in ``live``, by (acked seqno, seqnos acked above it) given there. Blocking; O(stored entries).
+    clientids in ``live``, by (acked seqno, seqnos acked above it) given there. An SCQ's entries are counted once
+    for each of its readers' positions (ecq.queue.topics.position_id), under the position id; the SCQ's queue id,
+    read by no consumer of its own, is never listed. Blocking; O(stored entries x readers of their queue).
     Fills ``ahead`` with the queues whose acked seqno is past their last seqno (a rewind to a seqno N past the
-    end): their next writes up to it are never delivered, so not pending."""
+    end): their next writes up to it are never delivered, so not pending; fills ``positions`` with each SCQ queue
+    id's readers' position ids (those with a stored or live state)."""
     states: dict[str, tuple[int, Any]] = {cid: (state.acked, state.above) for cid, state in store.ack_states()}
     states.update(live)
+    readers: dict[str, set[str]] = {}
+    for stored_id in states:
+        if is_position_id(stored_id):
+            readers.setdefault(queue_of_position(stored_id), set()).add(stored_id)
+    if positions is not None:
+        positions.update(readers)
     queues: dict[str, QueueLag] = {}
     last_stored: dict[str, int] = {}
     for clientid, seqno, ts_ms, size in store.stored_entries():
         last_stored[clientid] = seqno
-        acked, above = states.get(clientid, (0, _NOTHING))
-        if seqno <= acked or seqno in above:
-            continue
-        lag = queues.get(clientid)
-        if lag is None:  # each queue's entries come in seqno order: this is its oldest pending one
-            lag = queues[clientid] = QueueLag(seqno - 1, {s for s in above if s > seqno} or None)
-            lag.oldest_seqno, lag.oldest_ms = seqno, ts_ms
-        lag.pending += 1
-        lag.bytes += size
+        for owner in readers.get(clientid, ()) if is_scq_queue_id(clientid) else (clientid,):
+            _count_entry(queues, owner, states.get(owner, (0, _NOTHING)), seqno, ts_ms, size)
     if ahead is not None:
         ahead.update((cid, acked) for cid, (acked, _above) in states.items()
                      if acked > last_stored.get(cid, 0) and not is_position_id(cid) and acked > store.last_seqno(cid))
     return queues
+
+
+def _count_entry(queues: dict[str, QueueLag], owner: str, state: tuple[int, Any], seqno: int, ts_ms: int,
+                 size: int) -> None:
+    acked, above = state
+    if seqno <= acked or seqno in above:
+        return
+    lag = queues.get(owner)
+    if lag is None:  # each queue's entries come in seqno order: this is its oldest pending one
+        lag = queues[owner] = QueueLag(seqno - 1, {s for s in above if s > seqno} or None)
+        lag.oldest_seqno, lag.oldest_ms = seqno, ts_ms
+    lag.pending += 1
+    lag.bytes += size
 
 
 def read_queues(store: QueueStore, requests: list[tuple[str, int, frozenset[int], bool]]) -> list[QueueRead]:
@@ -95,11 +110,12 @@ def read_queues(store: QueueStore, requests: list[tuple[str, int, frozenset[int]
 
 
 def read_queue(store: QueueStore, clientid: str, floor: int, skipped: frozenset[int], whole: bool) -> QueueRead:
-    """One queue's :class:`QueueRead` (see :func:`read_queues`)."""
+    """One queue's :class:`QueueRead` (see :func:`read_queues`); for an SCQ reader's position, of its SCQ's entries."""
+    queue = queue_of_position(clientid)
     pending = size = 0
     candidates: list[tuple[int, int]] = []
     last_read, complete = floor, True
-    for _clientid, seqno, ts_ms, entry_size in store.stored_entries(clientid, floor):
+    for _clientid, seqno, ts_ms, entry_size in store.stored_entries(queue, floor):
         if seqno not in skipped:
             if not whole and len(candidates) == OLDEST_CANDIDATES:
                 complete = False
@@ -108,7 +124,7 @@ def read_queue(store: QueueStore, clientid: str, floor: int, skipped: frozenset[
             if len(candidates) < OLDEST_CANDIDATES:
                 candidates.append((seqno, ts_ms))
         last_read = seqno
-    ahead = whole and last_read == floor and floor > store.last_seqno(clientid)
+    ahead = whole and last_read == floor and floor > store.last_seqno(queue)
     return QueueRead(pending, size, candidates, last_read, complete, ahead)
 
 
@@ -120,21 +136,35 @@ def check_top(n: int, by: str) -> None:
         raise ValueError(f"by must be one of {', '.join(TOP_ORDERS)}, not {by!r}")
 
 
-def top_report(queues: Mapping[str, QueueLag], n: int, by: str, at_ms: int) -> dict[str, Any]:
+def top_report(queues: Mapping[str, QueueLag], n: int, by: str, at_ms: int, scq: str | None = None) -> dict[str, Any]:
     """What ``ecq top`` shows: ``by``, ``pending`` (entries over every queue), ``lagging`` (queues with pending
     entries), ``oldest_pending_age_s`` (seconds at ``at_ms``, null when none) and ``queues``: the ``n`` queues
     with the most pending entries (``by="pending"``), the oldest pending entry (``age``) or the most pending
     payload bytes (``bytes``), ties by clientid, each as clientid, pending, pending_bytes, oldest_pending_age_s
-    (the keys of ``ecq inspect``)."""
+    (the keys of ``ecq inspect``) and ``kind``: ``ecq``, or ``scq`` for an SCQ reader's position, whose row also
+    has ``queue`` (the SCQ's name) and ``reader`` (its client id; ``clientid`` is the position id). With ``scq``
+    (an SCQ's name), only that SCQ's readers: its slowest readers, and the summary over them (``scq`` added)."""
+    if scq is not None:
+        queue_id = scq_queue_id(scq)
+        queues = {cid: lag for cid, lag in queues.items() if is_position_id(cid) and queue_of_position(cid) == queue_id}
     order = {"pending": lambda item: (item[1].pending, -item[1].oldest_ms),
              "age": lambda item: (-item[1].oldest_ms, item[1].pending),
              "bytes": lambda item: (item[1].bytes, item[1].pending)}[by]
     ranked = heapq.nlargest(n, sorted(queues.items()), key=order)
     oldest = min((lag.oldest_ms for lag in queues.values()), default=0)
-    return {"by": by, "pending": sum(lag.pending for lag in queues.values()), "lagging": len(queues),
-            "oldest_pending_age_s": _age_s(at_ms, oldest) if oldest else None,
-            "queues": [{"clientid": clientid, "pending": lag.pending, "pending_bytes": lag.bytes,
-                        "oldest_pending_age_s": _age_s(at_ms, lag.oldest_ms)} for clientid, lag in ranked]}
+    report = {"by": by, "pending": sum(lag.pending for lag in queues.values()), "lagging": len(queues),
+              "oldest_pending_age_s": _age_s(at_ms, oldest) if oldest else None,
+              "queues": [_top_row(clientid, lag, at_ms) for clientid, lag in ranked]}
+    return report if scq is None else {**report, "scq": scq}
+
+
+def _top_row(clientid: str, lag: QueueLag, at_ms: int) -> dict[str, Any]:
+    row = {"clientid": clientid, "pending": lag.pending, "pending_bytes": lag.bytes,
+           "oldest_pending_age_s": _age_s(at_ms, lag.oldest_ms), "kind": "ecq"}
+    if is_position_id(clientid):
+        queue_id = queue_of_position(clientid)
+        row.update(kind="scq", queue=queue_id[len(SCQ_PREFIX):], reader=clientid[len(queue_id) + 1:])
+    return row
 
 
 def _age_s(at_ms: int, ts_ms: int) -> float:

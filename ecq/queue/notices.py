@@ -17,7 +17,6 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
-from ecq.queue.topics import is_position_id
 from ecq.store.protocol import AckState, Append, Appended, AppendNotice, ExpiredRow
 
 if TYPE_CHECKING:
@@ -68,9 +67,7 @@ class ClusterNotices:
         consumer = self._consumers.get(clientid)
         if consumer is not None and consumer.online:  # a takeover in progress: this broker's own acks count
             return
-        if is_position_id(clientid):  # an SCQ reader's position: no queue of that id for the lag index to recount
-            return
-        self._lag.saved_elsewhere(clientid, state)
+        self._lag.saved_elsewhere(clientid, state)  # an SCQ reader's position too: the index follows it
 
     def _resynced(self, clientids: set[str]) -> None:
         for clientid in clientids:

@@ -11,18 +11,19 @@ acked, and never be delivered.
 from __future__ import annotations
 
 from ecq.store.protocol import AckState, QueueStore, stored_pages
-from ecq.queue.topics import BadWrite, RewindPoint
+from ecq.queue.topics import BadWrite, RewindPoint, is_position_id, queue_of_position
 
 PAGE = 256  # entries per read while looking for the first entry published at or after a time
 
 
 class UnknownQueue(LookupError):
     """A rewind asked for a queue the store knows nothing of: no seqno assigned (or, on a store that only knows
-    stored entries, none stored) and no consumer state."""
+    stored entries, none stored) and no consumer state; or for an SCQ reader with no stored position."""
 
 
 def rewind_seqno(store: QueueStore, clientid: str, point: RewindPoint, must_exist: bool = False) -> int:
-    """The acked seqno that makes ``point`` the next delivery of the queue of ``clientid`` (a blocking read).
+    """The acked seqno that makes ``point`` the next delivery of the queue of ``clientid`` (a blocking read); for an
+    SCQ reader's position id (ecq.queue.topics.position_id), the next delivery of that SCQ to that reader.
 
     ``seqno``: N itself, at most the queue's last seqno. ``earliest``: one below the first stored entry (0 when the
     queue is empty). ``latest``: the last seqno (0 when nothing is stored on a store that only knows stored
@@ -34,18 +35,21 @@ def rewind_seqno(store: QueueStore, clientid: str, point: RewindPoint, must_exis
     if point.kind not in ("seqno", "earliest", "latest", "since"):
         raise ValueError(f"unknown rewind point kind {point.kind!r}")
     if must_exist and not queue_known(store, clientid):
-        raise UnknownQueue(f"no queue for clientid {clientid!r}: it never had a write nor a consumer state")
+        raise UnknownQueue(f"no stored position of the SCQ reader {clientid!r}: it never acked an entry"
+                           if is_position_id(clientid) else
+                           f"no queue for clientid {clientid!r}: it never had a write nor a consumer state")
+    queue = queue_of_position(clientid)
     if point.kind == "seqno":
-        return _at_most_last(store, clientid, point.value)
+        return _at_most_last(store, queue, point.value)
     if point.kind == "earliest":
-        first = store.read_after(clientid, 0, 1)
+        first = store.read_after(queue, 0, 1)
         return first[0].seqno - 1 if first else 0
     if point.kind == "since":
-        for page in stored_pages(store, clientid, PAGE):
+        for page in stored_pages(store, queue, PAGE):
             for message in page:
                 if message.ts_ms >= point.value:
                     return message.seqno - 1
-    return store.last_seqno(clientid)
+    return store.last_seqno(queue)
 
 
 def queue_known(store: QueueStore, clientid: str) -> bool:

@@ -13,6 +13,7 @@ reader with its own position.
 - producer PUBLISH   ``$SCQ/w/<queue>/<key>``
 - reader SUBSCRIBE   ``$SCQ/<queue>/#``                 (any client the ACL lets read it, QoS 1)
 - broker PUBLISH     ``$SCQ/<queue>/<key>``              (QoS 1, payload unchanged)
+- reader PUBLISH     ``$SCQ/ctl/<queue>/rewind``          (its own position; payload as ``$ECQ/ctl/<clientid>/rewind``)
 
 ``<queue>`` follows the clientid rules above (no ``/``, ``+``, ``#``, NUL; not ``w`` nor ``ctl``). An SCQ is stored
 as the queue id ``$SCQ/<queue>`` (:func:`scq_queue_id`), which no ECQ clientid can be (it holds ``/``); a reader's
@@ -28,6 +29,7 @@ PREFIX = "$ECQ/"
 WRITE_PREFIX = "$ECQ/w/"
 SCQ_PREFIX = "$SCQ/"
 SCQ_WRITE_PREFIX = "$SCQ/w/"
+SCQ_CTL_PREFIX = "$SCQ/ctl/"
 CTL_PREFIX = "$ECQ/ctl/"
 REWIND_COMMAND = "rewind"
 RESERVED_CLIENTIDS = frozenset({"w", "ctl"})  # $ECQ/w/... and $ECQ/ctl/... are not queues
@@ -101,10 +103,24 @@ def is_position_id(stored_id: str) -> bool:
     return stored_id.startswith(SCQ_PREFIX) and "/" in stored_id[len(SCQ_PREFIX):]
 
 
+def queue_of_position(stored_id: str) -> str:
+    """The SCQ queue id (``$SCQ/<queue>``) a position id (:func:`position_id`) is a reader's position in; any other
+    stored id (a queue id) unchanged. A reader's client id may hold ``/``; a queue name never does."""
+    if not is_position_id(stored_id):
+        return stored_id
+    return SCQ_PREFIX + stored_id[len(SCQ_PREFIX):].partition("/")[0]
+
+
 def is_scq_queue_id(stored_id: str) -> bool:
     """True for the queue id of an SCQ (``$SCQ/<queue>``, see :func:`scq_queue_id`), False for a position id or an
     ECQ queue."""
     return stored_id.startswith(SCQ_PREFIX) and "/" not in stored_id[len(SCQ_PREFIX):]
+
+
+def check_scq_name(name: str) -> None:
+    """Raise ValueError unless ``name`` is a valid SCQ name (the clientid rules of ``$ECQ/``, see the module doc)."""
+    if not _valid_queue_name(name):
+        raise ValueError(f"{name!r} is no SCQ name: one topic level without +, # or NUL, not w nor ctl")
 
 
 def _valid_queue_name(name: str) -> bool:
@@ -207,8 +223,33 @@ class RewindPoint:
 
 
 def is_ctl_topic(topic: str) -> bool:
-    """True for ``$ECQ/ctl/...``, the control topics (only ``$ECQ/ctl/<clientid>/rewind`` exists)."""
-    return topic.startswith(CTL_PREFIX)
+    """True for ``$ECQ/ctl/...`` and ``$SCQ/ctl/...``, the control topics (only ``$ECQ/ctl/<clientid>/rewind`` and
+    ``$SCQ/ctl/<queue>/rewind`` exist)."""
+    return topic.startswith(CTL_PREFIX) or topic.startswith(SCQ_CTL_PREFIX)
+
+
+def scq_rewind_topic(queue: str) -> str:
+    """Topic a reader publishes a rewind of its own position in the SCQ ``queue`` on: ``$SCQ/ctl/<queue>/rewind``."""
+    return f"{SCQ_CTL_PREFIX}{queue}/{REWIND_COMMAND}"
+
+
+def parse_scq_rewind_target(topic: str, reader: str) -> str:
+    """The position id (:func:`position_id`) that ``$SCQ/ctl/<queue>/rewind`` published by the client ``reader``
+    rewinds: that reader's own position in ``<queue>``, never another reader's.
+
+    Raises BadWrite with reason ``not_a_write`` (another command under ``$SCQ/ctl/``), ``empty_clientid`` (an empty
+    queue name) or ``bad_clientid`` (a queue name against the rules, see the module doc), the labels of ECQ's.
+    """
+    queue, _, command = topic[len(SCQ_CTL_PREFIX):].partition("/")
+    if not topic.startswith(SCQ_CTL_PREFIX) or command != REWIND_COMMAND:
+        raise BadWrite("not_a_write", f"refused PUBLISH to {topic!r}: the SCQ control topic is "
+                                      f"{SCQ_CTL_PREFIX}<queue>/{REWIND_COMMAND}")
+    if not queue:
+        raise BadWrite("empty_clientid", f"refused rewind {topic!r}: empty queue name")
+    if not _valid_queue_name(queue):
+        raise BadWrite("bad_clientid", f"refused rewind {topic!r}: queue name contains '+', '#' or NUL, or is "
+                                       f"{' or '.join(sorted(RESERVED_CLIENTIDS))}")
+    return position_id(scq_queue_id(queue), reader)
 
 
 def rewind_topic(clientid: str) -> str:

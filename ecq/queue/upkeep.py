@@ -71,7 +71,9 @@ class Collector:
     async def forget_idle_queues(self) -> int:
         """State GC: delete the seqno counter and ack state of every queue that stores no entry, has no
         consumer in memory (online, or offline with its state cached) and had no write and no ack for
-        ``state_retention``; returns how many. An SCQ's seqno counter is kept: its readers' positions, stored apart,
+        ``state_retention``, and the position of every SCQ reader with no consumer in memory and no ack for
+        ``state_retention`` (its next subscribe starts at the SCQ's oldest entry); returns how many. An SCQ's seqno
+        counter is kept: its readers' positions, stored apart,
         would otherwise pass the seqnos of its next writes. Each is checked again in its own commit (ForgetQueue),
         through the queue's writer agent, so a write or an ack that came meanwhile keeps it. Raises what the store's
         reads and commits raise."""

@@ -130,7 +130,9 @@ class LevelDbReads:
 
     def idle_queues(self, cutoff_ms: int) -> list[str]:
         """Clientids whose queue stores no entry and had no write and no ack since ``cutoff_ms`` (state GC's
-        candidates): one pass over the seqno table, a state lookup and an index seek per queue."""
+        candidates): one pass over the seqno table, a state lookup and an index seek per queue; then every ack
+        state with no seqno row (an SCQ reader's position, stored apart from its SCQ's entries, or a queue only
+        rewound) last acked before ``cutoff_ms``: one pass over the state table."""
         idle = []
         with self._db.iterator(prefix=INDEX, include_value=False) as index_keys:
             for row, value in self._db.iterator(prefix=SEQNO):
@@ -143,6 +145,9 @@ class LevelDbReads:
                 index_keys.seek(INDEX + queue)
                 if next(index_keys, b"").startswith(INDEX + queue):
                     continue
+                idle.append(read_s(row, 1)[0])
+        for row, value in self._db.iterator(prefix=STATE):
+            if decode_state(value).last_ack_ms < cutoff_ms and self._db.get(SEQNO + row[1:]) is None:
                 idle.append(read_s(row, 1)[0])
         return idle
 
