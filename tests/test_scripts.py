@@ -263,7 +263,7 @@ def fanout_run(seconds: float, delivered: int, online: int, payload_bytes: int, 
 def test_fanout_rows_hold_issue_33_targets_at_10000_readers_only():
     """The fanout scenario's rows (scripts/benchlib/fanout.py) from recorded runs: SCQ in the ECQ column, ECQ as the
     baseline; issue 33's time and rate targets checked from 10,000 readers on, store and state targets at every size;
-    the group row says it is not built; a run that stopped early or reached fewer readers says so."""
+    the group row says it is not measured yet; a run that stopped early or reached fewer readers says so."""
     sys.path.insert(0, str(SCRIPTS))
     from benchlib.fanout import GROUP_ROW_NOTE, fanout_rows
     from benchlib.report import ScenarioResult
