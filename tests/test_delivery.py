@@ -369,6 +369,30 @@ async def test_a_read_in_progress_when_a_rewind_comes_does_not_deliver_from_the_
         store.close()
 
 
+async def test_entries_deleted_while_a_read_of_them_is_in_flight_are_not_sent(tmp_path):
+    """A quota eviction, GC or purge that commits while a read-ahead is in the reader thread: the read may return the
+    deleted entries (it began before the delete), and they must not be sent (tests/test_quotas.py saw one under load)."""
+    store = SlowReads(tmp_path / "db")
+    pool = WriterPool(store, 1, lambda ops, results: None)
+    pool.start()
+    reader = BatchedReader(threads=1)
+    parts = (store, pool, reader, [])
+    try:
+        await write(parts, "a", "b", "c", "d")
+        consumer, _seen = make_consumer(parts, window=2)
+        connection = FakeConnection()
+        consumer.attach(connection)
+        await settle(lambda: store.reads_begun == 1)  # the read of seqnos 1-4 takes delay_s
+        consumer.forget({1, 2})  # as QueueEngine.deleted does once the eviction of a and b committed
+        await settle(lambda: len(connection.sent) == 2)
+        assert [payload for _topic, payload in connection.sent] == [b"c", b"d"]
+    finally:
+        consumer.detach()
+        await pool.close()
+        reader.shutdown()
+        store.close()
+
+
 async def test_a_skipped_entry_is_dropped_once_too_many_later_entries_were_acked_past_it(parts, monkeypatch):
     """The ack state holds every seqno acked past a skipped entry; past the bound the entry is given up, so an
     ack save stays small (here a bound of 3 instead of 1,024)."""

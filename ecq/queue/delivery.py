@@ -87,7 +87,7 @@ class Consumer:
     __slots__ = ("clientid", "queue", "state", "connection", "_sending", "inflight", "saves_pending", "_save_due",
                  "_rewinds", "_rewind_waiters", "_store", "_pool", "_publish", "_observer", "_read_store", "resends",
                  "_read_deadline", "_window", "_retention_s", "_inflight_max", "_tombstones", "_acked_tombstones",
-                 "_read_cursor", "_ready", "_newest", "_handed", "_told", "_reading", "_unreadable", "_wake",
+                 "_read_cursor", "_ready", "_newest", "_handed", "_told", "_reading", "_deleted_in_read", "_unreadable", "_wake",
                  "_pump_task", "_fits", "skipped", "_census")  # one per queue: no dict
 
     def __init__(self, clientid: str, state: AckState, *, store: QueueStore, pool: WriterPool, publish: Publish,
@@ -123,6 +123,7 @@ class Consumer:
         self._handed: deque[int] = deque()  # seqnos handed to this connection, oldest first, not yet folded
         self._told = 0                      # highest seqno told since the read in flight started (_UNKNOWN: polled)
         self._reading: asyncio.Task | None = None   # the read-ahead in flight
+        self._deleted_in_read: set[int] = set()     # seqnos deleted while it was in flight: not to be sent
         self._unreadable = False            # a read found damaged data: delivery stops (StoreReadError)
         self._wake = asyncio.Event()
         self._pump_task: asyncio.Task | None = None
@@ -231,6 +232,8 @@ class Consumer:
         """Entries ``seqnos`` were deleted (purge, GC, quota eviction): drop them from the read-ahead so they are
         not sent; an entry skipped for this connection no longer holds ``acked`` back."""
         self._ready = deque(m for m in self._ready if m.seqno not in seqnos)
+        if self._reading is not None:  # the read may have found them before their delete committed
+            self._deleted_in_read |= seqnos
         self._close_gaps([seqno for seqno in self.skipped if seqno in seqnos])
 
     def appended(self, seqno: int, key: str, message: Message | None = None) -> None:
@@ -284,6 +287,7 @@ class Consumer:
     def _cancel_read(self) -> None:
         if self._reading is not None:
             self._reading, reading = None, self._reading
+            self._deleted_in_read = set()
             reading.cancel()
 
     async def _read_into_ready(self, limit: int) -> None:
@@ -301,11 +305,11 @@ class Consumer:
                         self.clientid, exc or type(exc).__name__, self._read_deadline.timeout_s)
             await asyncio.sleep(self._read_deadline.timeout_s)
             messages = None
-        self._reading = None
+        self._reading, deleted, self._deleted_in_read = None, self._deleted_in_read, set()
         self.wake()
         if messages is None:
             return
-        self._ready.extend(messages)
+        self._ready.extend(m for m in messages if m.seqno not in deleted)
         self._read_cursor = messages[-1].seqno if messages else self._read_cursor
         if len(messages) < limit:  # everything stored was read, but what was appended meanwhile
             self._newest = max(self._read_cursor, self._told)
