@@ -19,9 +19,13 @@ each ack state row (table ``a`` of ecq.store.leveldb_tables, key ``a`` S(id), va
 U64 per entry acked out of order) of an SCQ reader's position (id ``$SCQ/fleet-config/<clientid>``) or of an ECQ
 consumer, key + value bytes; and the size of the LevelDB directory.
 
-The group-of-4 drain of issue 33 (shared reads, point 3) is not measured yet (groups are built, this phase is not):
-its row says so. Every phase is bounded by
---fleet-phase-seconds; a broker that does not keep up is reported with what it reached and the run goes on.
+Then the drain (issue 33 point 3), two more fresh brokers: --fanout-drain-entries writes of distinct keys (default
+100,000, 256 B) into the SCQ ``fleet-jobs``, read by a shared group of GROUP_MEMBERS devices
+(``$share/bench/$SCQ/fleet-jobs/#``, all in one load process), against the same number of writes into one ECQ queue
+drained by its one consumer; each from the first SUBSCRIBE until the last entry was delivered and PUBACKed, entries/s.
+
+Every phase is bounded by --fleet-phase-seconds; a broker that does not keep up is reported with what it reached and
+the run goes on.
 """
 
 from __future__ import annotations
@@ -53,7 +57,9 @@ TARGET_FROM_SIZE = 10_000        # issue 33's time and rate targets are set at N
 SPEEDUP_TARGET = 2.0             # SCQ's time to all readers at most ECQ's / 2
 RATE_TARGET_PER_S = 5_000.0
 STATE_TARGET_BYTES = 64
-GROUP_ROW_NOTE = "not measured yet (groups are built; a drain phase is not)"
+DRAIN_QUEUE = "fleet-jobs"       # the SCQ the group drains
+GROUP_MEMBERS = 4
+DRAIN_TARGET = 0.8               # the group's entries/s at least 0.8x one ECQ consumer's
 
 
 def fanout(bench: Bench, out: ScenarioResult) -> None:
@@ -80,6 +86,10 @@ def fanout(bench: Bench, out: ScenarioResult) -> None:
                         load.start()
                     bench.sampler.watch(*load.pids)
                     out.details["runs"][f"{kind} @{size}"] = measure(bench, load, kind, size)
+            for kind in KINDS:
+                if not load.pids:
+                    load.start()
+                out.details.setdefault("drain", {})[kind] = measure_drain(bench, load, kind)
         finally:
             load.close()
             fanout_rows(out)
@@ -87,10 +97,10 @@ def fanout(bench: Bench, out: ScenarioResult) -> None:
         out.message = cut
 
 
-def readers_acl(workdir: Path) -> Path:
-    """The shipped ACL with one rule above it letting username ``bench`` read the SCQ QUEUE; its path."""
+def readers_acl(workdir: Path, queue: str = QUEUE) -> Path:
+    """The shipped ACL with one rule above it letting username ``bench`` read the SCQ ``queue``; its path."""
     path = workdir / "acl.conf"
-    grant = f'{{allow, {{username, "bench"}}, subscribe, ["eq {scq_filter(QUEUE)}"]}}.\n'
+    grant = f'{{allow, {{username, "bench"}}, subscribe, ["eq {scq_filter(queue)}"]}}.\n'
     path.write_text(grant + SHIPPED_ACL.read_text())
     return path
 
@@ -123,6 +133,47 @@ def measure(bench: Bench, load: FleetLoad, kind: str, size: int) -> dict[str, An
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return result
+
+
+def measure_drain(bench: Bench, load: FleetLoad, kind: str) -> dict[str, Any]:
+    """The drain of ``kind``: an SCQ by a group of GROUP_MEMBERS, or one ECQ queue by its consumer (see the module's
+    docstring); a phase that fails ends it, recorded as ``error``."""
+    entries, deadline = bench.args.fanout_drain_entries, bench.args.fleet_phase_seconds
+    label = f"fanout-drain-{kind.lower()}"
+    workdir = bench.workdir / label
+    workdir.mkdir(parents=True, exist_ok=True)
+    broker = bench.new_ecq(workdir, acl_file=str(readers_acl(workdir, DRAIN_QUEUE)))
+    cids = [f"worker-{n}" for n in range(1, GROUP_MEMBERS + 1)] if kind == "SCQ" else ["drainer"]
+    topics = [scq_write_topic(DRAIN_QUEUE, f"k{n}") if kind == "SCQ" else write_topic(cids[0], f"k{n}")
+              for n in range(entries)]
+    only_first = [True] + [False] * (load.size - 1)  # the readers sit in the first load process
+    try:
+        with bench.serving(broker, label):
+            target = target_of(broker)
+            payload = os.urandom(PAYLOAD_BYTES)
+            checked(load.run("publish", [{"target": target, "topics": part, "wait_deliveries": 0, "deadline_s": deadline,
+                                          "producer_id": f"drain-producer-{n}", "payload": payload}
+                                         for n, part in enumerate(split(topics, load.size))], deadline + ANSWER_SLACK_S))
+            checked(load.run("connect", [{"target": target, "clientids": cids if first else [], "clean_session": False,
+                                          "topic_format": None, "deadline_s": deadline, "concurrency": len(cids)}
+                                         for first in only_first], deadline + ANSWER_SLACK_S))
+            bench.wait_idle(broker)
+            subscribe = f"$share/bench/{scq_filter(DRAIN_QUEUE)}" if kind == "SCQ" else ECQ_QUEUE
+            [drained, *_] = checked(load.run("drain", [
+                {"topic_format": subscribe, "wait_deliveries": entries if first else 0, "deadline_s": deadline}
+                for first in only_first], deadline + ANSWER_SLACK_S))
+            seconds = (drained["delivered_end_ns"] - drained["start_ns"]) / 1e9 if drained["delivered"] else None
+            check = bench.load_check(label, broker, drained["start_ns"] / 1e9, drained["delivered_end_ns"] / 1e9,
+                                     load_pids=load.pids) if seconds else None
+            load.run("disconnect", [{}] * load.size, ANSWER_SLACK_S)
+        return {"entries": entries, "readers": len(cids), "delivered": drained["delivered"],
+                "seconds": seconds and round(seconds, 3), "per_s": seconds and round(drained["delivered"] / seconds, 1),
+                "timed_out": drained["timed_out"], "broker_cpu_pct": check and check["broker_cpu_pct"]}
+    except (FleetLoadTimeout, RuntimeError, OSError) as exc:
+        progress(f"{label}: {type(exc).__name__}: {exc}")
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def write_topics(kind: str, cids: tuple[str, ...], procs: int) -> list[list[str]]:
@@ -195,8 +246,8 @@ def figure(run: dict[str, Any] | None, *path: str) -> Any:
 
 def fanout_rows(out: ScenarioResult) -> None:
     """Per size: time to all devices, deliveries/s, stored payload bytes and stored state per reader, SCQ against ECQ,
-    with issue 33's targets; the group-of-4 row (not measured yet); SCQ's stored bytes at the largest size over the
-    smallest."""
+    with issue 33's targets; the group's drain against one ECQ consumer's; SCQ's stored bytes at the largest size over
+    the smallest."""
     runs, sizes = out.details.get("runs", {}), out.details.get("sizes", [])
     for size in sizes:
         scq, ecq = runs.get(f"SCQ @{size}"), runs.get(f"ECQ @{size}")
@@ -206,9 +257,23 @@ def fanout_rows(out: ScenarioResult) -> None:
             if run and "error" in run:
                 out.rows.append(Row("fanout", f"{kind} @{size:,} stopped early", "", None, None,
                                     note=run["error"][:200]))
-    out.rows.append(Row("fanout", "group of 4 drains 100,000 entries, vs 1 ECQ consumer its own", "ratio",
-                        PAYLOAD_BYTES, None, None, ">= 0.8x", None, note=GROUP_ROW_NOTE))
+    drain_row(out, out.details.get("drain", {}))
     flatness_row(out, runs, sizes)
+
+
+def drain_row(out: ScenarioResult, drain: dict[str, Any]) -> None:
+    """Entries/s of the group's drain (ECQ column) against one ECQ consumer's (baseline), target DRAIN_TARGET."""
+    group, single = drain.get("SCQ"), drain.get("ECQ")
+    mine, theirs = figure(group, "per_s"), figure(single, "per_s")
+    ratio = mine / theirs if mine and theirs else None
+    parts = [f"{kind} {run['error'][:120]}" if run and "error" in run else
+             f"{kind} {number(figure(run, 'delivered'))} of {number(figure(run, 'entries'))} in "
+             f"{figure(run, 'seconds')} s, CPU {figure(run, 'broker_cpu_pct')}%"
+             for kind, run in (("group", group), ("ECQ", single))]
+    entries = figure(group, "entries") or figure(single, "entries") or 0
+    out.rows.append(Row("fanout", f"drain of {entries:,} entries: a group of {GROUP_MEMBERS} against 1 ECQ consumer",
+                        "/s", PAYLOAD_BYTES, mine, theirs, f">= {DRAIN_TARGET:g}x",
+                        None if ratio is None else ratio >= DRAIN_TARGET, note="; ".join(parts)))
 
 
 def delivery_rows(out: ScenarioResult, size: int, scq, ecq) -> None:

@@ -255,7 +255,7 @@ class Worker:
                 done["end_ns"] = time.monotonic_ns()
 
         jobs = [asyncio.ensure_future(one(clientid)) for clientid in clientids]
-        _, pending = await asyncio.wait(jobs, timeout=max(0.0, ends - time.monotonic()))
+        _, pending = await asyncio.wait(jobs, timeout=max(0.0, ends - time.monotonic())) if jobs else ((), ())
         for job in pending:
             job.cancel()
         return {**done, "start_ns": start_ns, "timed_out": bool(pending)}
@@ -315,6 +315,23 @@ class Worker:
                 "delivered": self.counts.delivered, "delivered_end_ns": self.counts.last_delivery_ns,
                 "start_ns": start_ns, "timed_out": not done}
 
+    async def drain(self, topic_format: str, wait_deliveries: int, deadline_s: float) -> dict[str, Any]:
+        """Every device of this process SUBSCRIBEs ``topic_format`` (``{cid}``) and PUBACKs what comes, until they
+        received ``wait_deliveries`` together or the deadline; ``start_ns`` is the first SUBSCRIBE."""
+        self.counts = Counts()
+        for device in self.devices.values():
+            device.counts = self.counts
+        start_ns, ends = time.monotonic_ns(), time.monotonic() + deadline_s
+        try:
+            await asyncio.wait_for(asyncio.gather(*(self.subscribe(device, topic_format.format(cid=clientid))
+                                                    for clientid, device in self.devices.items())), deadline_s)
+        except (OSError, ConnectionError, TimeoutError) as exc:
+            self.error(exc)
+        while self.counts.delivered < wait_deliveries and time.monotonic() < ends:
+            await asyncio.sleep(0.005)
+        return {"start_ns": start_ns, "delivered": self.counts.delivered,
+                "delivered_end_ns": self.counts.last_delivery_ns, "timed_out": self.counts.delivered < wait_deliveries}
+
     async def resume(self, target: Target, clientids: list[str], wait_s: float, concurrency: int) -> dict[str, Any]:
         """Persistent devices connect again (clean session 0) WITHOUT subscribing, all at once (``concurrency``
         CONNECTs in flight): how many get session present 1, how many receive a message within ``wait_s`` of the
@@ -331,8 +348,8 @@ class Worker:
         return {**connected, "received": received, "all_received_s": all_received_s}
 
 
-COMMANDS = {"connect": Worker.connect, "disconnect": Worker.disconnect, "publish": Worker.publish,
-            "resume": Worker.resume}
+COMMANDS = {"connect": Worker.connect, "disconnect": Worker.disconnect, "drain": Worker.drain,
+            "publish": Worker.publish, "resume": Worker.resume}
 
 
 async def serve(conn) -> None:
