@@ -347,7 +347,9 @@ class SlowReads(LevelDbStore):
         return super().read_after(*args, **kwargs)
 
 
-async def test_a_read_in_progress_when_a_rewind_comes_does_not_deliver_from_the_old_position(tmp_path):
+async def sent_after_a_slow_read(tmp_path, meanwhile) -> list[bytes]:
+    """Write a, b, c, d, attach a consumer (window 2) and run ``meanwhile(consumer)`` (a coroutine function) while its
+    first read, of seqnos 1-4, takes SlowReads.delay_s; the payloads of its first two sends."""
     store = SlowReads(tmp_path / "db")
     pool = WriterPool(store, 1, lambda ops, results: None)
     pool.start()
@@ -358,39 +360,29 @@ async def test_a_read_in_progress_when_a_rewind_comes_does_not_deliver_from_the_
         consumer, _seen = make_consumer(parts, window=2)
         connection = FakeConnection()
         consumer.attach(connection)
-        await settle(lambda: store.reads_begun == 1)  # the first read, after seqno 0, takes delay_s
-        await consumer.rewind(2)
+        await settle(lambda: store.reads_begun == 1)
+        await meanwhile(consumer)
         await settle(lambda: len(connection.sent) == 2)
-        assert [payload for _topic, payload in connection.sent] == [b"c", b"d"]
+        return [payload for _topic, payload in connection.sent]
     finally:
         consumer.detach()
         await pool.close()
         reader.shutdown()
         store.close()
+
+
+async def test_a_read_in_progress_when_a_rewind_comes_does_not_deliver_from_the_old_position(tmp_path):
+    async def rewind(consumer: Consumer) -> None:
+        await consumer.rewind(2)
+    assert await sent_after_a_slow_read(tmp_path, rewind) == [b"c", b"d"]
 
 
 async def test_entries_deleted_while_a_read_of_them_is_in_flight_are_not_sent(tmp_path):
     """A quota eviction, GC or purge that commits while a read-ahead is in the reader thread: the read may return the
     deleted entries (it began before the delete), and they must not be sent (tests/test_quotas.py saw one under load)."""
-    store = SlowReads(tmp_path / "db")
-    pool = WriterPool(store, 1, lambda ops, results: None)
-    pool.start()
-    reader = BatchedReader(threads=1)
-    parts = (store, pool, reader, [])
-    try:
-        await write(parts, "a", "b", "c", "d")
-        consumer, _seen = make_consumer(parts, window=2)
-        connection = FakeConnection()
-        consumer.attach(connection)
-        await settle(lambda: store.reads_begun == 1)  # the read of seqnos 1-4 takes delay_s
+    async def evict(consumer: Consumer) -> None:
         consumer.forget({1, 2})  # as QueueEngine.deleted does once the eviction of a and b committed
-        await settle(lambda: len(connection.sent) == 2)
-        assert [payload for _topic, payload in connection.sent] == [b"c", b"d"]
-    finally:
-        consumer.detach()
-        await pool.close()
-        reader.shutdown()
-        store.close()
+    assert await sent_after_a_slow_read(tmp_path, evict) == [b"c", b"d"]
 
 
 async def test_a_skipped_entry_is_dropped_once_too_many_later_entries_were_acked_past_it(parts, monkeypatch):
