@@ -37,7 +37,8 @@ from typing import Any
 
 import plyvel
 
-from benchlib.fleet import ANSWER_SLACK_S, capped_sizes, checked, connect, errors_of, target_of
+from benchlib.fleet import (ANSWER_SLACK_S, capped_sizes, checked, connect, errors_of,
+                            skipped_without_own_brokers_in_a_netns, target_of)
 from benchlib.fleetload import FleetLoad, FleetLoadTimeout, Target
 from benchlib.loadgen import split
 from benchlib.netns import private_netns, remove_stale
@@ -65,11 +66,7 @@ DRAIN_TARGET = 0.8               # the group's entries/s at least 0.8x one ECQ c
 def fanout(bench: Bench, out: ScenarioResult) -> None:
     """The scenario: every size, SCQ then ECQ (so both figures of a row share the machine's state)."""
     args = bench.args
-    if args.port or args.baseline_port:
-        out.status, out.message = "skipped", "needs the brokers this run starts (not --port/--baseline-port)"
-        return
-    if os.geteuid() != 0:
-        out.status, out.message = "skipped", "needs root: its brokers and clients run in a private network namespace"
+    if skipped_without_own_brokers_in_a_netns(bench, out):
         return
     sizes, cut = capped_sizes(args.fanout_sizes)
     if cut:

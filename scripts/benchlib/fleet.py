@@ -70,14 +70,22 @@ def capped_sizes(sizes: list[int]) -> tuple[list[int], str]:
                   f"{most + FD_MARGIN:,} (ulimit -Hn), {FD_MARGIN} kept for the broker itself")
 
 
+def skipped_without_own_brokers_in_a_netns(bench: Bench, out: ScenarioResult) -> bool:
+    """Mark ``out`` skipped, and say so, when the run may not start its own brokers (--port/--baseline-port) or is
+    not root (its brokers and clients run in a private network namespace)."""
+    if bench.args.port or bench.args.baseline_port:
+        out.status, out.message = "skipped", "needs the brokers this run starts (not --port/--baseline-port)"
+        return True
+    if os.geteuid() != 0:
+        out.status, out.message = "skipped", "needs root: its brokers and clients run in a private network namespace"
+        return True
+    return False
+
+
 def fleet(bench: Bench, out: ScenarioResult) -> None:
     """The scenario: every size, each broker in turn (so the three figures of a row share the machine's state)."""
     args = bench.args
-    if args.port or args.baseline_port:
-        out.status, out.message = "skipped", "needs the brokers this run starts (not --port/--baseline-port)"
-        return
-    if os.geteuid() != 0:
-        out.status, out.message = "skipped", "needs root: its brokers and clients run in a private network namespace"
+    if skipped_without_own_brokers_in_a_netns(bench, out):
         return
     if not MosquittoBroker.version():
         out.status, out.message = "skipped", "no mosquitto on PATH (scripts/setup bench installs Debian's mosquitto)"
