@@ -20,7 +20,9 @@ import functools
 import logging
 import sys
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 import yaml
@@ -180,28 +182,27 @@ def inspect(clientid: str | None, scq: str | None, admin: str, token: str | None
     if (clientid is None) == (scq is None):
         raise click.UsageError("give a CLIENTID or --scq QUEUE")
     if scq is not None:
-        inspect_scq(scq, admin, token, as_json, data_dir)
+        data = _inspected(f"/api/v1/scq/{urllib.request.quote(scq, safe='')}", admin, token, data_dir,
+                          lambda store: scq_info(store, scq), f"no SCQ {scq!r}")
+        emit(data, as_json, render_scq)
         return
-    try:
-        data = check_answer(*call_admin(admin, f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}", token))
-    except Unreachable:
-        data = read_data_dir(data_dir, admin, lambda store: queue_info(store, clientid))
-        if data is None:
-            click.echo(f"no queue for clientid {clientid!r}", err=True)
-            sys.exit(EXIT_NOT_FOUND)
+    data = _inspected(f"/api/v1/queues/{urllib.request.quote(clientid, safe='')}", admin, token, data_dir,
+                      lambda store: queue_info(store, clientid), f"no queue for clientid {clientid!r}")
     emit(data, as_json, render_queue)
 
 
-def inspect_scq(queue: str, admin: str, token: str | None, as_json: bool, data_dir: Path) -> None:
-    """`ecq inspect --scq QUEUE`: from the running broker, or the data dir when none answers."""
+def _inspected(path: str, admin: str, token: str | None, data_dir: Path,
+               offline: Callable[[Any], Any], missing: str) -> Any:
+    """What the running broker answers at the admin API ``path``, or when none answers ``offline(store)`` read from
+    ``data_dir``; exits EXIT_NOT_FOUND, saying ``missing``, when that finds nothing."""
     try:
-        data = check_answer(*call_admin(admin, f"/api/v1/scq/{urllib.request.quote(queue, safe='')}", token))
+        return check_answer(*call_admin(admin, path, token))
     except Unreachable:
-        data = read_data_dir(data_dir, admin, lambda store: scq_info(store, queue))
+        data = read_data_dir(data_dir, admin, offline)
         if data is None:
-            click.echo(f"no SCQ {queue!r}", err=True)
+            click.echo(missing, err=True)
             sys.exit(EXIT_NOT_FOUND)
-    emit(data, as_json, render_scq)
+        return data
 
 
 @main.command()
