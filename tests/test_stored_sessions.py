@@ -559,7 +559,11 @@ def test_a_message_in_flight_at_sigterm_comes_again_after_the_restart(make_broke
     device.close()
     broker.start()
     device = RawClient(broker.port, "inf2", clean_session=False)
-    packets = [device.receive() for _ in range(qos)]
+    packets = []
+    for _ in range(qos):
+        packets.append(device.receive())
+        if qos == 2 and packets[-1] == (0x62, released):
+            device.send(0x70, released)  # PUBCOMP, as a client must: amqtt holds the session's queue until it comes
     publishes = [body[2:2 + struct.unpack_from(">H", body)[0]] + body[4 + struct.unpack_from(">H", body)[0]:]
                  for header, body in packets if header & 0xF0 == 0x30]
     assert publishes == [b"cmd/a" + b"in flight"]
