@@ -1,5 +1,6 @@
 """Persistent sessions survive a restart on the embedded LevelDB store (issue 32, point 4;
-``ecq.broker.stored_sessions``), over TCP against real ``ecq broker`` processes restarted on the same data dir, after
+``ecq.broker.stored_sessions``), over TCP (the hand-over of an offline session to the store also over TLS and
+WebSocket) against real ``ecq broker`` processes restarted on the same data dir, after
 SIGTERM and after kill -9: a client reconnecting with CleanSession 0 (MQTT 5: Clean Start 0, Session Expiry > 0) gets
 CONNACK session present 1, the QoS 1 messages of ordinary topics queued while it was offline (before the restart,
 and after it before it came back) and its ECQ queue, all without SUBSCRIBE; an expired session, one a clean session
@@ -19,7 +20,7 @@ import pytest
 from ecq.store.jsapi import token
 from ecq.store.leveldb_sessions import LevelDbSessions
 from tests.census_plugin import ANSWER as CENSUS_ANSWER, PLUGIN_PATH as CENSUS
-from tests.harness import BrokerProcess, Client, RawClient, metrics_text, wait_until, write
+from tests.harness import BrokerProcess, Client, RawClient, metrics_text, topics_payloads, wait_until, write
 from tests.mqtt_wire import DISCONNECT_PACKET, connect_packet, puback_packet, subscribe_packet
 from tests.test_cluster_state import kv_value, queued_while_offline, started, stored_count
 from tests.test_max_connections import metric
@@ -28,6 +29,7 @@ from tests.test_mqtt5 import V5Client
 from tests.test_mqtt_conformance import census
 from tests.test_session_owners import (alice_as_bob_gets_nothing_of_his, authenticated, backend_of,  # noqa: F401
                                        bob_gets_his_queue_back, leave_bob_offline, passwd, persistent)
+from tests.test_transports import certificate, every_transport, paho  # noqa: F401
 
 PROTOCOLS = ("3.1.1", "5")
 
@@ -571,3 +573,26 @@ def test_a_message_in_flight_at_sigterm_comes_again_after_the_restart(make_broke
         assert (0x62, released) in packets
     assert device.ping()  # nothing else came before the PINGRESP: "received" was not sent again
     device.close()
+
+
+@pytest.mark.parametrize("transport", ["tls", "ws", "wss", "abrupt ws"])
+def test_an_offline_session_goes_to_the_store_and_comes_back_over_every_transport(every_transport, paho, connect,
+                                                                                  transport):
+    """A persistent session whose connection ends, by DISCONNECT or by a dropped socket, over TLS or WebSocket is
+    handed to the store as over TCP (issue 32: no live amqtt Session while offline; ``cluster`` module's
+    ``hand_offline_sessions_to_the_store``), and its client resumes it over the same transport: session present,
+    the ordinary QoS 1 message and the ECQ entry written meanwhile, then amqtt holds it again."""
+    broker, ports = every_transport
+    abrupt, transport = transport.startswith("abrupt"), transport.split()[-1]
+    device = paho(transport, ports[transport], "car9", clean_session=False)
+    assert device.subscribe("cmd/car9/#") == 1 and device.subscribe("$ECQ/car9/#") == 1
+    device.close(clean=not abrupt)
+    wait_stored_only(broker, 1)
+    producer = connect(broker.port, "backend")
+    producer.publish("cmd/car9/a", b"queued while offline")
+    write(producer, "car9", "k1", "queue entry")
+    device = paho(transport, ports[transport], "car9", clean_session=False)
+    assert device.session_present
+    assert sorted(topics_payloads(device.expect(2))) == [("$ECQ/car9/k1", b"queue entry"),
+                                                         ("cmd/car9/a", b"queued while offline")]
+    assert stored_only(broker) == 0
