@@ -58,6 +58,9 @@ class EcqMetrics:
                                            "a protocol violation (MQTT 3.1.1 section 4.8)", registry=r)
         self.connections_refused = Counter("ecq_connections_refused", "CONNECTs refused with CONNACK 0x03 (MQTT 5 "
                                            "0x97): the node served max_connections client ids", registry=r)
+        self.session_records_written = Counter(
+            "ecq_session_records_written", "persistent session records written to the store at a CONNACK, SUBACK, "
+            "UNSUBACK or disconnect (not when the store holds that record already)", registry=r)
         self.gc_runs = Counter("ecq_gc_runs", "garbage collection passes", registry=r)
         self.store_errors = Counter("ecq_store_errors", "LevelDB operations that failed, by op (read: a damaged "
                                     "block stopped a queue's delivery; write: a commit failed)", ["op"], registry=r)
