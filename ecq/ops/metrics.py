@@ -110,7 +110,7 @@ _GAUGE_HELP = {
     "ecq_stored_messages": "entries stored across all queues",
     "ecq_stored_bytes": "payload bytes stored across all queues (exact: the index total at start-up, kept by each write and GC)",
     "ecq_inflight": "PUBLISHes sent to consumers and not yet acknowledged",
-    "ecq_consumers_online": "consumers connected and subscribed to their queue",
+    "ecq_consumers_online": "ECQ consumers and SCQ readers connected and subscribed to their queue",
     "ecq_connections": "client ids connected to this node, as max_connections counts them",
     "ecq_sessions_stored": "offline persistent sessions held in the store only, not in memory (0 on a cluster)",
     "ecq_events_dropped": "queue events dropped by the event buffer's overload protection",
