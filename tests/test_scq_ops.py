@@ -165,6 +165,25 @@ def cli_json(broker, *args: str, **options) -> dict:
     return json.loads(result.stdout)
 
 
+@pytest.mark.timeout(60)
+def test_status_counts_consumers_online_as_the_metric_does(make_broker, connect):
+    """`ecq status` and ``ecq_consumers_online`` give one figure: the ECQ consumers and the SCQ readers connected and
+    subscribed (docs/operations.md), here one of each; the reader is listed under its SCQ, not as a consumer."""
+    broker = make_broker()
+    producer = connect(broker.port, "producer")
+    scq_write(producer, "a", b"aaa")
+    write(producer, "own", "k", "v")
+    reader = connect(broker.port, "r1")
+    assert reader.subscribe(FILTER) == 1 and len(reader.expect(1)) == 1
+    consumer = connect(broker.port, "own")
+    assert consumer.subscribe("$ECQ/own/#") == 1 and len(consumer.expect(1)) == 1
+
+    status = cli_json(broker, "status")
+    assert status["consumers_online"] == scrape(broker)["ecq_consumers_online"] == 2
+    assert [(c["clientid"], c["online"]) for c in status["consumers"]] == [("own", True)]
+    assert status["scqs"] == [{"kind": "scq", "queue": Q, "readers": 1, "readers_online": 1}]
+
+
 def test_status_inspect_delete_and_metrics_show_scqs_with_their_readers(backend_broker, connect):
     """`ecq status` lists SCQs of kind scq with their readers (no reader as a consumer), `ecq inspect --scq` one SCQ
     and its readers' pending entries, `ecq delete --scq` a key for every reader; the ecq_scq_* metrics."""
@@ -182,7 +201,7 @@ def test_status_inspect_delete_and_metrics_show_scqs_with_their_readers(backend_
     assert not [c for c in status["consumers"] if c["clientid"].startswith("$SCQ/")]
     assert (status["scqs_total"], status["scqs"]) == (1, [{"kind": "scq", "queue": Q, "readers": 2,
                                                            "readers_online": 1}])
-    assert status["consumers_online"] == 0
+    assert status["consumers_online"] == scrape(broker)["ecq_consumers_online"] == 1  # r2, the reader online
     info = cli_json(broker, "inspect", "--scq", Q)
     assert (info["kind"], info["queue"], info["stored"], info["readers_total"], info["readers_online"]) == (
         "scq", Q, 2, 2, 1)

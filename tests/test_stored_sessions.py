@@ -21,7 +21,7 @@ from ecq.store.jsapi import token
 from ecq.store.leveldb_sessions import LevelDbSessions
 from tests.census_plugin import ANSWER as CENSUS_ANSWER, PLUGIN_PATH as CENSUS
 from tests.harness import BrokerProcess, Client, RawClient, metrics_text, topics_payloads, wait_until, write
-from tests.mqtt_wire import DISCONNECT_PACKET, connect_packet, puback_packet, subscribe_packet
+from tests.mqtt_wire import DISCONNECT_PACKET, connect_packet, puback_packet, subscribe_packet, unsubscribe_packet
 from tests.test_cluster_state import kv_value, queued_while_offline, started, stored_count
 from tests.test_max_connections import metric
 from tests.test_mosquitto_clients import MosquittoSub, mosquitto_pub
@@ -418,6 +418,53 @@ def test_an_offline_session_lives_in_the_store_and_is_resumed_without_a_restart(
     finally:
         device.close()
     assert "Traceback" not in broker.log()
+
+
+def records_written(broker: BrokerProcess) -> float:
+    """``ecq_session_records_written_total``: the persistent session records the broker wrote to its store."""
+    return metric(broker, "ecq_session_records_written_total")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_resumed_consumer_subscribing_again_writes_its_record_once(make_broker, protocol):
+    """A device resuming its stored session and subscribing to its queue again, as most clients do at each CONNECT,
+    has its record written once: at the CONNACK (online again), not again at the SUBACK that changes nothing; a
+    SUBSCRIBE of a filter held at the same QoS writes nothing, one of a new filter writes it before its SUBACK."""
+    broker = make_broker()
+    device = session_client(protocol, broker.port, "meter9")
+    device.subscribe("$ECQ/meter9/#")
+    device.close()
+    wait_stored_only(broker, 1)
+    before = records_written(broker)
+    device = session_client(protocol, broker.port, "meter9")
+    try:
+        assert device.session_present
+        device.subscribe("$ECQ/meter9/#")
+        assert records_written(broker) == before + 1
+        device.subscribe("$ECQ/meter9/#")
+        assert records_written(broker) == before + 1
+        device.subscribe("cmd/meter9/#")
+        assert records_written(broker) == before + 2
+    finally:
+        device.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_unsubscribe_of_no_filter_held_writes_no_record(make_broker):
+    broker = make_broker()
+    device = RawClient(broker.port, "meter10", clean_session=False)
+    try:
+        assert device.subscribe(b"$ECQ/meter10/#")[0] == 0x90
+        before = records_written(broker)
+        device.send_raw(unsubscribe_packet(2, "cmd/meter10/none"))
+        assert device.receive()[0] == 0xB0
+        assert records_written(broker) == before
+        device.send_raw(unsubscribe_packet(3, "$ECQ/meter10/#"))
+        assert device.receive()[0] == 0xB0
+        assert records_written(broker) == before + 1
+    finally:
+        device.close()
 
 
 def _publishes(device: RawClient, count: int) -> dict[bytes, tuple[int, bool]]:

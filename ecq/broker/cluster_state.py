@@ -148,11 +148,12 @@ class ClusterState:
 
     # --- persistent sessions' subscriptions ---------------------------------------------------------------
 
-    def save_session(self, clientid: str, session: PersistentSession) -> None:
-        """Store the owner and subscriptions of ``clientid``'s persistent session (returns at once; written in call
-        order)."""
+    def save_session(self, clientid: str, session: PersistentSession) -> bool:
+        """Store the owner and subscriptions of ``clientid``'s persistent session (returns True at once; written in
+        call order)."""
         value = {"username": session.username, "subscriptions": subscriptions_value(session.subscriptions)}
         self._enqueue(self._put_session, f"session of {clientid!r}", token(clientid), json.dumps(value).encode())
+        return True
 
     def forget_session(self, clientid: str) -> None:
         """Delete ``clientid``'s stored session and queue (a clean-session CONNECT, or an MQTT 5 session's expiry;

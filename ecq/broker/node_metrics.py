@@ -47,6 +47,7 @@ class NodeMetrics:
         }, cluster=on_cluster)
         if on_cluster:
             engine.store.observe_publish = self.ecq.jetstream_publish_latency.observe
+        kept_sessions.record_written = self.ecq.session_records_written.inc
         engine.observers.append(MetricsObserver(self.ecq, settings.tombstones))
         self.ecq.watch_lag(engine.lag, lambda: totals().queues)
         if on_cluster:

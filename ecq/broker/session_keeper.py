@@ -8,6 +8,7 @@ CONNECT, discarded, expired, its offline queue) land here, one method each; the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from amqtt.broker import BrokerContext
@@ -27,6 +28,7 @@ class SessionKeeper:
     def __init__(self, settings: EcqSettings, context: BrokerContext, cluster: ClusterNode) -> None:
         self._settings, self._context, self._cluster = settings, context, cluster
         self.stored: StoredSessions | None = None  # backend: leveldb
+        self.record_written: Callable[[], None] = lambda: None  # called for each record store_session writes
 
     def start(self, engine: QueueEngine) -> None:
         """On LevelDB, read the stored sessions' records into their index (StoredSessions.load), their deadlines on the
@@ -49,13 +51,14 @@ class SessionKeeper:
 
     def store_session(self, clientid: str) -> None:
         """Write ``clientid``'s persistent session (owner, subscriptions, expiry) to the store (in a cluster: while
-        this broker answers for it); nothing for a clean session."""
+        this broker answers for it), then call :attr:`record_written`; nothing for a clean session, nor on LevelDB
+        for a record stored already (StoredSessions.save_session)."""
         bus = self._cluster.bus
         if self.store is None or (bus is not None and not bus.holds(clientid)):
             return
         held = hooks.persistent_session(self._context, clientid)
-        if held is not None:
-            self.store.save_session(clientid, held)
+        if held is not None and self.store.save_session(clientid, held):
+            self.record_written()
 
     async def claim(self, clientid: str, clean: bool) -> Any:
         """At a CONNECT: the persistent session (a SessionState, with its owner) another broker handed over or, when

@@ -24,9 +24,10 @@ class SessionStore(Protocol):
     method returns at once (the cluster writes in call order on its link; LevelDB writes before returning) and
     logs, rather than raises, a write that fails."""
 
-    def save_session(self, clientid: str, session: PersistentSession) -> None:
-        """Store the owner, subscriptions and expiry of ``clientid``'s persistent session (at each SUBSCRIBE,
-        UNSUBSCRIBE and disconnect)."""
+    def save_session(self, clientid: str, session: PersistentSession) -> bool:
+        """Store the owner, subscriptions and expiry of ``clientid``'s persistent session (at each CONNACK, SUBACK,
+        UNSUBACK and disconnect): True when a record was written (LevelDB writes none when it holds that record
+        already; the cluster always writes)."""
 
     def forget_session(self, clientid: str) -> None:
         """Delete ``clientid``'s stored session and queue (a clean-session CONNECT, another username's CONNECT, an

@@ -2,9 +2,10 @@
 
 A persistent session (MQTT 3.1.1 CleanSession 0; MQTT 5.0 a Session Expiry Interval above 0) is written to the
 store's session tables (``ecq.store.leveldb_sessions``, layout in ``ecq.store.leveldb_tables``): its record (owner,
-subscriptions with their v5 options, expiry) at each SUBSCRIBE, UNSUBSCRIBE and disconnect, and each QoS 1/2 message
-of an ordinary topic queued for it while offline as it is queued (at most ``session_max_queued``, the oldest
-dropped), deleted when the queue is taken for sending or the session ends (clean session, another owner, expiry).
+subscriptions with their v5 options, expiry) at each CONNACK, SUBACK, UNSUBACK and disconnect that changes it (an
+unchanged one is not written again), and each QoS 1/2 message of an ordinary topic queued for it while offline as it
+is queued (at most ``session_max_queued``, the oldest dropped), deleted when the queue is taken for sending or the
+session ends (clean session, another owner, expiry).
 At shutdown (SIGTERM) the messages sent to a session and not acknowledged join its stored queue, and the packet ids
 of the QoS 2 PUBRELs it owes its record (:meth:`save_at_shutdown`).
 ECQ queues need nothing here: their entries and ack positions are the queue store's.
@@ -140,9 +141,14 @@ class StoredSessions:
 
     # --- the SessionStore protocol ------------------------------------------------------------------------
 
-    def save_session(self, clientid: str, session: PersistentSession) -> None:
-        """Store the record of ``clientid``'s session (see the module's docstring)."""
-        self._write(f"session of {clientid!r}", self._table.put, clientid, _record(session, _now_ms()))
+    def save_session(self, clientid: str, session: PersistentSession) -> bool:
+        """Store the record of ``clientid``'s session (see the module's docstring) unless the store holds that very
+        record already (a SUBSCRIBE of a filter held at the same QoS, an UNSUBSCRIBE of none held, the SUBSCRIBE a
+        resumed session's client sends again at each CONNECT): True when it was written."""
+        written: list[bool] = []
+        self._write(f"session of {clientid!r}", lambda: written.append(
+            self._table.put_if_changed(clientid, _record(session, _now_ms()))))
+        return written == [True]
 
     def save_at_shutdown(self, sessions: dict[str, HeldSession]) -> None:
         """Store every persistent session the broker holds as offline from now (a stopping broker ends every

@@ -80,7 +80,7 @@ from aiohttp import hdrs, web
 from ecq.config import is_loopback
 from ecq.ops.dashboard import PUBLIC_PATHS, add_dashboard
 from ecq.ops.metrics import EcqMetrics
-from ecq.ops.status import broker_status, queue_info, scq_info
+from ecq.ops.status import broker_status, queue_info, scq_info, with_live_consumers
 from ecq.queue.engine import QueueEngine
 from ecq.queue.lag import check_top
 from ecq.queue.rewind import UnknownQueue
@@ -252,7 +252,8 @@ async def _rebalance(request: web.Request) -> web.Response:
 
 async def _status(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE]
-    status = await engine.read(broker_status, engine.store, engine.snapshot())
+    status = with_live_consumers(await engine.read(broker_status, engine.store, engine.readers_snapshot()),
+                                 engine.consumer_snapshot)
     status["events"] = request.app[_CONTROLS].event_stats()
     if (cluster := request.app[_CONTROLS].cluster_status()) is not None:
         status["cluster"] = cluster

@@ -58,6 +58,9 @@ class EcqMetrics:
                                            "a protocol violation (MQTT 3.1.1 section 4.8)", registry=r)
         self.connections_refused = Counter("ecq_connections_refused", "CONNECTs refused with CONNACK 0x03 (MQTT 5 "
                                            "0x97): the node served max_connections client ids", registry=r)
+        self.session_records_written = Counter(
+            "ecq_session_records_written", "persistent session records written to the store at a CONNACK, SUBACK, "
+            "UNSUBACK or disconnect (not when the store holds that record already)", registry=r)
         self.gc_runs = Counter("ecq_gc_runs", "garbage collection passes", registry=r)
         self.store_errors = Counter("ecq_store_errors", "LevelDB operations that failed, by op (read: a damaged "
                                     "block stopped a queue's delivery; write: a commit failed)", ["op"], registry=r)
@@ -107,7 +110,7 @@ _GAUGE_HELP = {
     "ecq_stored_messages": "entries stored across all queues",
     "ecq_stored_bytes": "payload bytes stored across all queues (exact: the index total at start-up, kept by each write and GC)",
     "ecq_inflight": "PUBLISHes sent to consumers and not yet acknowledged",
-    "ecq_consumers_online": "consumers connected and subscribed to their queue",
+    "ecq_consumers_online": "ECQ consumers and SCQ readers connected and subscribed to their queue",
     "ecq_connections": "client ids connected to this node, as max_connections counts them",
     "ecq_sessions_stored": "offline persistent sessions held in the store only, not in memory (0 on a cluster)",
     "ecq_events_dropped": "queue events dropped by the event buffer's overload protection",

@@ -6,7 +6,7 @@ Timestamps are RFC 3339 strings in UTC (or null); counts are entries; bytes are 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -105,40 +105,40 @@ def broker_status(store: QueueStore, snapshot: EngineSnapshot | None = None) -> 
     ``index_order`` names (the store's ``edge_order``): ``clientid`` (the lowest and the highest by clientid, then
     seqno: LevelDB's key order, which says nothing of their age) or ``time`` (the oldest and the newest).
 
-    ``snapshot`` is the running broker's engine snapshot, whose consumers and (entries, payload bytes)
-    counts are used; None when reading a data dir directly (then the store is scanned). A shared store
-    (a cluster) is always asked for its counts, so that every broker reports the same figures.
-    At most 100 consumer states are listed; ``consumers_total`` gives how many are stored. An SCQ reader's position
-    is no consumer here: ``scqs`` lists the SCQs that have readers (stored positions, or readers in memory), by name,
-    at most 100, each as kind (``scq``), queue, readers, readers_online; ``scqs_total`` gives how many.
+    ``snapshot`` is the running broker's (``QueueEngine.readers_snapshot``: its totals and its SCQ readers in memory),
+    whose queue, entry and payload byte counts are used (the ``ecq_queues`` and ``ecq_stored_*`` gauges' figures);
+    None when reading a data dir directly (then the store is scanned).
+    A shared store (a cluster) is always asked for its counts, so that every broker reports the same figures.
+    ``consumers_online`` is the engine's count of ECQ consumers and SCQ readers connected and subscribed, the
+    ``ecq_consumers_online`` gauge's figure (0 from a data dir). At most 100 consumer states are listed as stored
+    (``online`` false: :func:`with_live_consumers` puts in the running broker's); ``consumers_total`` gives how many
+    are stored. An SCQ reader's position is no consumer here: ``scqs`` lists the SCQs that have readers (stored
+    positions, or readers in memory), by name, at most 100, each as kind (``scq``), queue, readers, readers_online;
+    ``scqs_total`` gives how many. Reads every stored ack state: O(stored states), and O(SCQ readers in memory).
     """
-    consumers = snapshot.consumers if snapshot else {}
+    readers_live = snapshot.consumers if snapshot else {}
     if snapshot is None or store.shared:
-        messages, size = store.stored_totals()
+        queues, (messages, size) = store.count_queues(), store.stored_totals()
     else:
-        messages, size = snapshot.totals.stored_entries, snapshot.totals.stored_bytes
+        queues, messages, size = snapshot.totals.queues, snapshot.totals.stored_entries, snapshot.totals.stored_bytes
     first, last = store.edge_index_entries()
     states = []
     total = 0
     readers: dict[str, set[str]] = {}
-    for clientid in consumers:
-        if is_position_id(clientid):
-            readers.setdefault(queue_of_position(clientid), set()).add(clientid)
+    for clientid in readers_live:
+        readers.setdefault(queue_of_position(clientid), set()).add(clientid)
     for clientid, stored_state in store.ack_states():
         if is_position_id(clientid):
             readers.setdefault(queue_of_position(clientid), set()).add(clientid)
             continue
         total += 1
         if len(states) < CONSUMERS_LISTED:
-            live = consumers.get(clientid)
-            state = live if live else stored_state
-            states.append({"clientid": clientid, "acked": state.acked, "last_ack_ts": rfc3339(state.last_ack_ms),
-                           "online": bool(live and live.online)})
+            states.append(_consumer_row(clientid, stored_state, False))
     return {
-        "queues": store.count_queues(),
+        "queues": queues,
         "messages": messages,
         "bytes": size,
-        "consumers_online": sum(1 for cid, c in consumers.items() if c.online and not is_position_id(cid)),
+        "consumers_online": snapshot.totals.online if snapshot else 0,
         "first_index": _entry(first),
         "last_index": _entry(last),
         "index_order": store.edge_order,
@@ -146,9 +146,22 @@ def broker_status(store: QueueStore, snapshot: EngineSnapshot | None = None) -> 
         "consumers": states,
         "scqs_total": len(readers),
         "scqs": [{"kind": "scq", "queue": queue_id[len(SCQ_PREFIX):], "readers": len(positions),
-                  "readers_online": sum(1 for cid in positions if (live := consumers.get(cid)) and live.online)}
+                  "readers_online": sum(1 for cid in positions if (live := readers_live.get(cid)) and live.online)}
                  for queue_id, positions in sorted(readers.items())[:CONSUMERS_LISTED]],
     }
+
+
+def with_live_consumers(status: dict[str, Any], live: Callable[[str], ConsumerSnapshot | None]) -> dict[str, Any]:
+    """``status`` (:func:`broker_status`) with each listed consumer's state as the running broker holds it, where
+    ``live(clientid)`` (``QueueEngine.consumer_snapshot``, called on the event loop) has it in memory: at most
+    CONSUMERS_LISTED look-ups, whatever the size of the fleet."""
+    status["consumers"] = [_consumer_row(row["clientid"], state, state.online) if (state := live(row["clientid"]))
+                           else row for row in status["consumers"]]
+    return status
+
+
+def _consumer_row(clientid: str, state: AckState | ConsumerSnapshot, online: bool) -> dict[str, Any]:
+    return {"clientid": clientid, "acked": state.acked, "last_ack_ts": rfc3339(state.last_ack_ms), "online": online}
 
 
 def _entry(entry: IndexEntry | None) -> dict[str, Any] | None:

@@ -459,6 +459,13 @@ class QueueEngine:
         """An immutable copy of the totals and of every known consumer's state (call on the event loop)."""
         return EngineSnapshot(self.totals(), {cid: consumer_snapshot(c) for cid, c in self.consumers.items()})
 
+    def readers_snapshot(self) -> EngineSnapshot:
+        """The totals and immutable copies of the SCQ readers in memory, by position id, not of the ECQ consumers
+        (call on the event loop): what ``ecq status`` needs at a cost of the SCQ readers, not of the whole fleet;
+        the few consumers it lists are :meth:`consumer_snapshot`'s."""
+        return EngineSnapshot(self.totals(), {cid: consumer_snapshot(c) for readers in self.readers.values()
+                                              for cid, c in readers.items()})
+
     def reader_snapshots(self, queue: str) -> dict[str, ConsumerSnapshot]:
         """Immutable copies of the states of the SCQ ``queue``'s (a queue id) readers in memory, by position id."""
         return {cid: consumer_snapshot(c) for cid, c in self.readers.get(queue, {}).items()}

@@ -30,6 +30,17 @@ class LevelDbSessions:
         """Store ``clientid``'s session record, replacing the one stored."""
         self._store.run(lambda: self._db.put(SESSION + encode_s(clientid), record, sync=self._store._sync))
 
+    def put_if_changed(self, clientid: str, record: bytes) -> bool:
+        """Store ``clientid``'s session record unless the one stored is ``record`` already: True when it was
+        written (a read of one key, then at most the one write of :meth:`put`)."""
+        def put() -> bool:
+            key = SESSION + encode_s(clientid)
+            if self._db.get(key) == record:
+                return False
+            self._db.put(key, record, sync=self._store._sync)
+            return True
+        return self._store.run(put)
+
     def get(self, clientid: str) -> bytes | None:
         """``clientid``'s session record, or None."""
         return self._store.run(self._db.get, SESSION + encode_s(clientid))
