@@ -12,6 +12,8 @@ from collections import Counter
 
 import paho.mqtt.client as mqtt
 import pytest
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from tests.harness import wait_until
 from tests.test_scq import FILTER, Q, delivered, read_all, scq_write
@@ -46,22 +48,23 @@ def _take(members, got: list[list[str]]) -> list[list[str]]:
 
 def test_a_group_splits_the_compacted_queue_among_its_members(backend_broker, connect):
     """Written before anyone reads, compacted: the group's members together get the newest value of every key, each
-    entry exactly once among them (the first to subscribe may take them all); writes once all are connected are
-    shared among them (round_robin), each to one member."""
-    broker = backend_broker()
+    entry exactly once among them, each member its window (3) of the 9 while none acks; a write then goes to one
+    member."""
+    broker = backend_broker(reader_batch_size=3)
     producer = connect(broker.port, "producer")
-    write_keys(producer, [f"k{i}" for i in range(10)])
-    write_keys(producer, ["k0", "k1"])  # compaction: k0 and k1 now come after k9
-    members = [connect(broker.port, f"worker-{i}") for i in range(3)]
+    write_keys(producer, [f"k{i}" for i in range(9)])
+    write_keys(producer, ["k0", "k1"])  # compaction: k0 and k1 now come after k8
+    members = [connect(broker.port, f"worker-{i}", manual_ack=True) for i in range(3)]
     for member in members:
         assert member.subscribe(GROUP) == 1
-    got = split_among(members, 10)
-    assert sorted(sum(got, [])) == sorted(f"k{i}" for i in range(10))
-    late = [f"late{i}" for i in range(6)]
-    write_keys(producer, late)
-    got = split_among(members, len(late))
-    assert sorted(sum(got, [])) == late
-    assert all(got), got  # each member took a share
+    got = [member.expect(3) for member in members]
+    assert sorted(keys_of(sum(got, []))) == sorted(f"k{i}" for i in range(9))
+    for member, messages in zip(members, got):
+        assert member.quiet(0.3) == []
+        for message in messages:
+            member.ack(message)
+    scq_write(producer, "late", b"x")
+    assert sum(split_among(members, 1), []) == ["late"]
 
 
 def test_a_vanished_members_unacked_entries_go_to_another(backend_broker, connect):
@@ -141,6 +144,32 @@ def test_least_inflight_prefers_the_member_holding_fewer_unacked(make_broker, co
     assert acking.subscribe(GROUP) == 1
     write_keys(producer, [f"k{i}" for i in range(4)])
     assert split_among([holding, acking], 4) == [[], ["k0", "k1", "k2", "k3"]]
+
+
+def test_each_member_holds_a_window_of_its_own(make_broker, connect):
+    """Members that ack nothing: each holds ``reader_batch_size`` (3) entries unacked, an MQTT 5 member its Receive
+    Maximum (2) if lower; the group's window is the sum of theirs (8 of the 10 stored), not one window shared."""
+    broker = make_broker(reader_batch_size=3)
+    producer = connect(broker.port, "producer")
+    write_keys(producer, [f"k{i}" for i in range(10)])
+    members = [connect(broker.port, f"holding-{i}", manual_ack=True) for i in range(2)]
+    received: queue.Queue = queue.Queue()
+    v5 = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="holding-v5", protocol=mqtt.MQTTv5, manual_ack=True)
+    v5.on_message = lambda _c, _u, m: received.put(m.topic.rsplit("/", 1)[1])
+    connect_properties = Properties(PacketTypes.CONNECT)
+    connect_properties.ReceiveMaximum = 2
+    v5.connect("127.0.0.1", broker.port, properties=connect_properties)
+    v5.loop_start()
+    try:
+        v5.subscribe(GROUP, qos=1)
+        for member in members:
+            assert member.subscribe(GROUP) == 1
+        wait_until(lambda: received.qsize() == 2, 10)
+        assert [len(keys) for keys in split_among(members, 6)] == [3, 3]
+        assert received.qsize() == 2
+    finally:
+        v5.disconnect()
+        v5.loop_stop()
 
 
 def test_round_robin_gives_the_holding_member_its_turn(make_broker, connect):

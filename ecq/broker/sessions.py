@@ -159,14 +159,15 @@ class QueueSessions:
     async def _join_group(self, clientid: str, group: str, queue: str,
                           connection: BrokerProtocolHandler | None) -> None:
         """Make ``connection`` a member of the shared group ``group`` of the SCQ ``queue``; the group's consumer is
-        attached to its members (ecq.queue.groups.GroupDispatch), or sends again when the last member had
-        unsubscribed."""
+        attached to its members (ecq.queue.groups.GroupDispatch), a window each, or sends again when the last
+        member had unsubscribed."""
         if (claim := self._claims.get(clientid)) is not None:
             await asyncio.shield(claim)
         if not hooks.connection_is_open(connection) or connection is not hooks.live_connection(self._context, clientid):
             return
         position = group_position_id(queue, group)
-        dispatch = self._groups.setdefault(position, GroupDispatch(self._engine.settings.scq_dispatch))
+        settings = self._engine.settings
+        dispatch = self._groups.setdefault(position, GroupDispatch(settings.scq_dispatch, settings.reader_batch_size))
         dispatch.join(clientid, connection, hooks.receive_maximum(connection))
         self._memberships.setdefault(clientid, set()).add(position)
         await self._engine.attach(position, dispatch, lambda: bool(dispatch.members), queue=queue)

@@ -2,12 +2,13 @@
 
 A :class:`Consumer` is attached to the live MQTT connection of ``<clientid>`` while that connection holds the
 ``$ECQ/<clientid>/#`` subscription. It keeps at most ``window`` (``reader_batch_size``) unacked QoS 1 PUBLISHes in
-flight. Each PUBACK marks its seqno acked; ``acked`` advances to the highest seqno below which every message handed
-to the connection is acked, and is saved through the writer pool. Seqnos acked out of order are saved too, so a
-reconnect never redelivers them. Detaching (disconnect, takeover) drops the inflight window; the next attach
-resumes after ``acked``: what was sent but not acked is delivered again (MQTT 3.1.1 section 4.4). An unsubscribe
-(:meth:`Consumer.stop_sending`) starts no new delivery but completes those in flight (MQTT 3.1.1 section 3.10.4):
-their PUBACKs still count and are saved, and the consumer detaches once none is left.
+flight (an SCQ group's consumer a window per member, ecq.queue.groups). Each PUBACK marks its seqno acked; ``acked``
+advances to the highest seqno below which every message handed to the connection is acked, and is saved through the
+writer pool. Seqnos acked out of order are saved too, so a reconnect never redelivers them. Detaching (disconnect,
+takeover) drops the inflight window; the next attach resumes after ``acked``: what was sent but not acked is
+delivered again (MQTT 3.1.1 section 4.4). An unsubscribe (:meth:`Consumer.stop_sending`) starts no new delivery but
+completes those in flight (MQTT 3.1.1 section 3.10.4): their PUBACKs still count and are saved, and the consumer
+detaches once none is left.
 
 Nothing new is sent to a consumer while one of its PUBACKs is not yet stored: an ack is committed to LevelDB before
 the next delivery to that consumer leaves, so after a crash only acks received after the last message the consumer
@@ -86,7 +87,8 @@ class Consumer:
 
     __slots__ = ("clientid", "queue", "state", "connection", "_sending", "inflight", "saves_pending", "_save_due",
                  "_rewinds", "_rewind_waiters", "_store", "_pool", "_publish", "_observer", "_read_store", "resends",
-                 "_read_deadline", "_window", "_retention_s", "_inflight_max", "_tombstones", "_acked_tombstones",
+                 "_read_deadline", "_window", "_reach", "_retention_s", "_inflight_max", "_tombstones",
+                 "_acked_tombstones",
                  "_read_cursor", "_ready", "_newest", "_handed", "_told", "_reading", "_deleted_in_read", "_unreadable", "_wake",
                  "_pump_task", "_fits", "skipped", "_census")  # one per queue: no dict
 
@@ -114,7 +116,8 @@ class Consumer:
         self.resends = Resends(sent_before_ms, window)  # sends so far of each unacked seqno, their DUP
         self._read_deadline = read_deadline
         self._window, self._retention_s = window, retention_s
-        self._inflight_max = window         # the attached connection's bound: window, or less if it asked for less
+        self._reach = window                # the windows the attached connection takes: window x their number
+        self._inflight_max = window         # the attached connection's bound: _reach, or less if it asked for less
         self._tombstones = tombstones and self.queue == clientid
         self._acked_tombstones: list[ExpiredRow] = []  # acked, to delete once a save holding their ack commits
         self._read_cursor = state.acked     # highest seqno read from the store for this connection
@@ -136,11 +139,14 @@ class Consumer:
         """True while a connection is attached."""
         return self.connection is not None
 
-    def attach(self, connection: Any, receive_maximum: int | None = None, fits: Fits | None = None) -> None:
-        """Start delivering to ``connection`` (detaching another one first), at most min(window, ``receive_maximum``)
-        in flight on it (MQTT 5.0 section 3.1.2.11.3; None: the window); an entry ``fits`` refuses is skipped for
-        it (see the module's docstring; None: every entry fits)."""
-        self._inflight_max = min(self._window, receive_maximum) if receive_maximum else self._window
+    def attach(self, connection: Any, receive_maximum: int | None = None, fits: Fits | None = None,
+               windows: int = 1) -> None:
+        """Start delivering to ``connection`` (detaching another one first), at most min(``windows`` x window,
+        ``receive_maximum``) in flight on it (MQTT 5.0 section 3.1.2.11.3; None: no bound of its own), reading
+        ahead up to twice that; ``windows`` is 1 but for an SCQ group's consumer (ecq.queue.groups: one window per
+        member). An entry ``fits`` refuses is skipped for it (see the module's docstring; None: every entry fits)."""
+        self._reach = self._window * windows
+        self._inflight_max = min(self._reach, receive_maximum) if receive_maximum else self._reach
         self._fits = fits
         self._newest = self._told = _UNKNOWN  # appends made while detached were not told: read to a short read
         if connection is self.connection:
@@ -263,7 +269,7 @@ class Consumer:
         """True when entry ``seqno``, just committed, is the next one this connection would read: everything
         stored up to the read cursor was read (``_newest`` is the cursor, never true while a read is in flight,
         since a read starts only behind) and the read-ahead has room."""
-        return self.online and self._newest == self._read_cursor < seqno and len(self._ready) < self._window
+        return self.online and self._newest == self._read_cursor < seqno and len(self._ready) < self._reach
 
     async def _pump(self) -> None:
         while not self._unreadable:
@@ -280,8 +286,8 @@ class Consumer:
 
     def _read_ahead(self) -> None:
         """Start a read, up to two windows ahead, when less than one is read ahead and the store may hold more."""
-        if self._reading is None and self.behind and len(self._ready) < self._window:
-            limit = 2 * self._window - len(self._ready)
+        if self._reading is None and self.behind and len(self._ready) < self._reach:
+            limit = 2 * self._reach - len(self._ready)
             self._reading = asyncio.create_task(self._read_into_ready(limit), name=f"ecq-read-{self.clientid}")
 
     def _cancel_read(self) -> None:

@@ -6,9 +6,10 @@ consumer's connection is a :class:`GroupDispatch`, standing for the group's conn
 to one member, chosen by ``scq_dispatch`` (EMQX's names: ``round_robin``, ``least_inflight``, ``random``), and its
 PUBACK, from that member, acks the group's position. A member whose connection goes away before its PUBACK hands
 the delivery on to another connected member (:meth:`GroupDispatch.publish`); with no member left the consumer
-detaches and the group keeps its position (what was in flight is sent again on the next attach). The group's
-window is the consumer's, ``reader_batch_size``, whatever the number of members; an MQTT 5 member gets at most its
-Receive Maximum of them.
+detaches and the group keeps its position (what was in flight is sent again on the next attach). Each member has a
+window of its own, ``reader_batch_size`` or its MQTT 5 Receive Maximum if lower, as one reader would; the group's
+consumer keeps the sum of its members' windows in flight (:attr:`GroupDispatch.capacity`), so a group of 4 drains
+about as fast as 4 readers rather than as one.
 """
 
 from __future__ import annotations
@@ -49,28 +50,37 @@ class Member:
     """A connected member of a group: its connection, the deliveries it holds unacked, at most ``cap`` of them."""
 
     connection: Any
-    cap: int | None
+    cap: int
     inflight: int = 0
 
     @property
     def has_room(self) -> bool:
-        return self.cap is None or self.inflight < self.cap
+        return self.inflight < self.cap
 
 
 class GroupDispatch:
     """The connected members of one group, by client id, and the choice of the member for each delivery."""
 
-    def __init__(self, strategy: str) -> None:
+    def __init__(self, strategy: str, window: int) -> None:
+        """``strategy``: one of DISPATCH_STRATEGIES (``scq_dispatch``), else ValueError; ``window``: the deliveries
+        a member holds unacked at most (``reader_batch_size``)."""
         if strategy not in DISPATCH_STRATEGIES:
             raise ValueError(f"scq_dispatch {strategy!r}: expected one of {', '.join(DISPATCH_STRATEGIES)}")
-        self.strategy = strategy
+        self.strategy, self.window = strategy, window
         self.members: dict[str, Member] = {}  # in round-robin order: the member chosen moves to the end
         self._room = asyncio.Event()          # set when a member may take one more delivery
 
-    def join(self, clientid: str, connection: Any, cap: int | None = None) -> None:
+    @property
+    def capacity(self) -> int:
+        """The deliveries the connected members take unacked together: the sum of their windows."""
+        return sum(member.cap for member in self.members.values())
+
+    def join(self, clientid: str, connection: Any, receive_maximum: int | None = None) -> None:
         """``clientid`` takes deliveries on ``connection`` (a newer connection of it replaces the older one), at
-        most ``cap`` unacked at a time (its Receive Maximum; None: no bound of its own)."""
+        most its window unacked at a time: ``window``, or its ``receive_maximum`` if lower (MQTT 5.0 section
+        3.1.2.11.3; None: none given)."""
         old = self.members.pop(clientid, None)
+        cap = min(self.window, receive_maximum) if receive_maximum else self.window
         self.members[clientid] = Member(connection, cap, old.inflight if old and old.connection is connection else 0)
         self._room.set()
 
