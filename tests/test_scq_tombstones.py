@@ -1,7 +1,7 @@
-"""An SCQ's tombstones (issue 33, point 5): an empty write to ``$SCQ/w/<queue>/<key>`` is deleted once every reader
-holding a position on the SCQ (a reader's or a group's) acked it, online or offline, and not before; a position forgotten by state GC holds
-nothing back. Over TCP with paho against a real broker process, on both storage backends; what is stored is read
-through the admin API (GET /api/v1/scq/<queue>, as `ecq inspect --scq`)."""
+"""An SCQ's tombstones (issue 33, point 5): an empty write to ``$SCQ/w/<queue>/<key>`` is deleted once every
+reader holding a position on the SCQ (a reader's or a group's) acked it, online or offline, and not before; a
+position forgotten by state GC holds nothing back. Over TCP with paho against a real broker process, on both
+storage backends; what is stored is read through the admin API (GET /api/v1/scq/<queue>, as `ecq inspect --scq`)."""
 
 from __future__ import annotations
 
