@@ -74,8 +74,8 @@ class ReaderTombstones:
 
     Checked when an SCQ reader's ack save commits (:meth:`saved`) and when a position is forgotten
     (:meth:`check_soon`), at most once per loop iteration per SCQ (one commit's saves together). Each waiting
-    tombstone remembers the reader that held it last: a check asks that reader first (O(1)) and walks the SCQ's
-    readers only once it acked. What is waiting is kept in memory only; after a restart, or when two brokers'
+    tombstone remembers the reader that held it last: a check asks that reader first (O(1)), then the one that held
+    the tombstone checked before it, and walks the SCQ's readers only when neither holds it. What is waiting is kept in memory only; after a restart, or when two brokers'
     readers acked last at once and neither heard of the other yet, the next ack save on the SCQ or GC after
     ``tombstone_retention`` deletes it.
     """
@@ -113,10 +113,12 @@ class ReaderTombstones:
     def _check(self, queue: str) -> None:
         self._due.discard(queue)
         waiting = self._waiting.get(queue, {})
-        free = []
+        free, last_holder = [], None
         for seqno, (row, holder) in list(waiting.items()):
             if holder is None or not self._positions.holds(holder, seqno):
-                holder = self._positions.holding(queue, seqno)
+                holder = last_holder if last_holder and self._positions.holds(last_holder, seqno) \
+                    else self._positions.holding(queue, seqno)
+                last_holder = holder or last_holder
             if holder is None:
                 free.append(row)
                 del waiting[seqno]
