@@ -103,3 +103,30 @@ def test_a_forgotten_position_holds_no_tombstone_back(backend_broker, connect):
     assert wait_until(lambda: stored(broker) == 1, 10)
     assert acked_deletions(broker) == 1
     assert read_all(connect, broker.port, "gone", 1) == [delivered("b", b"b")]
+
+
+def test_on_a_cluster_the_last_reader_to_ack_deletes_the_tombstone_on_either_node(cluster_nodes, connect):
+    """JetStream, two brokers: a reader on node 1 acks the tombstone, one on node 2 holds it (its position is stored
+    and node 1 heard of it by notice); once that one acks, node 2 (which heard of node 1's reader's position the
+    same way) deletes it."""
+    node1, node2 = (node.start() for node in cluster_nodes())
+    producer = connect(node1.port, "producer")
+    near = connect(node1.port, "near")
+    far = connect(node2.port, "far", manual_ack=True)
+    for reader in (near, far):
+        assert reader.subscribe(FILTER) == 1
+    scq_write(producer, "a", b"1")
+    assert topics_payloads(near.expect(1)) == [delivered("a", b"1")]
+    far.ack(far.expect(1)[0])
+    settle(producer, near, "x")
+    held = far.expect(1)[0]
+    assert wait_until(lambda: "far" in [row["reader"] for row in api(node1, f"/api/v1/top?scq={Q}")["queues"]], 15)
+    scq_write(producer, "a", b"")
+    assert topics_payloads(near.expect(1)) == [delivered("a", b"")]
+    tombstone = far.expect(1)[0]
+    settle(producer, near, "b", "c")
+    assert (stored(node1), acked_deletions(node1), acked_deletions(node2)) == (4, 0, 0)
+    far.ack(held)
+    far.ack(tombstone)
+    assert wait_until(lambda: stored(node1) == 3, 15)
+    assert (acked_deletions(node1), acked_deletions(node2)) == (0, 1)

@@ -65,8 +65,9 @@ class ReaderTombstones:
     """The tombstones of SCQs that a reader acked, each deleted once no reader holding a position on its SCQ has it
     pending any more (issue 33 point 5; EMQX's Message Queue keeps a deletion until every subscriber saw it).
 
-    A reader *holds* a position while its position is stored or its consumer was sent something (the lag index
-    follows it, ecq.queue.lag): online or offline, a group's position (``$SCQ/<queue>/$share/<group>``) too. A
+    A reader *holds* a position while its position is stored or this broker sent it something (the lag index
+    follows it, ecq.queue.lag): online or offline, a group's position (``$SCQ/<queue>/$share/<group>``) too; on a
+    cluster, a reader another broker sent entries to is known here from its first ack save's notice. A
     reader that subscribes for the first time after the deletion never saw the key (its older values were
     compacted away when the tombstone was written), so it misses nothing; a position forgotten by state GC
     (``consumer_state_retention``) holds nothing back. Pending means: not acked by a PUBACK this broker heard of
@@ -75,9 +76,10 @@ class ReaderTombstones:
     Checked when an SCQ reader's ack save commits (:meth:`saved`) and when a position is forgotten
     (:meth:`check_soon`), at most once per loop iteration per SCQ (one commit's saves together). Each waiting
     tombstone remembers the reader that held it last: a check asks that reader first (O(1)), then the one that held
-    the tombstone checked before it, and walks the SCQ's readers only when neither holds it. What is waiting is kept in memory only; after a restart, or when two brokers'
-    readers acked last at once and neither heard of the other yet, the next ack save on the SCQ or GC after
-    ``tombstone_retention`` deletes it.
+    the tombstone checked before it, and walks the SCQ's readers only when neither holds it. On a cluster another
+    broker's reader's saved position (heard of by notice) checks again too. What is waiting is kept in memory
+    only; after a restart, or when two brokers' readers acked last at once and neither heard of the other yet, the
+    next ack save on the SCQ or GC after ``tombstone_retention`` deletes it.
     """
 
     def __init__(self, pool: WriterPool, positions: Positions) -> None:
