@@ -108,7 +108,7 @@ def test_a_forgotten_position_holds_no_tombstone_back(backend_broker, connect):
 def test_on_a_cluster_the_last_reader_to_ack_deletes_the_tombstone_on_either_node(cluster_nodes, connect):
     """JetStream, two brokers: a reader on node 1 acks the tombstone, one on node 2 holds it (its position is stored
     and node 1 heard of it by notice); once that one acks, node 2 (which heard of node 1's reader's position the
-    same way) deletes it."""
+    same way) or node 1 (hearing of that ack save) deletes it, whichever checks first."""
     node1, node2 = (node.start() for node in cluster_nodes())
     producer = connect(node1.port, "producer")
     near = connect(node1.port, "near")
@@ -129,4 +129,4 @@ def test_on_a_cluster_the_last_reader_to_ack_deletes_the_tombstone_on_either_nod
     far.ack(held)
     far.ack(tombstone)
     assert wait_until(lambda: stored(node1) == 3, 15)
-    assert (acked_deletions(node1), acked_deletions(node2)) == (0, 1)
+    assert acked_deletions(node1) + acked_deletions(node2) == 1  # counted by the node whose delete succeeded
