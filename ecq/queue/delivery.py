@@ -24,7 +24,9 @@ new append straight from its commit (:meth:`Consumer.appended` with the message)
 Kafka's consumers read the tail of a log from the page cache for the same reason.
 
 With ``tombstones`` on, an acked entry with an empty payload (a tombstone) is deleted once the save holding
-its ack is committed: an Expire op with reason ``tombstone_acked`` through the queue's writer agent.
+its ack is committed: an Expire op with reason ``tombstone_acked`` through the queue's writer agent. An SCQ
+reader's committed save is told to ``reader_saved`` instead, with the tombstones it acked: they go once every
+reader of the SCQ acked them (ecq.queue.tombstones.ReaderTombstones).
 
 A rewind (:meth:`Consumer.rewind`) sets ``acked`` to a chosen seqno and forgets everything in flight; its
 save queues behind the consumer's own save, so a late ack save cannot overwrite it.
@@ -48,7 +50,8 @@ from ecq.queue.census import Census
 from ecq.queue.clock import now_ms, retention_cutoff_ms
 from ecq.queue.deadlines import SharedDeadline
 from ecq.queue.resends import Resends
-from ecq.store.protocol import AckState, Expire, ExpiredRow, Message, QueueStore, SaveAck, StoreReadError
+from ecq.queue.tombstones import delete_acked
+from ecq.store.protocol import AckState, ExpiredRow, Message, QueueStore, SaveAck, StoreReadError
 from ecq.queue.topics import delivery_topic
 from ecq.queue.writer import PoolClosed, WriterPool
 
@@ -90,17 +93,19 @@ class Consumer:
                  "_read_deadline", "_window", "_reach", "_retention_s", "_inflight_max", "_tombstones",
                  "_acked_tombstones",
                  "_read_cursor", "_ready", "_newest", "_handed", "_told", "_reading", "_deleted_in_read", "_unreadable", "_wake",
-                 "_pump_task", "_fits", "skipped", "_census")  # one per queue: no dict
+                 "_pump_task", "_fits", "skipped", "_census", "_reader_saved")  # one per queue: no dict
 
     def __init__(self, clientid: str, state: AckState, *, store: QueueStore, pool: WriterPool, publish: Publish,
                  observer: DeliveryObserver, read: Read, read_deadline: SharedDeadline, window: int,
                  retention_s: float, tombstones: bool = False, sent_before_ms: int = 0,
-                 census: Census | None = None, queue: str | None = None) -> None:
+                 census: Census | None = None, queue: str | None = None,
+                 reader_saved: Callable[[str, list[ExpiredRow]], None] | None = None) -> None:
         """``sent_before_ms``: entries stored at or before this time (Unix ms; 0: none) may have been sent by a
         consumer of this queue that this one does not know of (see the module's docstring on ``dup``). ``census``:
         the engine's counts of its consumers, told of this one's changes (None: its own, for a consumer alone).
-        ``queue``: the queue id read (None: ``clientid``, an ECQ consumer); a reader of a queue others read too
-        deletes no acked tombstone (GC does, after ``tombstone_retention``)."""
+        ``queue``: the queue id read (None: ``clientid``, an ECQ consumer). ``reader_saved(queue, rows)``: told,
+        for an SCQ reader, of each committed save and the tombstones (rows) it acked, which this consumer does not
+        delete itself (others read them too; None: GC deletes them, after ``tombstone_retention``)."""
         self.clientid = clientid
         self.queue = queue or clientid
         self.state = state
@@ -118,7 +123,8 @@ class Consumer:
         self._window, self._retention_s = window, retention_s
         self._reach = window                # the windows the attached connection takes: window x their number
         self._inflight_max = window         # the attached connection's bound: _reach, or less if it asked for less
-        self._tombstones = tombstones and self.queue == clientid
+        self._tombstones = tombstones
+        self._reader_saved = reader_saved
         self._acked_tombstones: list[ExpiredRow] = []  # acked, to delete once a save holding their ack commits
         self._read_cursor = state.acked     # highest seqno read from the store for this connection
         self._ready: deque[Message] = deque()  # read ahead, not yet handed out (at most two windows)
@@ -439,20 +445,15 @@ class Consumer:
             asyncio.get_running_loop().call_later(SAVE_RETRY_S, self._save_if_due)
             return
         self._settle_rewinds(rewinds)
-        if tombstones:
-            self._delete_tombstones(tombstones)
+        if self.queue != self.clientid:
+            if self._reader_saved is not None:
+                self._reader_saved(self.queue, tombstones)
+        elif tombstones:
+            delete_acked(self._pool, self.queue, tombstones)
         if self._save_due:
             self._save()
         else:
             self.wake()  # the acks are stored: delivery may go on
-
-    def _delete_tombstones(self, rows: list[ExpiredRow]) -> None:
-        """Delete acked tombstones (their ack is committed); a failure leaves them to GC (tombstone_retention)."""
-        try:
-            future = self._pool.submit(self.queue, Expire(self.queue, tuple(rows), "tombstone_acked"))
-        except PoolClosed:
-            return
-        future.add_done_callback(_log_failed_tombstone_delete)
 
     def _settle_rewinds(self, rewinds: int, error: Exception | None = None) -> None:
         """Resolve the futures of the rewinds up to number ``rewinds`` (their state is committed), or fail them."""
@@ -463,9 +464,3 @@ class Consumer:
                 future.set_result(None)
             else:
                 future.set_exception(error)
-
-
-def _log_failed_tombstone_delete(future: asyncio.Future) -> None:
-    if not future.cancelled() and future.exception():
-        log.warning("ECQ deleting acked tombstones failed (%s); GC removes them after tombstone_retention",
-                    future.exception())

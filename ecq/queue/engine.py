@@ -31,7 +31,7 @@ from ecq.queue.rewind import rewind_seqno
 from ecq.queue.snapshots import ConsumerSnapshot, EngineSnapshot, Totals, consumer_snapshot
 from ecq.store.protocol import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, Message, Op, QueueStore,
                              StoreReadError)
-from ecq.queue.tombstones import TombstonesOff, stored_rows
+from ecq.queue.tombstones import ReaderTombstones, TombstonesOff, stored_rows
 from ecq.queue.topics import BadWrite, RewindPoint, is_position_id, queue_of_position
 from ecq.queue.writer import WriterPool
 
@@ -77,6 +77,7 @@ class QueueEngine:
         self.closing = False
         self.lag = LagIndex(store, self.read, self.consumers)  # pending entries per queue (ecq top, metrics)
         self.observers.append(self.lag)
+        self.reader_tombstones = ReaderTombstones(self.pool, self.lag)  # an SCQ's, deleted once every reader acked
         self._collector = upkeep.Collector(settings, store, self.read, self.pool, self.observers, self.gc_lock,
                                            traffic=lambda: self.traffic, running=lambda: not self.closing,
                                            lagging=gc_lagging, consumers=self.consumers, loading=self.loading,
@@ -90,7 +91,8 @@ class QueueEngine:
         if self.store.shared:  # first: an append made while the lag index scans is told, and recounted; and
             loop = asyncio.get_running_loop()  # a shared store counts from the view the watch builds
             notices = ClusterNotices(loop, noticed=self.noticed, deleted=self.deleted, consumers=self.consumers,
-                                     lag=self.lag, count_stored=self.count_stored)
+                                     lag=self.lag, count_stored=self.count_stored,
+                                     position_saved=self.reader_tombstones.check_soon)
             await loop.run_in_executor(None, self.store.watch, notices)
         await self.count_stored()
         await self.lag.rebuild()  # before any commit of this broker
@@ -185,6 +187,8 @@ class QueueEngine:
                 self._queues -= not is_position_id(op.clientid)
                 for observer in observers:
                     observer.forgotten(op.clientid)
+                if is_position_id(op.clientid):  # a tombstone it held back may go now
+                    self.reader_tombstones.check_soon(queue_of_position(op.clientid))
 
     def deleted(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str, own: bool = True) -> None:
         """``rows`` of ``clientid`` were deleted, by this broker (``own``: every observer is told) or by another
@@ -192,6 +196,7 @@ class QueueEngine:
         self._stored_entries -= len(rows)
         self._stored_bytes -= sum(row.size for row in rows)
         seqnos = {row.seqno for row in rows}
+        self.reader_tombstones.gone(clientid, seqnos)
         for consumer in self._consumers_of(clientid):
             consumer.forget(seqnos)
         for observer in self.observers if own else (self.lag,):
@@ -204,6 +209,8 @@ class QueueEngine:
         self._queues += result.seqno == 1
         self._stored_entries += 1 - len(result.replaced)
         self._stored_bytes += len(op.payload) - result.replaced_bytes
+        if result.replaced:
+            self.reader_tombstones.gone(op.clientid, result.replaced)
         if online := [consumer for consumer in self._consumers_of(op.clientid) if consumer.online]:
             message = Message(result.seqno, op.key, op.payload, op.ts_ms, op.expires_ms) if in_order else None
             for consumer in online:  # an SCQ's readers share the one Message
@@ -277,7 +284,8 @@ class QueueEngine:
             clientid, state, store=self.store, pool=self.pool, publish=self._send, observer=self,
             read=self._read_soon, window=self.settings.reader_batch_size, read_deadline=self._read_deadline,
             retention_s=self.settings.data_retention, tombstones=self.settings.tombstones,
-            sent_before_ms=now_ms() if self.store.shared else self._started_ms, census=self.census, queue=queue)
+            sent_before_ms=now_ms() if self.store.shared else self._started_ms, census=self.census, queue=queue,
+            reader_saved=self.reader_tombstones.saved)
         if consumer.queue != clientid:
             self.readers.setdefault(consumer.queue, {})[clientid] = consumer
         return consumer

@@ -174,6 +174,18 @@ class LagIndex:
         pending, oldest = self._summed
         return pending, max(0.0, (now_ms() - oldest) / 1000) if oldest else 0.0
 
+    def holds(self, position: str, seqno: int) -> bool:
+        """True while the SCQ reader at ``position`` (a position id) has stored entry ``seqno`` pending: not acked
+        by a PUBACK heard of here, nor deleted. O(1)."""
+        lag = self.queues.get(position)
+        return lag is not None and lag.is_pending(seqno)
+
+    def holding(self, queue: str, seqno: int) -> str | None:
+        """The first position followed here of a reader of the SCQ ``queue`` (its queue id) that has stored entry
+        ``seqno`` pending, or None when no reader has (ecq.queue.tombstones.ReaderTombstones). O(readers followed)
+        at worst, stopping at the first one."""
+        return next((position for position in self._positions.get(queue, ()) if self.holds(position, seqno)), None)
+
     def pending_counts(self) -> Iterator[int]:
         """The pending count of every lagging queue, SCQ readers' positions left out (queues not listed have
         none)."""

@@ -6,8 +6,9 @@ own appends go to every observer (metrics, queue events, the lag index), so comp
 counted once in the cluster, by the broker that took the write; other brokers' appends go to the lag index
 only. Each notice is told to the queue's consumer here; one told in order (every earlier entry of its shard was
 told) carries the payload, so a consumer that read everything takes it without a store read, as on LevelDB.
-Deletions and ack saves of other brokers keep the lag index current; after lost notices the queues that changed
-are read again.
+Deletions and ack saves of other brokers keep the lag index current; an SCQ reader's position saved elsewhere may
+free a tombstone waiting here for it (``position_saved``); after lost notices the queues that changed are read
+again.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
+from ecq.queue.topics import is_position_id, queue_of_position
 from ecq.store.protocol import AckState, Append, Appended, AppendNotice, ExpiredRow
 
 if TYPE_CHECKING:
@@ -30,12 +32,14 @@ class ClusterNotices:
     """The notices of a shared store, handed over from the store's thread to the engine's event loop ``loop``, and
     there to what the engine gave: ``noticed(op, result, own, in_order)`` and ``deleted(clientid, rows, reason,
     own)`` (its commit fan-out), its ``consumers`` by clientid, its ``lag`` index and ``count_stored(refresh=True)``
-    (its stored totals read again)."""
+    (its stored totals read again), and ``position_saved(queue)``, told the SCQ queue id whose reader's position
+another broker saved (ecq.queue.tombstones.ReaderTombstones.check_soon)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, *, noticed: Callable[[Append, Appended, bool, bool], None],
                  deleted: Callable[[str, tuple[ExpiredRow, ...], str, bool], None], consumers: Mapping[str, Consumer],
-                 lag: LagIndex, count_stored: Callable[..., Awaitable[None]]) -> None:
-        self._loop, self._noticed, self._deleted = loop, noticed, deleted
+                 lag: LagIndex, count_stored: Callable[..., Awaitable[None]],
+                 position_saved: Callable[[str], None] = lambda queue: None) -> None:
+        self._loop, self._noticed, self._deleted, self._position_saved = loop, noticed, deleted, position_saved
         self._consumers, self._lag, self._count_stored = consumers, lag, count_stored
         self._resyncs: set[asyncio.Task] = set()
 
@@ -68,6 +72,8 @@ class ClusterNotices:
         if consumer is not None and consumer.online:  # a takeover in progress: this broker's own acks count
             return
         self._lag.saved_elsewhere(clientid, state)  # an SCQ reader's position too: the index follows it
+        if is_position_id(clientid):
+            self._position_saved(queue_of_position(clientid))
 
     def _resynced(self, clientids: set[str]) -> None:
         for clientid in clientids:
