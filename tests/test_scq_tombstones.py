@@ -61,16 +61,23 @@ def test_a_tombstone_stays_until_the_last_reader_acks_it(backend_broker, connect
     assert api(broker, f"/api/v1/scq/{Q}")["range"] == "[3,...,4]"  # b and c, written after it
 
 
-def test_an_offline_reader_holds_a_tombstone_until_it_comes_back_and_acks(backend_broker, connect):
-    broker = backend_broker()
-    producer = connect(broker.port, "producer")
+def tombstone_read_online_after(broker, connect, producer, away: str):
+    """Key ``a`` written, read and acked by the reader ``away``, which then goes away; then its tombstone, read and
+    acked by a reader ``online``, which is returned."""
     scq_write(producer, "a", b"1")
-    assert read_all(connect, broker.port, "away", 1) == [delivered("a", b"1")]
+    assert read_all(connect, broker.port, away, 1) == [delivered("a", b"1")]
     online = connect(broker.port, "online")
     assert online.subscribe(FILTER) == 1
     assert topics_payloads(online.expect(1)) == [delivered("a", b"1")]
     scq_write(producer, "a", b"")
     assert topics_payloads(online.expect(1)) == [delivered("a", b"")]
+    return online
+
+
+def test_an_offline_reader_holds_a_tombstone_until_it_comes_back_and_acks(backend_broker, connect):
+    broker = backend_broker()
+    producer = connect(broker.port, "producer")
+    online = tombstone_read_online_after(broker, connect, producer, "away")
     settle(producer, online, "b", "c")
     assert (stored(broker), acked_deletions(broker)) == (3, 0)
     assert read_all(connect, broker.port, "away", 3) == [delivered("a", b""), delivered("b", b"b"),
@@ -84,14 +91,8 @@ def test_a_forgotten_position_holds_no_tombstone_back(backend_broker, connect):
     then deleted as acked, without waiting for ``tombstone_retention``."""
     broker = backend_broker(state_retention="1s", gc_interval="1h")
     producer = connect(broker.port, "producer")
-    scq_write(producer, "a", b"1")
-    assert read_all(connect, broker.port, "gone", 1) == [delivered("a", b"1")]
-    online = connect(broker.port, "online")
-    assert online.subscribe(FILTER) == 1
-    assert topics_payloads(online.expect(1)) == [delivered("a", b"1")]
+    online = tombstone_read_online_after(broker, connect, producer, "gone")
     idle_since = time.monotonic()
-    scq_write(producer, "a", b"")
-    assert topics_payloads(online.expect(1)) == [delivered("a", b"")]
     settle(producer, online, "b")
     assert (stored(broker), acked_deletions(broker)) == (2, 0)
     assert wait_until(lambda: time.monotonic() - idle_since > 1.5, 5)
