@@ -26,8 +26,9 @@ reason         string ``refused``: ``not_a_write``, ``empty_key``, ``bad_key``, 
                       (``retention``, ``message_expiry``, ``tombstone_retention``, ``tombstone_acked``,
                       ``purge``); ``evicted``: ``quota`` (the queue quota deleted its oldest entry to make room)
 topic          string ``refused`` only: the PUBLISH topic
-kind           string the queue's kind: ``ecq`` (a client's own queue) or ``scq`` (a shared compacted queue); null in
-                      files written before the column existed: readers take it from ``clientid`` (``$SCQ/...``: scq)
+kind           string the queue's kind: ``ecq`` (a client's own queue) or ``scq`` (a shared compacted queue; ``refused``: a
+                      topic under ``$SCQ/``); null in files written before the column existed: readers take it from
+                      ``clientid`` (``$SCQ/...``: scq)
 reader         string SCQ ``delivered``, ``acked`` and ``rewound`` only: whose position it is, the reader's client id
                       or ``$share/<group>`` for a group; null for ECQ
 ============== ====== ==================================================================================
