@@ -26,6 +26,7 @@ from ecq.ops.metrics import EcqMetrics
 from ecq.queue.snapshots import Totals
 from tests.harness import wait_until, write
 from tests.test_operations import scrape
+from tests.test_scq import FILTER, Q, read_all, scq_write
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,7 +41,8 @@ READ_PAGE = """() => {
   for (const el of document.querySelectorAll("[data-k]")) fields[el.dataset.k] = el.dataset.value;
   const rows = id => [...document.querySelectorAll(`#${id} tr`)].map(
     tr => [...tr.children].map(td => td.dataset.value ?? td.textContent));
-  return {fields, at_ms: Number(document.getElementById("updated").dataset.value), top: rows("top"), refused: rows("refused"), panels: document.getElementById("panels").checkVisibility(),
+  return {fields, at_ms: Number(document.getElementById("updated").dataset.value), top: rows("top"), refused: rows("refused"),
+          scq: rows("scq"), panels: document.getElementById("panels").checkVisibility(),
           login: document.getElementById("login").checkVisibility(),
           lines: document.querySelectorAll("[data-series] polyline").length};
 }"""
@@ -186,6 +188,42 @@ def test_the_page_follows_the_broker_while_writes_flow(make_broker, connect, pag
     page.screenshot(path=str(screenshot), full_page=True)
     assert_not_blank(screenshot)
     print(f"dashboard screenshot: {screenshot}")
+
+
+def test_the_scq_panel_lists_each_scq_with_its_readers_and_slowest_readers(make_broker, connect, page, tmp_path):
+    """Two SCQs: ``fleet`` read by a reader that acks everything and one that acks one of three, then both offline
+    for a fourth write; ``ota`` read by a group that went away before its third write. The panel lists both by
+    pending entries over their readers, with readers, lagging readers, the oldest pending age and the slowest
+    readers, the figures ``/api/v1/top?scq=Q`` gives."""
+    broker = make_broker()
+    producer = connect(broker.port, "producer")
+    for key in ("a", "b", "c"):
+        scq_write(producer, key, PAYLOAD)
+    assert len(read_all(connect, broker.port, "fast", 3)) == 3
+    slow = connect(broker.port, "slow", manual_ack=True)
+    assert slow.subscribe(FILTER) == 1
+    slow.ack(slow.expect(3)[0])
+    member = connect(broker.port, "worker-1")
+    assert member.subscribe("$share/workers/$SCQ/ota/#") == 1
+    for key in ("x", "y"):
+        scq_write(producer, key, PAYLOAD, queue_name="ota")
+    assert len(member.expect(2)) == 2
+    member.close()
+    slow.close()
+    scq_write(producer, "d", PAYLOAD)
+    scq_write(producer, "z", PAYLOAD, queue_name="ota")
+    assert wait_until(lambda: api(broker, f"/api/v1/top?scq={Q}")[1]["pending"] == 4
+                      and api(broker, "/api/v1/top?scq=ota")[1]["pending"] == 1)
+
+    page.goto(f"http://127.0.0.1:{broker.admin_port}/")
+    read = read_when(page, lambda r: [row[:4] for row in r["scq"]] == [[Q, "2", "2", "4"], ["ota", "1", "1", "1"]])
+    fleet_top = api(broker, f"/api/v1/top?scq={Q}")[1]
+    slowest = ", ".join(f"{r['reader']} {r['pending']}" for r in fleet_top["queues"])
+    assert read["scq"][0][5] == "slow 3, fast 1" == slowest
+    assert read["scq"][1][5] == "$share/workers 1"
+    assert 0 < float(read["scq"][0][4]) <= fleet_top["oldest_pending_age_s"]
+    assert page.errors == []
+    page.locator("#panel-scq").screenshot(path=str(tmp_path / "dashboard-scq.png"))
 
 
 def assert_not_blank(png: Path) -> None:

@@ -312,3 +312,17 @@ async def test_two_buffers_sharing_a_lake_keep_each_others_files(tmp_path):
     await export_all(tmp_path / "buffer-2", lake)
     assert lake_keys(lake) == sorted(first + second)
     assert read_stream_id(tmp_path / "buffer-1") != read_stream_id(tmp_path / "buffer-2")
+
+
+def test_events_buffered_before_kind_and_reader_existed_are_exported_with_them_null(tmp_path):
+    """A ReplayQ item written by a broker before the ``kind`` and ``reader`` columns (an 11-value row) is exported
+    with both null, beside a new one in the same batch; nothing is lost to the upgrade."""
+    from ecq.events.schema import encode_event, events_table
+
+    old = b'[1000,"appended","c1","k",1,1000,3,null,null,null,null]'
+    new = encode_event(2000, "acked", {"clientid": "$SCQ/q", "seqno": 1, "kind": "scq", "reader": "r1"})
+    for items in ([old], [old, new]):
+        rows = events_table(items).to_pylist()
+        assert rows[0] == {**dict.fromkeys(COLUMNS), "ts_ms": 1000, "type": "appended", "clientid": "c1", "key": "k",
+                           "seqno": 1, "publish_ts_ms": 1000, "payload_bytes": 3}
+    assert (rows[1]["kind"], rows[1]["reader"]) == ("scq", "r1")

@@ -10,7 +10,8 @@ column         type   meaning
 ts_ms          int64  when the event happened (ms); for ``acked`` the time of the PUBACK
 type           string ``appended`` | ``compacted`` | ``delivered`` | ``acked`` | ``expired`` | ``evicted`` |
                       ``refused`` | ``rewound``
-clientid       string the queue's clientid; ``refused``: the target clientid if the topic names one
+clientid       string the queue's clientid, for an SCQ its queue id ``$SCQ/<queue>`` (never a reader's client id);
+                      ``refused``: the target clientid (or ``$SCQ/<queue>``) if the topic names one
 key            string the message's key
 seqno          int64  ``appended``: the new seqno; ``compacted``: the NEW seqno that replaced the old one;
                       ``delivered``/``acked``/``expired``/``evicted``: the message's seqno; ``rewound``: the new acked
@@ -25,6 +26,11 @@ reason         string ``refused``: ``not_a_write``, ``empty_key``, ``bad_key``, 
                       (``retention``, ``message_expiry``, ``tombstone_retention``, ``tombstone_acked``,
                       ``purge``); ``evicted``: ``quota`` (the queue quota deleted its oldest entry to make room)
 topic          string ``refused`` only: the PUBLISH topic
+kind           string the queue's kind: ``ecq`` (a client's own queue) or ``scq`` (a shared compacted queue; ``refused``: a
+                      topic under ``$SCQ/``); null in files written before the column existed: readers take it from
+                      ``clientid`` (``$SCQ/...``: scq)
+reader         string SCQ ``delivered``, ``acked`` and ``rewound`` only: whose position it is, the reader's client id
+                      or ``$share/<group>`` for a group; null for ECQ
 ============== ====== ==================================================================================
 
 End-to-end latency (append to ack, including time offline) is ``acked.ts_ms - acked.publish_ts_ms`` (ms); delivery
@@ -52,6 +58,8 @@ SCHEMA = pa.schema([
     pa.field("attempt", pa.int32()),
     pa.field("reason", pa.string()),
     pa.field("topic", pa.string()),
+    pa.field("kind", pa.string()),
+    pa.field("reader", pa.string()),
 ])
 COLUMNS = tuple(SCHEMA.names)
 _OPTIONAL = COLUMNS[2:]  # the fields `record` takes besides ts_ms and type
@@ -123,5 +131,11 @@ def _record_batch(items: Sequence[bytes]) -> pa.RecordBatch:
     rows = json.loads(b"[" + b",".join(items) + b"]")  # one parse per chunk, not per item
     if len(rows) != len(items):  # an item that is not one JSON value: parse them one by one
         rows = [json.loads(item) for item in items]
-    arrays = [pa.array(col, type=field.type) for col, field in zip(zip(*rows, strict=True), SCHEMA, strict=True)]
+    try:
+        columns = list(zip(*rows, strict=True))
+    except ValueError:
+        columns = []
+    if len(columns) != len(COLUMNS):  # items buffered before kind and reader existed: their missing columns null
+        columns = list(zip(*(row + [None] * (len(COLUMNS) - len(row)) for row in rows), strict=True))
+    arrays = [pa.array(col, type=field.type) for col, field in zip(columns, SCHEMA, strict=True)]
     return pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)

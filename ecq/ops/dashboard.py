@@ -24,7 +24,8 @@ from ecq.ops.metrics import EcqMetrics
 from ecq.queue.clock import now_ms
 from ecq.queue.engine import QueueEngine
 
-TOP_N = 10                                  # queues listed in each of the two lag tables
+TOP_N = 10                                  # queues listed in each of the two lag tables, SCQs in the SCQ panel
+SLOWEST_READERS = 3                         # an SCQ's slowest readers named in the SCQ panel
 STATIC = {                                  # path -> (file in ecq/ops/static, content type)
     "/": ("dashboard.html", "text/html"),
     "/dashboard.js": ("dashboard.js", "text/javascript"),
@@ -97,12 +98,16 @@ async def dashboard_data(history: History, controls: Any) -> dict[str, Any]:
       ``refused:<reason>``; ``totals``: the same counters since broker start;
     - ``history``: :meth:`History.series` (10 minutes of 2 s samples), ``interval_s``;
     - ``gc``: :meth:`History.gc`; ``events``: the event buffer and lake counters (``{}`` when events are off);
+    - ``scq``: the 10 SCQs with the most pending entries over their readers followed here, each with its readers
+      count, pending, lagging readers, oldest pending age and its 3 slowest readers (``/api/v1/top?scq=Q``'s rows;
+      :meth:`ecq.queue.lag.LagIndex.scq_summary`);
     - ``cluster``: the stream report (connected, writable, problems, leaders per NATS server, streams), or None.
     """
     engine = history.engine
     events = controls.event_stats()
     counters, at_ms = read_counters(history.metrics, events), now_ms()  # first: the lag below is never older
     lag, oldest = await engine.lag.report(TOP_N, "pending"), await engine.lag.report(TOP_N, "age")
+    scq = engine.lag.scq_summary(TOP_N, SLOWEST_READERS)  # of the index the reports above refreshed
     totals = engine.totals()
     ready, reason = controls.ready()
     return {
@@ -113,5 +118,5 @@ async def dashboard_data(history: History, controls: Any) -> dict[str, Any]:
         "lag": lag, "oldest": oldest["queues"],
         "rates": history.rates_now(counters, at_ms), "totals": counters,
         "history": history.series(), "interval_s": history.interval_s,
-        "gc": history.gc(counters), "events": events, "cluster": controls.cluster_status(),
+        "gc": history.gc(counters), "events": events, "cluster": controls.cluster_status(), "scq": scq,
     }

@@ -48,10 +48,12 @@ svg { max-width: 100%; height: auto; }
 
 
 def render_html(fleet: dict[str, Any], consumers: Sequence[dict[str, Any]], over_time: Sequence[dict[str, Any]],
-                histogram: Sequence[dict[str, Any]], refused: Sequence[dict[str, Any]], source: str) -> str:
+                histogram: Sequence[dict[str, Any]], refused: Sequence[dict[str, Any]], source: str,
+                scq_queues: Sequence[dict[str, Any]] = ()) -> str:
     """The page for one report: ``fleet`` (the fleet row), ``consumers`` (the rows to list, e.g. the top
-    by backlog), ``over_time``, ``histogram`` (latency_histogram rows) and ``refused`` (refused_reasons
-    rows), as dicts with the columns of ecq.pipeline.report.Report; ``source`` names the lake."""
+    by backlog), ``over_time``, ``histogram`` (latency_histogram rows), ``refused`` (refused_reasons
+    rows) and ``scq_queues`` (its rows), as dicts with the columns of ecq.pipeline.report.Report; ``source`` names
+    the lake."""
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     series, seconds = _coarsen(over_time)
     step = _duration(seconds)
@@ -70,6 +72,10 @@ def render_html(fleet: dict[str, Any], consumers: Sequence[dict[str, Any]], over
         f"<h2>Consumers (top {min(len(consumers), TABLE_ROWS)} by backlog)</h2>", _consumer_table(consumers),
         "<h2>Refused writes</h2>", _refused_table(refused),
     ]
+    if scq_queues:  # a lake without SCQ events gets no empty section
+        sections += ["<h2>Shared compacted queues (SCQ)</h2><p class=muted>Each SCQ is written once and read by many "
+                     "readers (a client or a <code>$share</code> group, each from its own position); the figures "
+                     "above count ECQ queues only. Fan-out: acks per write.</p>", _scq_table(scq_queues)]
     return ("<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>ECQ queue report</title>"
             f"<style>{_CSS}</style></head><body>{''.join(sections)}</body></html>")
 
@@ -234,7 +240,7 @@ _CONSUMER_COLUMNS = (("clientid", "clientid", None), ("backlog", "backlog", None
 def _cell(column: str, value: Any) -> str:
     if value is None:
         return "-"
-    if column == "compaction_ratio":
+    if column in ("compaction_ratio", "fan_out"):
         return f"{value:.2f}"
     if column == "last_event_ms":
         return utc(value).removesuffix(" UTC")  # the header says UTC
@@ -254,6 +260,18 @@ def _consumer_table(consumers: Sequence[dict[str, Any]]) -> str:
                                     for column, _, _ in _CONSUMER_COLUMNS) + "</tr>"
                    for row in consumers[:TABLE_ROWS])
     return f"<div class=scroll><table><tr>{''.join(top)}</tr><tr>{''.join(below)}</tr>{body}</table></div>"
+
+
+_SCQ_COLUMNS = (("queue", "SCQ"), ("appended", "writes"), ("compacted", "compacted"), ("readers", "readers"),
+                ("delivered", "deliveries"), ("redeliveries", "redeliveries"), ("acked", "acks"),
+                ("fan_out", "fan-out"), ("refused", "refused"), ("last_event_ms", "last event (UTC)"))
+
+
+def _scq_table(scq_queues: Sequence[dict[str, Any]]) -> str:
+    head = "".join(f"<th>{html.escape(label)}</th>" for _, label in _SCQ_COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(column, row[column]))}</td>"
+                                    for column, _ in _SCQ_COLUMNS) + "</tr>" for row in scq_queues[:TABLE_ROWS])
+    return f"<div class=scroll><table><tr>{head}</tr>{body}</table></div>"
 
 
 def _refused_table(refused: Sequence[dict[str, Any]]) -> str:

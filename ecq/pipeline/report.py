@@ -26,12 +26,18 @@ Definitions (times in ms since the epoch, latencies in ms, per clientid = per co
   of 1 s, 1 min and 1 h that gives at most 1,800 buckets (`time_bucket_s`): seconds for up to about 30
   minutes of data, minutes for up to about 30 hours, hours beyond.
 
+Kinds: every table above counts ECQ queues only (rows of kind ``ecq``); an SCQ (``kind`` ``scq``, a shared
+compacted queue read by many readers) has one row in ``scq_queues`` instead, so its deliveries to thousands of
+readers inflate no consumer's figures. Files written before the ``kind`` column have it null: an event whose
+clientid starts ``$SCQ/`` is an SCQ's, any other an ECQ queue's.
+
 Output tables under ``--out`` (Parquet, one directory each): consumers, over_time, fleet (one row),
-refused_reasons, latency_histogram; plus report.html (ecq.pipeline.render).
+refused_reasons, latency_histogram, scq_queues; plus report.html (ecq.pipeline.render).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +52,7 @@ from ecq.pipeline import PipelineError
 from ecq.pipeline.render import TABLE_ROWS, render_html, utc, write_html
 from ecq.pipeline.spark import (SPARK_ERRORS, check_lake, lake_bytes, read_events, spark_error_message,
                                 spark_session)
-from ecq.queue.topics import printable
+from ecq.queue.topics import SCQ_PREFIX, printable
 
 PERCENTILES = (0.5, 0.95, 0.99)
 PERCENTILE_ACCURACY = 10_000
@@ -73,6 +79,10 @@ class Report:
       delivered, redeliveries, acked, expired, refused, backlog, delivery_*_ms, end_to_end_*_ms,
       first_event_ms, last_event_ms.
     - refused_reasons: reason, refused.
+    - scq_queues: queue (the SCQ's name), appended, compacted, readers (distinct readers, a client id or
+      ``$share/<group>``, with a delivery, ack or rewind in the lake), delivered, redeliveries, acked (acks by every
+      reader), fan_out (acked / appended: the readers each write reached, on average; null without writes),
+      refused, first_event_ms, last_event_ms; by queue name.
     - latency_histogram: bucket (index into LATENCY_EDGES_MS), lower_ms, upper_ms, delivery_acks,
       end_to_end_acks (acks whose latency L has lower_ms <= L < upper_ms); every bucket from the lowest to
       the highest one holding an ack of either kind, empty ones with 0.
@@ -83,12 +93,14 @@ class Report:
     fleet: DataFrame
     refused_reasons: DataFrame
     latency_histogram: DataFrame
+    scq_queues: DataFrame
     events: DataFrame
 
     def tables(self) -> dict[str, DataFrame]:
         """Table name -> DataFrame, in output order."""
         return {"consumers": self.consumers, "over_time": self.over_time, "fleet": self.fleet,
-                "refused_reasons": self.refused_reasons, "latency_histogram": self.latency_histogram}
+                "refused_reasons": self.refused_reasons, "latency_histogram": self.latency_histogram,
+                "scq_queues": self.scq_queues}
 
     def unpersist(self) -> None:
         """Release the cached events."""
@@ -101,20 +113,29 @@ def compute_report(events: DataFrame) -> Report:
     Runs one Spark job at once (the time span of the events, to choose the over_time bucket); the tables
     are computed when read.
     """
-    events = events.cache()
+    events = _with_kind(events).cache()
     first_ms, last_ms = events.agg(F.min("ts_ms"), F.max("ts_ms")).first()
-    lifetimes = _lifetimes(events)
-    acks = _acks(events)
-    consumers = _consumers(events, lifetimes, acks)
+    ecq = events.where(F.col("kind") == "ecq")
+    lifetimes = _lifetimes(ecq)
+    acks = _acks(ecq)
+    consumers = _consumers(ecq, lifetimes, acks)
     return Report(
         consumers=consumers,
-        over_time=_over_time(events, lifetimes, acks, time_bucket_s(first_ms, last_ms)),
+        over_time=_over_time(ecq, lifetimes, acks, time_bucket_s(first_ms, last_ms)),
         fleet=_fleet(events, consumers, acks),
-        refused_reasons=(events.where(_is("refused")).groupBy("reason").agg(F.count("*").alias("refused"))
+        refused_reasons=(ecq.where(_is("refused")).groupBy("reason").agg(F.count("*").alias("refused"))
                          .orderBy(F.desc("refused"), "reason")),
         latency_histogram=_latency_histogram(acks),
+        scq_queues=_scq_queues(events.where(F.col("kind") == "scq")),
         events=events,
     )
+
+
+def _with_kind(events: DataFrame) -> DataFrame:
+    """``events`` with ``kind`` set on every row: as recorded, or, in files written before the column, ``scq`` for a
+    clientid under ``$SCQ/`` and ``ecq`` for any other (see the module docstring)."""
+    from_clientid = F.when(F.col("clientid").startswith(SCQ_PREFIX), F.lit("scq")).otherwise(F.lit("ecq"))
+    return events.withColumn("kind", F.coalesce(F.col("kind"), from_clientid))
 
 
 def time_bucket_s(first_ms: int | None, last_ms: int | None) -> int:
@@ -243,7 +264,8 @@ def _fleet(events: DataFrame, consumers: DataFrame, acks: DataFrame) -> DataFram
         _count_if(F.col("backlog") > 0).alias("consumers_with_backlog"),
         *(F.sum(c).alias(c) for c in ("appended", "compacted", "delivered", "redeliveries", "acked", "expired",
                                       "backlog")))
-    totals = events.agg(F.count("*").alias("events"), _count_if(_is("refused")).alias("refused"),
+    totals = events.agg(F.count("*").alias("events"),
+                        _count_if(_is("refused") & (F.col("kind") == "ecq")).alias("refused"),
                         F.min("ts_ms").alias("first_event_ms"), F.max("ts_ms").alias("last_event_ms"))
     latency = acks.agg(*_latency_aggregates()).select(*_latency_columns())
     return (sums.crossJoin(totals).crossJoin(latency)
@@ -251,6 +273,28 @@ def _fleet(events: DataFrame, consumers: DataFrame, acks: DataFrame) -> DataFram
             .select("consumers", "consumers_with_backlog", "events", "appended", "compacted", "compaction_ratio",
                     "delivered", "redeliveries", "acked", "expired", "refused", "backlog", *LATENCY_COLUMNS,
                     "first_event_ms", "last_event_ms"))
+
+
+def _scq_queues(scq: DataFrame) -> DataFrame:
+    """One row per SCQ in the events of kind ``scq`` (see `Report`). The queue is the name after ``$SCQ/`` up to the
+    next ``/``: files written before the ``reader`` column name a reader's deliveries by its position id
+    (``$SCQ/<queue>/<reader>``)."""
+    return (scq.where(F.col("clientid").isNotNull())
+            .withColumn("queue", F.regexp_extract("clientid", r"^\$SCQ/([^/]+)", 1))
+            .groupBy("queue").agg(
+                _count_if(_is("appended")).alias("appended"),
+                _count_if(_is("compacted")).alias("compacted"),
+                F.countDistinct("reader").alias("readers"),
+                _count_if(_is("delivered")).alias("delivered"),
+                _count_if(_is("delivered") & (F.col("attempt") >= 2)).alias("redeliveries"),
+                _count_if(_is("acked")).alias("acked"),
+                _count_if(_is("refused")).alias("refused"),
+                F.min("ts_ms").alias("first_event_ms"),
+                F.max("ts_ms").alias("last_event_ms"))
+            .withColumn("fan_out", _ratio("acked", "appended"))
+            .select("queue", "appended", "compacted", "readers", "delivered", "redeliveries", "acked", "fan_out",
+                    "refused", "first_event_ms", "last_event_ms")
+            .orderBy("queue"))
 
 
 def _latency_histogram(acks: DataFrame) -> DataFrame:
@@ -314,9 +358,9 @@ def natural_order_key(names: pa.ChunkedArray) -> pa.ChunkedArray:
     return pc.replace_substring_regex(padded, r"0*(\d{20})", r"\1")
 
 
-def summary(fleet: dict[str, Any], top_backlog: list[dict[str, Any]]) -> str:
+def summary(fleet: dict[str, Any], top_backlog: list[dict[str, Any]], scq_queues: Sequence[dict[str, Any]] = ()) -> str:
     """A few lines for the terminal: volumes, backlog, latency, the consumers with the largest backlog (their
-    clientids escaped by ecq.queue.topics.printable)."""
+    clientids escaped by ecq.queue.topics.printable), and the SCQs' totals (``scq_queues`` rows) when there are."""
     ratio = "-" if fleet["compaction_ratio"] is None else f"{fleet['compaction_ratio']:.2f}"
     lines = [
         f"events {fleet['events']} from {utc(fleet['first_event_ms'])} to {utc(fleet['last_event_ms'])}",
@@ -332,6 +376,10 @@ def summary(fleet: dict[str, Any], top_backlog: list[dict[str, Any]]) -> str:
     if backlogged:
         lines.append("largest backlog: " + ", ".join(f"{printable(c['clientid'])} {c['backlog']}"
                                                      for c in backlogged[:5]))
+    if scq_queues:
+        lines.append(f"SCQs {len(scq_queues)}: " + ", ".join(
+            f"{name} {sum(q[column] for q in scq_queues)}" for name, column in (
+                ("writes", "appended"), ("readers", "readers"), ("deliveries", "delivered"), ("acks", "acked"))))
     return "\n".join(lines)
 
 
@@ -364,9 +412,10 @@ def run_report(lake: Path, out: Path, master: str, verbose: bool = False) -> str
                 report.unpersist()
     fleet = read_table(out, "fleet").to_pylist()[0]
     top = top_consumers(out, TABLE_ROWS)
+    scq_queues = read_table(out, "scq_queues").to_pylist()
     page = render_html(fleet, top, read_table(out, "over_time").to_pylist(),
                        read_table(out, "latency_histogram").to_pylist(),
-                       read_table(out, "refused_reasons").to_pylist(), str(lake))
+                       read_table(out, "refused_reasons").to_pylist(), str(lake), scq_queues)
     html_path = write_html(page, out / HTML_NAME)
-    return "\n".join([summary(fleet, top), f"tables: {', '.join(str(p) for p in paths.values())}",
+    return "\n".join([summary(fleet, top, scq_queues), f"tables: {', '.join(str(p) for p in paths.values())}",
                       f"page: {html_path}"])

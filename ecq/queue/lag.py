@@ -36,7 +36,7 @@ from typing import Any
 
 from ecq.queue.clock import now_ms
 from ecq.queue.lag_reads import (OLDEST_CANDIDATES, QueueLag, QueueRead, check_top, read_queues, scan_lag,
-                                 top_report)
+                                 scq_summary, top_report)
 from ecq.queue.topics import RewindPoint, is_position_id, is_scq_queue_id, queue_of_position
 from ecq.store.protocol import AckState, Append, Appended, ExpiredRow, Message, QueueStore
 
@@ -163,6 +163,11 @@ class LagIndex:
         check_top(n, by)
         await self.refresh()
         return top_report(self.queues, n, by, now_ms(), scq)
+
+    def scq_summary(self, n: int, slowest: int) -> list[dict[str, Any]]:
+        """:func:`ecq.queue.lag_reads.scq_summary` of the index as it is now (no refresh: call it after
+        :meth:`report`), over the SCQ readers followed here."""
+        return scq_summary(self.queues, self._positions, n, slowest, now_ms())
 
     def totals(self) -> tuple[int, float]:
         """(pending entries over every queue, age in seconds of the oldest pending entry, 0 when none). Summed over

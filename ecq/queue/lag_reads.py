@@ -158,6 +158,28 @@ def top_report(queues: Mapping[str, QueueLag], n: int, by: str, at_ms: int, scq:
     return report if scq is None else {**report, "scq": scq}
 
 
+def scq_summary(queues: Mapping[str, QueueLag], positions: Mapping[str, set[str]], n: int, slowest: int,
+                at_ms: int) -> list[dict[str, Any]]:
+    """What the dashboard's SCQ panel shows: the ``n`` SCQs with the most pending entries over their readers (ties by
+    name) among those whose readers ``positions`` (SCQ queue id -> position ids followed) holds, each as ``queue``
+    (its name), ``readers`` (positions followed), and :func:`top_report` with ``scq`` over its readers at ``at_ms``:
+    ``pending``, ``lagging``, ``oldest_pending_age_s`` and ``slowest``, its ``slowest`` readers' rows (most pending
+    first). One pass over ``queues``, then one per SCQ listed."""
+    pending = dict.fromkeys(positions, 0)
+    for clientid, lag in queues.items():
+        if is_position_id(clientid):
+            queue_id = queue_of_position(clientid)
+            pending[queue_id] = pending.get(queue_id, 0) + lag.pending
+    rows = []
+    for queue_id, _ in heapq.nsmallest(n, pending.items(), key=lambda item: (-item[1], item[0])):
+        name = queue_id[len(SCQ_PREFIX):]
+        report = top_report(queues, slowest, "pending", at_ms, name)
+        rows.append({"queue": name, "readers": len(positions.get(queue_id, ())), "pending": report["pending"],
+                     "lagging": report["lagging"], "oldest_pending_age_s": report["oldest_pending_age_s"],
+                     "slowest": report["queues"]})
+    return rows
+
+
 def _top_row(clientid: str, lag: QueueLag, at_ms: int) -> dict[str, Any]:
     row = {"clientid": clientid, "pending": lag.pending, "pending_bytes": lag.bytes,
            "oldest_pending_age_s": _age_s(at_ms, lag.oldest_ms), "kind": "ecq"}

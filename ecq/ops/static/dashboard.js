@@ -115,6 +115,10 @@ function fillTables(data) {
   const reasons = Object.keys(data.totals).filter(k => k.startsWith("refused:")).sort();
   fillTable($("refused"), reasons.map(k => [[k.slice(8), "text"], [data.rates[k], "rate", "num"],
     [data.totals[k], "int", "num"]]), "none refused since start", 3);
+  fillTable($("scq"), data.scq.map(q => [[q.queue, "text", "clientid"], [q.readers, "int", "num"],
+    [q.lagging, "int", "num"], [q.pending, "int", "num"], [q.oldest_pending_age_s, "age", "num"],
+    [q.slowest.map(r => `${r.reader} ${num(r.pending)}`).join(", ") || "none pending", "text"]]),
+    "no SCQ reader here", 6);
 }
 
 function fillCluster(cluster) {
