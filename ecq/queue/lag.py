@@ -96,13 +96,17 @@ class LagIndex:
                 scq.recorded = []
         try:
             scan = await self._read(scan_store, self._store, live)
+        except BaseException:
+            for scq in self._scqs.values():
+                scq.recorded = None
+            raise
         finally:
             touched, self._touched = self._touched, None
         self._summed = self._readers = None
-        for queue, entries in scan.scqs.items():  # with what was heard while the scan ran applied on top
-            self._scq(queue).reload(entries)
-        for scq in self._scqs.values():
-            scq.recorded = None
+        for queue in scan.scqs:
+            self._scq(queue)
+        for queue, scq in self._scqs.items():  # what was heard while the scan ran, applied on what it found
+            scq.reload(scan.scqs.get(queue, ()))
         for position_id, (acked, above) in scan.positions.items():  # a reader followed meanwhile is known better
             self._scq(queue_of_position(position_id)).readers.setdefault(position_id, Position(acked, above))
         scanned, ahead = scan.queues, scan.ahead
