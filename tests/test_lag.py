@@ -19,7 +19,8 @@ from ecq.store.backends import open_store
 from ecq.queue.lag import LagIndex, read_queues, scan_lag, top_report
 from ecq.queue.lag_reads import reader_lags
 from ecq.store.leveldb import LevelDbStore
-from ecq.store.protocol import AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, Message, SaveAck, stored_pages
+from ecq.store.protocol import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, Message, SaveAck,
+                                stored_pages)
 from ecq.queue.topics import RewindPoint
 from tests.fake_connection import FakeConnection, publish, settle
 
@@ -327,7 +328,8 @@ def test_the_readers_of_an_scq_lag_as_a_naive_model_says(steps):
             replaced = tuple(s for s, (key, _size, _ts) in stored.items() if key == f"k{arg}")
             replaced_bytes = sum(stored.pop(s)[1] for s in replaced)
             stored[seqno] = (f"k{arg}", extra, 1000 + seqno)
-            index.appended(Append(SCQ, f"k{arg}", b"x" * extra, 1000 + seqno), Appended(seqno, replaced, replaced_bytes))
+            op = Append(SCQ, f"k{arg}", b"x" * extra, 1000 + seqno)
+            index.appended(op, Appended(seqno, replaced, replaced_bytes))
         elif action == "ack" and arg in readers:
             readers[arg][1].add(extra)
             index.acked(arg, Message(extra, "k", b"", 0), 0.0)
@@ -363,6 +365,7 @@ def test_the_readers_of_an_scq_lag_as_a_naive_model_says(steps):
     lags = reader_lags(index._scqs.values())
     assert {position: (lag.pending, lag.bytes, lag.oldest_ms) for position, lag in lags.items()} == model
     assert index.scq_totals() == (len(readers), sum(lag[0] for lag in model.values()))
+    assert index.totals()[0] == sum(lag[0] for lag in model.values())
 
 
 @pytest.mark.parametrize("when", ["before the read", "after the read"])

@@ -81,7 +81,7 @@ class LagIndex:
         self._soon: asyncio.Task | None = None
         self._summed: tuple[int, int] | None = None  # (pending, oldest ms) over every queue; None: changed since
         self._scqs: dict[str, ScqLag] = {}  # SCQ queue id -> its stored entries and the readers followed here
-        self._readers: dict[str, QueueLag] | None = None  # readers' lags, computed when asked; None: changed since
+        self._scq_summed: tuple[int, int] | None = None  # (pending, oldest ms) over SCQ readers; None: changed since
 
     # --- building -----------------------------------------------------------------------------------
 
@@ -102,7 +102,7 @@ class LagIndex:
             raise
         finally:
             touched, self._touched = self._touched, None
-        self._summed = self._readers = None
+        self._summed = self._scq_summed = None
         for queue in scan.scqs:
             self._scq(queue)
         for queue, scq in self._scqs.items():  # what was heard while the scan ran, applied on what it found
@@ -150,7 +150,7 @@ class LagIndex:
             scq.recorded = None
             log.warning("ECQ lag index: SCQ %s not re-read: %s", queue, exc or type(exc).__name__)
             return
-        self._summed = self._readers = None
+        self._summed = self._scq_summed = None
         scq.reload(entries)
 
     def saved_elsewhere(self, clientid: str, state: AckState) -> None:
@@ -182,7 +182,7 @@ class LagIndex:
             except Exception as exc:
                 log.warning("ECQ lag index: %d queues not re-read: %s", len(jobs), exc or type(exc).__name__)
                 found = [None] * len(jobs)
-            self._summed = self._readers = None
+            self._summed = self._scq_summed = None
             for (cid, recount), read in zip(jobs, found, strict=True):
                 reading = self._reading.pop(cid)
                 if read is None or reading.void:
@@ -198,15 +198,16 @@ class LagIndex:
         refresh. Raises ValueError for a bad ``n`` or ``by``."""
         check_top(n, by)
         await self.refresh()
-        return top_report({**self.queues, **self._reader_lags()}, n, by, now_ms(), scq)
+        return top_report({**self.queues, **reader_lags(self._scqs.values())}, n, by, now_ms(), scq)
 
     def totals(self) -> tuple[int, float]:
         """(pending entries over every queue, age in seconds of the oldest pending entry, 0 when none). Summed over
-        every lagging queue only when the index changed since the last call: an idle broker's dashboard samples
-        (every 2 s) cost nothing however many queues lag."""
+        every lagging queue (and SCQ reader, O(readers x log entries)) only when the index changed since the last
+        call: an idle broker's dashboard samples (every 2 s) cost nothing however many queues lag."""
         if self._summed is None:
-            lags = [*self.queues.values(), *self._reader_lags().values()]
-            self._summed = (sum(lag.pending for lag in lags), min((lag.oldest_ms for lag in lags), default=0))
+            scq_pending, scq_oldest = self._scq_sums()
+            oldest = [lag.oldest_ms for lag in self.queues.values()] + ([scq_oldest] if scq_oldest else [])
+            self._summed = (sum(lag.pending for lag in self.queues.values()) + scq_pending, min(oldest, default=0))
         pending, oldest = self._summed
         return pending, max(0.0, (now_ms() - oldest) / 1000) if oldest else 0.0
 
@@ -233,7 +234,7 @@ class LagIndex:
     def scq_totals(self) -> tuple[int, int]:
         """(SCQ readers' positions followed, pending entries over them). O(readers x log entries)."""
         return (sum(len(scq.readers) for scq in self._scqs.values()),
-                sum(lag.pending for lag in self._reader_lags().values()))
+                self._scq_sums()[0])
 
     # --- observer calls -----------------------------------------------------------------------------
 
@@ -378,12 +379,13 @@ class LagIndex:
         """A send changes no lag; the first one to an SCQ reader not followed yet makes the index follow it."""
         self._follow_reader(clientid)
 
-    def _reader_lags(self) -> dict[str, QueueLag]:
-        """The lag of every SCQ reader's position with pending entries (lag_reads.reader_lags), computed again only
-        when the index changed since the last call. O(readers x log entries)."""
-        if self._readers is None:
-            self._readers = reader_lags(self._scqs.values())
-        return self._readers
+    def _scq_sums(self) -> tuple[int, int]:
+        """(pending entries over every SCQ reader's position, the oldest one's publish ms, 0 when none), computed
+        again only when the index changed since the last call. O(readers x log entries)."""
+        if self._scq_summed is None:
+            lags = [lag for scq in self._scqs.values() for _position, lag in scq.lags()]
+            self._scq_summed = (sum(lag[0] for lag in lags), min((lag[3] for lag in lags), default=0))
+        return self._scq_summed
 
     def _scq(self, queue: str) -> ScqLag:
         """The :class:`ScqLag` of the SCQ ``queue`` (its queue id), made when first heard of (recording what is heard
@@ -460,7 +462,7 @@ class LagIndex:
 
     def _note(self, clientid: str) -> None:
         """Every observer call starts here: the queue of ``clientid`` may change."""
-        self._summed = self._readers = None
+        self._summed = self._scq_summed = None
         if self._touched is not None:
             self._touched.add(clientid)
 

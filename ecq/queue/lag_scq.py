@@ -187,7 +187,13 @@ class ScqLag:
         self.live, self.recorded = live, None
 
     def lags(self) -> Iterator[tuple[str, tuple[int, int, int, int]]]:
-        """(position id, :meth:`Position.lag`) of each reader followed with pending entries."""
+        """(position id, :meth:`Position.lag`) of each reader followed with pending entries; computed once per floor
+        for the readers with no acks above it (a fleet's caught-up readers share one floor)."""
+        by_floor: dict[int, tuple[int, int, int, int]] = {}
         for position_id, position in self.readers.items():
-            if (lag := position.lag(self.live))[0]:
+            if position.above:
+                lag = position.lag(self.live)
+            elif (lag := by_floor.get(position.floor)) is None:
+                lag = by_floor[position.floor] = position.lag(self.live)
+            if lag[0]:
                 yield position_id, lag
