@@ -17,6 +17,7 @@ from ecq.ops.status import queue_info
 from ecq.queue.engine import QueueEngine
 from ecq.store.backends import open_store
 from ecq.queue.lag import LagIndex, read_queues, scan_lag, top_report
+from ecq.queue import lag_scq
 from ecq.queue.lag_reads import reader_lags
 from ecq.store.leveldb import LevelDbStore
 from ecq.store.protocol import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, Message, SaveAck,
@@ -400,3 +401,28 @@ async def test_scq_writes_and_deletions_during_the_start_scan_count_once(tmp_pat
             == scan_lag(store, {})[reader].as_tuple()
     finally:
         store.close()
+
+
+@hypothesis_settings(max_examples=200, deadline=None)
+@given(changes=st.lists(st.tuples(st.booleans(), st.integers(1, 30), st.integers(0, 9)), max_size=80),
+       slack=st.sampled_from([0, 2, lag_scq.REBUILD_SLACK]))
+def test_an_scqs_stored_entries_count_and_find_as_a_dict_does(changes, slack):
+    """LiveEntries (the Fenwick trees under an SCQ's readers) against a dict, through appends out of seqno order,
+    deletions and the rebuilds that drop deleted slots (made frequent by a small slack)."""
+    kept, lag_scq.REBUILD_SLACK = lag_scq.REBUILD_SLACK, slack
+    try:
+        live, model = lag_scq.LiveEntries(), {}
+        for added, seqno, size in changes:
+            if added:
+                live.add(seqno, size, 1000 + seqno)
+                model.setdefault(seqno, size)
+            else:
+                live.remove(seqno)
+                model.pop(seqno, None)
+            for floor in range(0, 32, 3):
+                above = sorted(s for s in model if s > floor)
+                assert live.above(floor) == (len(above), sum(model[s] for s in above))
+                assert list(live.after(floor)) == [(s, 1000 + s) for s in above]
+        assert list(live.entries()) == [(s, model[s], 1000 + s) for s in sorted(model)] and len(live) == len(model)
+    finally:
+        lag_scq.REBUILD_SLACK = kept
