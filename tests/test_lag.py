@@ -5,18 +5,23 @@ happen while a queue is being read are neither lost nor counted twice."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass, field
 
 import pytest
+from hypothesis import given, settings as hypothesis_settings, strategies as st
 
 from ecq.config import EcqSettings
 from ecq.ops.status import queue_info
 from ecq.queue.engine import QueueEngine
 from ecq.store.backends import open_store
 from ecq.queue.lag import LagIndex, read_queues, scan_lag, top_report
+from ecq.queue import lag_scq
+from ecq.queue.lag_reads import reader_lags
 from ecq.store.leveldb import LevelDbStore
-from ecq.store.protocol import AckState, Append, Expire, ExpiredRow, ForgetQueue, Message, SaveAck, stored_pages
+from ecq.store.protocol import (AckState, Append, Appended, Expire, ExpiredRow, ForgetQueue, Message, SaveAck,
+                                stored_pages)
 from ecq.queue.topics import RewindPoint
 from tests.fake_connection import FakeConnection, publish, settle
 
@@ -294,3 +299,130 @@ def test_top_orders_by_each_key_with_ties_by_clientid(tmp_path):
     assert (report["pending"], report["lagging"], report["oldest_pending_age_s"]) == (13, 4, 9.9)
     assert report["queues"] == [{"clientid": "few-old", "pending": 1, "pending_bytes": 1,
                                  "oldest_pending_age_s": 9.9, "kind": "ecq"}]
+
+
+SCQ = "$SCQ/fleet"
+READERS = [f"$SCQ/fleet/r{i}" for i in range(4)]
+scq_steps = st.lists(st.one_of(
+    st.tuples(st.just("write"), st.integers(0, 5), st.integers(0, 9)),  # key (compaction), payload bytes
+    st.tuples(st.just("ack"), st.sampled_from(READERS), st.integers(0, 40)),  # a seqno, maybe deleted or unwritten
+    st.tuples(st.just("delete"), st.integers(0, 40), st.integers(0, 1)),
+    st.tuples(st.just("rewind"), st.sampled_from(READERS), st.integers(0, 40)),
+    st.tuples(st.just("join"), st.sampled_from(READERS), st.integers(0, 40)),  # a position saved elsewhere
+    st.tuples(st.just("forget"), st.sampled_from(READERS), st.integers(0, 1))), max_size=60)
+
+
+@hypothesis_settings(max_examples=200, deadline=None)
+@given(steps=scq_steps)
+def test_the_readers_of_an_scq_lag_as_a_naive_model_says(steps):
+    """Each SCQ reader's pending count, bytes and oldest pending entry (``ecq top --scq``), ``holds`` and
+    ``holding`` equal a naive model's (the stored entries minus each reader's acks) after any history of writes
+    compacting keys, acks in and out of order (of deleted entries too), deletions, rewinds, readers joining and
+    forgotten; seqnos a reader acked before its write was heard of count as acked."""
+    index = LagIndex(None, inline_read, {})
+    stored: dict[int, tuple[str, int, int]] = {}  # seqno -> (key, payload bytes, publish ms)
+    readers: dict[str, tuple[int, set[int]]] = {}  # position id -> (floor, seqnos acked above it)
+    seqno = 0
+    for action, arg, extra in steps:
+        if action == "write":
+            seqno += 1
+            replaced = tuple(s for s, (key, _size, _ts) in stored.items() if key == f"k{arg}")
+            replaced_bytes = sum(stored.pop(s)[1] for s in replaced)
+            stored[seqno] = (f"k{arg}", extra, 1000 + seqno)
+            op = Append(SCQ, f"k{arg}", b"x" * extra, 1000 + seqno)
+            index.appended(op, Appended(seqno, replaced, replaced_bytes))
+        elif action == "ack" and arg in readers:
+            readers[arg][1].add(extra)
+            index.acked(arg, Message(extra, "k", b"", 0), 0.0)
+        elif action == "delete" and stored:
+            gone = sorted(stored)[arg % len(stored)]
+            key, size, ts = stored.pop(gone)
+            index.expired(SCQ, (ExpiredRow(gone, key, ts, size),), "purge" if extra else "retention")
+        elif action in ("rewind", "join"):
+            readers[arg] = (extra, set())
+            if action == "rewind":
+                index.rewound(arg, RewindPoint("seqno", extra), extra)
+            else:
+                above = {s for s in range(extra + 1, extra + 6) if s % 2}
+                readers[arg] = (extra, set(above))
+                index.saved_elsewhere(arg, AckState(extra, 0, above))
+        elif action == "forget" and arg in readers:
+            del readers[arg]
+            index.forgotten(arg)
+    model = {}
+    for position, (floor, acked) in readers.items():
+        pending = sorted(s for s in stored if s > floor and s not in acked)
+        for s in stored:
+            assert index.holds(position, s) == (s in pending), (position, s)
+        if pending:
+            model[position] = (len(pending), sum(stored[s][1] for s in pending), 1000 + pending[0])
+    for s in stored:
+        assert (index.holding(SCQ, s) is not None) == any(s in rows for rows in
+                                                         [[t for t in stored if t > f and t not in a]
+                                                          for f, a in readers.values()])
+    report = asyncio.run(index.report(1000, "pending", "fleet"))
+    found = {row["clientid"]: (row["pending"], row["pending_bytes"]) for row in report["queues"]}
+    assert found == {position: lag[:2] for position, lag in model.items()}
+    lags = reader_lags(index._scqs.values())
+    assert {position: (lag.pending, lag.bytes, lag.oldest_ms) for position, lag in lags.items()} == model
+    assert index.scq_totals() == (len(readers), sum(lag[0] for lag in model.values()))
+    assert index.totals()[0] == sum(lag[0] for lag in model.values())
+
+
+@pytest.mark.parametrize("when", ["before the read", "after the read"])
+async def test_scq_writes_and_deletions_during_the_start_scan_count_once(tmp_path, when):
+    """What is heard of an SCQ while the start scan runs is applied on what the scan found, whether the scan saw
+    it (counted once) or not (counted)."""
+    store = LevelDbStore(tmp_path / "db")
+    reader = f"{SCQ}/r"
+    try:
+        store.commit([Append(SCQ, f"k{i}", b"abc", 1000 + i) for i in range(4)])  # seqnos 1 to 4
+        store.commit([SaveAck(reader, AckState(1, 0, {3}))])  # pending: 2 and 4
+        index = LagIndex(store, inline_read, {})
+
+        def traffic():
+            op = Append(SCQ, "k1", b"12345", 2000)  # compacts seqno 2
+            index.appended(op, store.commit([op])[0])
+            [deleted] = store.commit([Expire(SCQ, (ExpiredRow(4, "k3", 1003, 3),), "retention")])
+            index.expired(SCQ, deleted, "retention")
+
+        async def racing_read(func, *args):
+            if when == "before the read":
+                traffic()
+            found = func(*args)
+            if when == "after the read":
+                traffic()
+            return found
+
+        index._read = racing_read
+        await index.rebuild()
+        assert (await index.report(10, scq="fleet"))["queues"][0]["pending"] == 1  # seqno 5 only
+        assert reader_lags(index._scqs.values())[reader].as_tuple() == (1, 5, 5, 2000) \
+            == scan_lag(store, {})[reader].as_tuple()
+    finally:
+        store.close()
+
+
+@hypothesis_settings(max_examples=200, deadline=None)
+@given(changes=st.lists(st.tuples(st.booleans(), st.integers(1, 30), st.integers(0, 9)), max_size=80),
+       slack=st.sampled_from([0, 2, lag_scq.REBUILD_SLACK]))
+def test_an_scqs_stored_entries_count_and_find_as_a_dict_does(changes, slack):
+    """LiveEntries (the Fenwick trees under an SCQ's readers) against a dict, through appends out of seqno order,
+    deletions and the rebuilds that drop deleted slots (made frequent by a small slack)."""
+    kept, lag_scq.REBUILD_SLACK = lag_scq.REBUILD_SLACK, slack
+    try:
+        live, model = lag_scq.LiveEntries(), {}
+        for added, seqno, size in changes:
+            if added:
+                live.add(seqno, size, 1000 + seqno)
+                model.setdefault(seqno, size)
+            else:
+                live.remove(seqno)
+                model.pop(seqno, None)
+            for floor in range(0, 32, 3):
+                above = sorted(s for s in model if s > floor)
+                assert live.above(floor) == (len(above), sum(model[s] for s in above))
+                assert list(live.after(floor)) == [(s, 1000 + s) for s in above]
+        assert list(live.entries()) == [(s, model[s], 1000 + s) for s in sorted(model)] and len(live) == len(model)
+    finally:
+        lag_scq.REBUILD_SLACK = kept

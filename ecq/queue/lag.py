@@ -18,11 +18,12 @@ appends and deletions reach :meth:`LagIndex.appended` and :meth:`LagIndex.expire
 saved marks its queue for a recount from that state (:meth:`LagIndex.saved_elsewhere`); queues changed by lost
 notices are recounted (:meth:`LagIndex.resync`). Nothing is re-scanned while the cluster is idle.
 
-An SCQ (ecq.queue.topics.scq_queue_id) is read by many readers, each from its own position: the index keeps the
-lag of each reader's position (under its position id) and none for the SCQ's queue id. It follows the positions
-found at start (stored ack states), and a reader first heard of later (its first delivery or ack here, or its
-position saved by another broker) from its state; an append or deletion of the SCQ is applied to each position
-followed, one update per reader.
+An SCQ (ecq.queue.topics.scq_queue_id) is read by many readers, each from its own position: the index keeps, per
+SCQ, its stored entries once (ecq.queue.lag_scq.ScqLag) and per reader followed only its acked floor and the seqnos
+acked above it, so an append or deletion of the SCQ costs O(log entries) however many read it, and a reader's lag
+(under its position id) is computed when asked. It follows the positions found at start (stored ack states), and
+a reader first heard of later (its first delivery or ack here, or its position saved by another broker) from its
+state. Lost notices of an SCQ read its stored entries again.
 
 The blocking reads and the ``ecq top`` answer are in ecq.queue.lag_reads.
 """
@@ -35,8 +36,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from ecq.queue.clock import now_ms
-from ecq.queue.lag_reads import (OLDEST_CANDIDATES, QueueLag, QueueRead, check_top, read_queues, scan_lag,
-                                 scq_summary, top_report)
+from ecq.queue.lag_reads import (OLDEST_CANDIDATES, QueueLag, QueueRead, check_top, read_queues, reader_lags,
+                                 scan_lag, scan_store, scq_entries, scq_summary, top_report)
+from ecq.queue.lag_scq import Position, ScqLag
 from ecq.queue.topics import RewindPoint, is_position_id, is_scq_queue_id, queue_of_position
 from ecq.store.protocol import AckState, Append, Appended, ExpiredRow, Message, QueueStore
 
@@ -78,7 +80,8 @@ class LagIndex:
         self._lock = asyncio.Lock()
         self._soon: asyncio.Task | None = None
         self._summed: tuple[int, int] | None = None  # (pending, oldest ms) over every queue; None: changed since
-        self._positions: dict[str, set[str]] = {}  # SCQ queue id -> the position ids of its readers followed here
+        self._scqs: dict[str, ScqLag] = {}  # SCQ queue id -> its stored entries and the readers followed here
+        self._scq_summed: tuple[int, int] | None = None  # (pending, oldest ms) over SCQ readers; None: changed since
 
     # --- building -----------------------------------------------------------------------------------
 
@@ -89,16 +92,24 @@ class LagIndex:
         async with self._lock:  # a refresh running now ends first
             live = {cid: (c.state.acked, frozenset(c.state.above)) for cid, c in self._consumers.items()}
             self._touched = set()
+            for scq in self._scqs.values():
+                scq.recorded = []
         try:
-            ahead: dict[str, int] = {}
-            positions: dict[str, set[str]] = {}
-            scanned = await self._read(scan_lag, self._store, live, ahead, positions)
+            scan = await self._read(scan_store, self._store, live)
+        except BaseException:
+            for scq in self._scqs.values():
+                scq.recorded = None
+            raise
         finally:
             touched, self._touched = self._touched, None
-        self._summed = None
-        for queue, readers in self._positions.items():  # followed while the scan ran
-            positions.setdefault(queue, set()).update(readers)
-        self._positions = positions
+        self._summed = self._scq_summed = None
+        for queue in scan.scqs:
+            self._scq(queue)
+        for queue, scq in self._scqs.items():  # what was heard while the scan ran, applied on what it found
+            scq.reload(scan.scqs.get(queue, ()))
+        for position_id, (acked, above) in scan.positions.items():  # a reader followed meanwhile is known better
+            self._scq(queue_of_position(position_id)).readers.setdefault(position_id, Position(acked, above))
+        scanned, ahead = scan.queues, scan.ahead
         for clientid in touched:  # recounted from the scan's floor: an entry the scan missed is above it
             if clientid not in scanned and clientid in self.queues:
                 scanned[clientid] = self.queues[clientid]  # nothing pending when scanned: what was heard since
@@ -108,9 +119,14 @@ class LagIndex:
 
     async def resync(self, clientids: set[str]) -> None:
         """Recount the queues of ``clientids`` from their ack states (this broker's consumer's, or the stored one):
-        notices of what changed them were lost (an SCQ's: each of its readers followed here). A failed read of an
-        ack state leaves that queue as it was."""
-        for clientid in [owner for stored_id in clientids for owner in self._owners(stored_id)]:
+        notices of what changed them were lost (an SCQ's: its stored entries are read again, and each of its readers
+        followed here recounted). A failed read leaves that queue as it was."""
+        scqs = [queue for queue in clientids if is_scq_queue_id(queue)]
+        for queue in scqs:
+            await self._reload(queue)
+        owners = [*(cid for cid in clientids if not is_scq_queue_id(cid)),
+                  *(position for queue in scqs if queue in self._scqs for position in self._scqs[queue].readers)]
+        for clientid in owners:
             if (consumer := self._consumers.get(clientid)) is not None:
                 state = consumer.state
             else:
@@ -122,9 +138,29 @@ class LagIndex:
             self.saved_elsewhere(clientid, state)
         await self.refresh()
 
+    async def _reload(self, queue: str) -> None:
+        """Read the stored entries of the SCQ ``queue`` again (changes heard meanwhile applied on top)."""
+        scq = self._scq(queue)
+        if scq.recorded is not None:  # being read already
+            return
+        scq.recorded = []
+        try:
+            entries = await self._read(scq_entries, self._store, queue)
+        except Exception as exc:
+            scq.recorded = None
+            log.warning("ECQ lag index: SCQ %s not re-read: %s", queue, exc or type(exc).__name__)
+            return
+        self._summed = self._scq_summed = None
+        scq.reload(entries)
+
     def saved_elsewhere(self, clientid: str, state: AckState) -> None:
         """Another broker of a cluster saved ``state`` for ``clientid`` (its consumer is there): the queue is
-        recounted from it at the next :meth:`refresh` (one read of the queue above its acked seqno)."""
+        recounted from it at the next :meth:`refresh` (one read of the queue above its acked seqno); an SCQ reader's
+        position is taken as it is."""
+        if is_position_id(clientid):
+            self._note(clientid)
+            self._scq(queue_of_position(clientid)).readers[clientid] = Position(state.acked, state.above)
+            return
         self.rewound(clientid, RewindPoint("seqno", state.acked), state.acked)
         self.queues[clientid].above = {seqno for seqno in state.above if seqno > state.acked} or None
 
@@ -146,7 +182,7 @@ class LagIndex:
             except Exception as exc:
                 log.warning("ECQ lag index: %d queues not re-read: %s", len(jobs), exc or type(exc).__name__)
                 found = [None] * len(jobs)
-            self._summed = None
+            self._summed = self._scq_summed = None
             for (cid, recount), read in zip(jobs, found, strict=True):
                 reading = self._reading.pop(cid)
                 if read is None or reading.void:
@@ -162,52 +198,63 @@ class LagIndex:
         refresh. Raises ValueError for a bad ``n`` or ``by``."""
         check_top(n, by)
         await self.refresh()
-        return top_report(self.queues, n, by, now_ms(), scq)
+        return top_report({**self.queues, **reader_lags(self._scqs.values())}, n, by, now_ms(), scq)
 
     def scq_summary(self, n: int, slowest: int) -> list[dict[str, Any]]:
         """:func:`ecq.queue.lag_reads.scq_summary` of the index as it is now (no refresh: call it after
         :meth:`report`), over the SCQ readers followed here."""
-        return scq_summary(self.queues, self._positions, n, slowest, now_ms())
+        positions = {queue_id: set(scq.readers) for queue_id, scq in self._scqs.items() if scq.readers}
+        return scq_summary(reader_lags(self._scqs.values()), positions, n, slowest, now_ms())
 
     def totals(self) -> tuple[int, float]:
         """(pending entries over every queue, age in seconds of the oldest pending entry, 0 when none). Summed over
-        every lagging queue only when the index changed since the last call: an idle broker's dashboard samples
-        (every 2 s) cost nothing however many queues lag."""
+        every lagging queue (and SCQ reader, O(readers x log entries)) only when the index changed since the last
+        call: an idle broker's dashboard samples (every 2 s) cost nothing however many queues lag."""
         if self._summed is None:
-            self._summed = (sum(lag.pending for lag in self.queues.values()),
-                            min((lag.oldest_ms for lag in self.queues.values()), default=0))
+            scq_pending, scq_oldest = self._scq_sums()
+            oldest = [lag.oldest_ms for lag in self.queues.values()] + ([scq_oldest] if scq_oldest else [])
+            self._summed = (sum(lag.pending for lag in self.queues.values()) + scq_pending, min(oldest, default=0))
         pending, oldest = self._summed
         return pending, max(0.0, (now_ms() - oldest) / 1000) if oldest else 0.0
 
     def holds(self, position: str, seqno: int) -> bool:
         """True while the SCQ reader at ``position`` (a position id) has stored entry ``seqno`` pending: not acked
         by a PUBACK heard of here, nor deleted. O(1)."""
-        lag = self.queues.get(position)
-        return lag is not None and lag.is_pending(seqno)
+        scq = self._scqs.get(queue_of_position(position))
+        return scq is not None and position in scq.readers and scq.readers[position].holds(seqno, scq.live)
 
     def holding(self, queue: str, seqno: int) -> str | None:
         """The first position followed here of a reader of the SCQ ``queue`` (its queue id) that has stored entry
         ``seqno`` pending, or None when no reader has (ecq.queue.tombstones.ReaderTombstones). O(readers followed)
         at worst, stopping at the first one."""
-        return next((position for position in self._positions.get(queue, ()) if self.holds(position, seqno)), None)
+        if (scq := self._scqs.get(queue)) is None:
+            return None
+        return next((position_id for position_id, position in scq.readers.items() if position.holds(seqno, scq.live)),
+                    None)
 
     def pending_counts(self) -> Iterator[int]:
         """The pending count of every lagging queue, SCQ readers' positions left out (queues not listed have
         none)."""
-        return (lag.pending for cid, lag in self.queues.items() if not is_position_id(cid))
+        return (lag.pending for lag in self.queues.values())
 
     def scq_totals(self) -> tuple[int, int]:
-        """(SCQ readers' positions followed, pending entries over them). O(lagging queues + SCQs)."""
-        return (sum(map(len, self._positions.values())),
-                sum(lag.pending for cid, lag in self.queues.items() if is_position_id(cid)))
+        """(SCQ readers' positions followed, pending entries over them). O(readers x log entries)."""
+        return (sum(len(scq.readers) for scq in self._scqs.values()),
+                self._scq_sums()[0])
 
     # --- observer calls -----------------------------------------------------------------------------
 
     def appended(self, op: Append, result: Appended) -> None:
-        """A write: one more pending entry (for each reader followed, on an SCQ); the values compaction deleted are
-        pending no more."""
-        for clientid in self._owners(op.clientid):
-            self._appended(clientid, op, result)
+        """A write: one more pending entry (for each reader, on an SCQ: one more stored entry); the values compaction
+        deleted are pending no more."""
+        if is_scq_queue_id(op.clientid):
+            self._note(op.clientid)
+            scq = self._scq(op.clientid)
+            for seqno in result.replaced:
+                scq.remove(seqno)
+            scq.add(result.seqno, len(op.payload), op.ts_ms)
+        else:
+            self._appended(op.clientid, op, result)
 
     def _appended(self, clientid: str, op: Append, result: Appended) -> None:
         seqno, size = result.seqno, len(op.payload)
@@ -242,8 +289,13 @@ class LagIndex:
     def expired(self, clientid: str, rows: tuple[ExpiredRow, ...], reason: str = "retention") -> None:
         """Deleted entries (GC, purge, an acked tombstone, a quota eviction) are pending no more (for any reader, on
         an SCQ)."""
-        for owner in self._owners(clientid):
-            self._expired(owner, rows)
+        if is_scq_queue_id(clientid):
+            self._note(clientid)
+            scq = self._scq(clientid)
+            for row in rows:
+                scq.remove(row.seqno)
+        else:
+            self._expired(clientid, rows)
 
     def _expired(self, clientid: str, rows: tuple[ExpiredRow, ...]) -> None:
         self._note(clientid)
@@ -267,8 +319,12 @@ class LagIndex:
 
     def acked(self, clientid: str, message: Message, sent_monotonic: float) -> None:
         """A PUBACK: that entry is pending no more, unless it was deleted meanwhile."""
-        self._follow_reader(clientid)
         self._note(clientid)
+        if is_position_id(clientid):
+            self._follow_reader(clientid)
+            if (scq := self._scqs.get(queue_of_position(clientid))) and (position := scq.readers.get(clientid)):
+                position.ack(message.seqno, scq.live)
+            return
         if (lag := self.queues.get(clientid)) is None:
             return
         seqno = message.seqno
@@ -299,10 +355,11 @@ class LagIndex:
             self._soon = asyncio.get_running_loop().create_task(self.refresh(), name="ecq-lag-refresh")
 
     def rewound(self, clientid: str, point: RewindPoint, acked: int) -> None:
-        """A rewind: the queue is recounted from its new acked seqno."""
-        if is_position_id(clientid):
-            self._positions.setdefault(queue_of_position(clientid), set()).add(clientid)
+        """A rewind: the queue is recounted from its new acked seqno (an SCQ reader's position starts there)."""
         self._note(clientid)
+        if is_position_id(clientid):
+            self._scq(queue_of_position(clientid)).readers[clientid] = Position(acked)
+            return
         if reading := self._reading.get(clientid):
             reading.void = True
         self._ahead.pop(clientid, None)
@@ -315,10 +372,10 @@ class LagIndex:
         """State GC forgot an empty queue (it starts again at seqno 1 with nothing acked) or an SCQ reader's
         position (followed no more)."""
         self._note(clientid)
-        if (readers := self._positions.get(queue_of_position(clientid))) is not None and clientid in readers:
-            readers.discard(clientid)
-            if not readers:
-                del self._positions[queue_of_position(clientid)]
+        if is_position_id(clientid):
+            if (scq := self._scqs.get(queue_of_position(clientid))) is not None:
+                scq.readers.pop(clientid, None)
+            return
         self._ahead.pop(clientid, None)
         if clientid not in self._reading:
             self._dirty.pop(clientid, None)
@@ -328,17 +385,30 @@ class LagIndex:
         """A send changes no lag; the first one to an SCQ reader not followed yet makes the index follow it."""
         self._follow_reader(clientid)
 
-    def _owners(self, stored_id: str) -> tuple[str, ...]:
-        """The ids whose lag a change to the queue ``stored_id`` changes: the readers followed, for an SCQ."""
-        return tuple(self._positions.get(stored_id, ())) if is_scq_queue_id(stored_id) else (stored_id,)
+    def _scq_sums(self) -> tuple[int, int]:
+        """(pending entries over every SCQ reader's position, the oldest one's publish ms, 0 when none), computed
+        again only when the index changed since the last call. O(readers x log entries)."""
+        if self._scq_summed is None:
+            lags = [lag for scq in self._scqs.values() for _position, lag in scq.lags()]
+            self._scq_summed = (sum(lag[0] for lag in lags), min((lag[3] for lag in lags), default=0))
+        return self._scq_summed
+
+    def _scq(self, queue: str) -> ScqLag:
+        """The :class:`ScqLag` of the SCQ ``queue`` (its queue id), made when first heard of (recording what is heard
+        while a rescan runs)."""
+        if (scq := self._scqs.get(queue)) is None:
+            scq = self._scqs[queue] = ScqLag()
+            if self._touched is not None:
+                scq.recorded = []
+        return scq
 
     def _follow_reader(self, clientid: str) -> None:
         """Follow the position ``clientid`` of an SCQ reader first heard of (a reader new to its queue, which has no
-        stored state yet): counted from its consumer's state at the next :meth:`refresh`. Nothing for a queue id."""
+        stored state yet): from its consumer's state. Nothing for a queue id."""
         if not is_position_id(clientid):
             return
-        readers = self._positions.setdefault(queue_of_position(clientid), set())
-        if clientid not in readers and (consumer := self._consumers.get(clientid)) is not None:
+        if clientid not in self._scq(queue_of_position(clientid)).readers \
+                and (consumer := self._consumers.get(clientid)) is not None:
             self.saved_elsewhere(clientid, consumer.state)
 
     def skipped(self, clientid: str, message: Message, reason: str) -> None:
@@ -398,7 +468,7 @@ class LagIndex:
 
     def _note(self, clientid: str) -> None:
         """Every observer call starts here: the queue of ``clientid`` may change."""
-        self._summed = None
+        self._summed = self._scq_summed = None
         if self._touched is not None:
             self._touched.add(clientid)
 

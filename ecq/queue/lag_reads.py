@@ -5,9 +5,10 @@ ecq.queue.lag for how the index is kept)."""
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
+from ecq.queue.lag_scq import Entry, Position, ScqLag
 from ecq.queue.topics import SCQ_PREFIX, is_position_id, is_scq_queue_id, queue_of_position, scq_queue_id
 from ecq.store.protocol import QueueStore
 
@@ -61,33 +62,64 @@ class QueueRead(NamedTuple):
     ahead: bool = False  # a whole read found the floor above the queue's last seqno (a rewind past its end)
 
 
-def scan_lag(store: QueueStore, live: Mapping[str, tuple[int, frozenset[int]]],
-             ahead: dict[str, int] | None = None, positions: dict[str, set[str]] | None = None) -> dict[str, QueueLag]:
-    """The lag of every queue from one pass over the stored entries, judged by the stored ack states or, for the
-    clientids in ``live``, by (acked seqno, seqnos acked above it) given there. An SCQ's entries are counted once
-    for each of its readers' positions (ecq.queue.topics.position_id), under the position id; the SCQ's queue id,
-    read by no consumer of its own, is never listed. Blocking; O(stored entries x readers of their queue).
-    Fills ``ahead`` with the queues whose acked seqno is past their last seqno (a rewind to a seqno N past the
-    end): their next writes up to it are never delivered, so not pending; fills ``positions`` with each SCQ queue
-    id's readers' position ids (those with a stored or live state)."""
+class Scan(NamedTuple):
+    """What one pass over the store found (:func:`scan_store`)."""
+
+    queues: dict[str, QueueLag]  # ECQ queues with pending entries
+    scqs: dict[str, list[Entry]]  # SCQ queue id -> its stored entries, in seqno order
+    positions: dict[str, tuple[int, Any]]  # SCQ readers' position id -> (acked seqno, seqnos acked above it)
+    ahead: dict[str, int]  # ECQ queues whose acked seqno is past their last seqno: that acked seqno
+
+
+def scan_store(store: QueueStore, live: Mapping[str, tuple[int, frozenset[int]]]) -> Scan:
+    """One pass over the stored entries: the lag of every ECQ queue, judged by the stored ack states or, for the
+    clientids in ``live``, by (acked seqno, seqnos acked above it) given there; every SCQ's stored entries and its
+    readers' positions (ecq.queue.topics.position_id, those with a stored or live state). Blocking; O(stored
+    entries). ``ahead`` lists the queues rewound to a seqno N past their end: their next writes up to N are never
+    delivered, so not pending."""
     states: dict[str, tuple[int, Any]] = {cid: (state.acked, state.above) for cid, state in store.ack_states()}
     states.update(live)
-    readers: dict[str, set[str]] = {}
-    for stored_id in states:
-        if is_position_id(stored_id):
-            readers.setdefault(queue_of_position(stored_id), set()).add(stored_id)
-    if positions is not None:
-        positions.update(readers)
     queues: dict[str, QueueLag] = {}
+    scqs: dict[str, list[Entry]] = {}
     last_stored: dict[str, int] = {}
     for clientid, seqno, ts_ms, size in store.stored_entries():
         last_stored[clientid] = seqno
-        for owner in readers.get(clientid, ()) if is_scq_queue_id(clientid) else (clientid,):
-            _count_entry(queues, owner, states.get(owner, (0, _NOTHING)), seqno, ts_ms, size)
-    if ahead is not None:
-        ahead.update((cid, acked) for cid, (acked, _above) in states.items()
-                     if acked > last_stored.get(cid, 0) and not is_position_id(cid) and acked > store.last_seqno(cid))
-    return queues
+        if is_scq_queue_id(clientid):
+            scqs.setdefault(clientid, []).append((seqno, size, ts_ms))
+        else:
+            _count_entry(queues, clientid, states.get(clientid, (0, _NOTHING)), seqno, ts_ms, size)
+    ahead = {cid: acked for cid, (acked, _above) in states.items()
+             if acked > last_stored.get(cid, 0) and not is_position_id(cid) and acked > store.last_seqno(cid)}
+    positions = {cid: state for cid, state in states.items() if is_position_id(cid)}
+    return Scan(queues, scqs, positions, ahead)
+
+
+def scan_lag(store: QueueStore, live: Mapping[str, tuple[int, frozenset[int]]]) -> dict[str, QueueLag]:
+    """The lag of every queue (:func:`scan_store`), each SCQ reader's position's under its position id (an SCQ's
+    queue id, read by no consumer of its own, is never listed). Blocking."""
+    scan = scan_store(store, live)
+    return {**scan.queues, **reader_lags(scq_lags(scan).values())}
+
+
+def scq_lags(scan: Scan) -> dict[str, ScqLag]:
+    """Each SCQ's :class:`ScqLag` (its stored entries and readers) from ``scan``."""
+    scqs: dict[str, ScqLag] = {}
+    for queue, entries in scan.scqs.items():
+        scqs[queue] = ScqLag()
+        scqs[queue].reload(entries)
+    for position_id, (acked, above) in scan.positions.items():
+        scqs.setdefault(queue_of_position(position_id), ScqLag()).readers[position_id] = Position(acked, above)
+    return scqs
+
+
+def reader_lags(scqs: Iterable[ScqLag]) -> dict[str, QueueLag]:
+    """The :class:`QueueLag` of every SCQ reader's position with pending entries, under its position id."""
+    lags: dict[str, QueueLag] = {}
+    for scq in scqs:
+        for position_id, (pending, size, oldest_seqno, oldest_ms) in scq.lags():
+            lag = lags[position_id] = QueueLag(oldest_seqno - 1)
+            lag.pending, lag.bytes, lag.oldest_seqno, lag.oldest_ms = pending, size, oldest_seqno, oldest_ms
+    return lags
 
 
 def _count_entry(queues: dict[str, QueueLag], owner: str, state: tuple[int, Any], seqno: int, ts_ms: int,
@@ -103,6 +135,11 @@ def _count_entry(queues: dict[str, QueueLag], owner: str, state: tuple[int, Any]
     lag.bytes += size
 
 
+def scq_entries(store: QueueStore, queue: str) -> list[Entry]:
+    """The stored entries of the SCQ ``queue`` (its queue id) as (seqno, payload bytes, publish ms). Blocking."""
+    return [(seqno, size, ts_ms) for _queue, seqno, ts_ms, size in store.stored_entries(queue, 0)]
+
+
 def read_queues(store: QueueStore, requests: list[tuple[str, int, frozenset[int], bool]]) -> list[QueueRead]:
     """For each (clientid, floor, seqnos not pending, whole) the :class:`QueueRead` of that queue above its floor:
     with ``whole`` every entry (a recount), otherwise up to OLDEST_CANDIDATES pending ones. Blocking."""
@@ -110,12 +147,11 @@ def read_queues(store: QueueStore, requests: list[tuple[str, int, frozenset[int]
 
 
 def read_queue(store: QueueStore, clientid: str, floor: int, skipped: frozenset[int], whole: bool) -> QueueRead:
-    """One queue's :class:`QueueRead` (see :func:`read_queues`); for an SCQ reader's position, of its SCQ's entries."""
-    queue = queue_of_position(clientid)
+    """One ECQ queue's :class:`QueueRead` (see :func:`read_queues`)."""
     pending = size = 0
     candidates: list[tuple[int, int]] = []
     last_read, complete = floor, True
-    for _clientid, seqno, ts_ms, entry_size in store.stored_entries(queue, floor):
+    for _clientid, seqno, ts_ms, entry_size in store.stored_entries(clientid, floor):
         if seqno not in skipped:
             if not whole and len(candidates) == OLDEST_CANDIDATES:
                 complete = False
@@ -124,7 +160,7 @@ def read_queue(store: QueueStore, clientid: str, floor: int, skipped: frozenset[
             if len(candidates) < OLDEST_CANDIDATES:
                 candidates.append((seqno, ts_ms))
         last_read = seqno
-    ahead = whole and last_read == floor and floor > store.last_seqno(queue)
+    ahead = whole and last_read == floor and floor > store.last_seqno(clientid)
     return QueueRead(pending, size, candidates, last_read, complete, ahead)
 
 
