@@ -337,7 +337,35 @@ def test_a_member_never_gets_an_entry_above_its_maximum_packet_size(make_broker,
             scq_write(producer, f"big{i + 2}", b"y" * 600)
         assert sorted(keys_of(large.expect(4))) == ["big2", "big3", "big4", "big5"]
         assert small.messages.empty() and large.messages.empty()
-        assert wait_until(lambda: pending_of_group(broker) == 0, 10)  # the skipped entry acked by the large member
+        assert wait_until(lambda: group_row(broker)["pending"] == 0, 10)  # the skipped entry acked by the large member
+    finally:
+        for client in filter(None, (small, large)):
+            client.close()
+
+
+def test_an_entry_whose_only_taker_left_before_its_send_is_skipped_until_one_joins(make_broker, connect):
+    """The one member that takes a large entry holds its window full and leaves while the entry waits for it: the
+    entry is skipped for the group (counted), not left waiting nor sent to the small member, which gets the holding
+    member's unacked entry; the next member that takes it gets it."""
+    broker = make_broker(reader_batch_size=1)
+    producer = connect(broker.port, "producer")
+    holding = connect(broker.port, "holding", manual_ack=True)
+    assert holding.subscribe(GROUP) == 1
+    scq_write(producer, "k1", b"a")
+    assert keys_of(holding.expect(1)) == ["k1"]
+    small = V5Client(broker.port, "small", MaximumPacketSize=SMALL_PACKET)
+    large = None
+    try:
+        assert small.subscribe(GROUP) == [1]
+        scq_write(producer, "big", b"x" * 600)
+        assert wait_until(lambda: group_row(broker)["inflight"] == 2, 10)  # k1 held, big waiting for the holder
+        holding.close(clean=False)
+        assert keys_of(small.expect(1)) == ["k1"]
+        assert wait_until(lambda: scrape(broker).get(SKIPPED) == 1, 10)
+        large = V5Client(broker.port, "large")
+        assert large.subscribe(GROUP) == [1]
+        assert keys_of(large.expect(1)) == ["big"]
+        assert small.messages.empty()
     finally:
         for client in filter(None, (small, large)):
             client.close()
@@ -376,10 +404,9 @@ def split_v5(members, count: int, timeout: float = 10.0) -> list[list]:
     return got
 
 
-def pending_of_group(broker) -> int:
-    """The entries the group ``workers`` of the SCQ ``Q`` has not acked, as the admin API shows them."""
-    readers = api(broker, f"/api/v1/scq/{Q}")["readers"]
-    return next(reader["pending"] for reader in readers if reader["reader"] == "$share/workers")
+def group_row(broker) -> dict:
+    """The group ``workers`` of the SCQ ``Q`` as the admin API shows it among the queue's readers."""
+    return next(row for row in api(broker, f"/api/v1/scq/{Q}")["readers"] if row["reader"] == "$share/workers")
 
 
 @pytest.mark.skipif(shutil.which("mosquitto_sub") is None or shutil.which("stdbuf") is None,
