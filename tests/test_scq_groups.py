@@ -1,6 +1,7 @@
 """SCQ shared reads (issue 33 point 3): ``$share/<group>/$SCQ/<queue>/#``, a group with one position whose entries
 each go to one connected member; over TCP with paho (3.1.1 and MQTT 5) and mosquitto clients against a real broker
-process on the LevelDB backend (a group's members on one broker of a JetStream cluster too)."""
+process on the LevelDB backend (a group's members on one broker of a JetStream cluster too); MQTT 5 members' Maximum
+Packet Size and Subscription Identifiers."""
 
 from __future__ import annotations
 
@@ -16,9 +17,14 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from tests.harness import wait_until
+from tests.test_mqtt5 import V5Client
+from tests.test_operations import scrape
 from tests.test_scq import FILTER, Q, delivered, read_all, scq_write
+from tests.test_top import api
 
 GROUP = f"$share/workers/{FILTER}"
+SMALL_PACKET = 200  # an MQTT 5 member's Maximum Packet Size: the small entries fit, 600-byte ones do not
+SKIPPED = "ecq_deliveries_skipped_total{reason=packet_too_large}"
 
 
 def write_keys(producer, keys: list[str]) -> None:
@@ -307,6 +313,100 @@ def test_mqtt5_members_and_codes(make_broker, connect, tmp_path):
         for client, _received, _subacks in members:
             client.disconnect()
             client.loop_stop()
+
+
+def test_a_member_never_gets_an_entry_above_its_maximum_packet_size(make_broker, connect):
+    """MQTT-3.1.2-24 for a group: an entry above a member's Maximum Packet Size goes to a member that takes it; with
+    none connected it is skipped for the group's position (counted, kept stored, later entries go on) and goes to the
+    first member to join that takes it."""
+    broker = make_broker(scq_dispatch="round_robin")
+    producer = connect(broker.port, "producer")
+    small = V5Client(broker.port, "small", MaximumPacketSize=SMALL_PACKET)
+    large = None
+    try:
+        assert small.subscribe(GROUP) == [1]
+        scq_write(producer, "k1", b"a")
+        scq_write(producer, "big1", b"x" * 600)
+        scq_write(producer, "k3", b"c")
+        assert keys_of(small.expect(2)) == ["k1", "k3"]
+        assert wait_until(lambda: scrape(broker).get(SKIPPED) == 1, 10)
+        large = V5Client(broker.port, "large")
+        assert large.subscribe(GROUP) == [1]
+        assert [(m.topic, m.payload) for m in large.expect(1)] == [delivered("big1", b"x" * 600)]
+        for i in range(4):  # round robin: the small member's turn comes for some of the big ones
+            scq_write(producer, f"big{i + 2}", b"y" * 600)
+        assert sorted(keys_of(large.expect(4))) == ["big2", "big3", "big4", "big5"]
+        assert small.messages.empty() and large.messages.empty()
+        assert wait_until(lambda: group_row(broker)["pending"] == 0, 10)  # the skipped entry acked by the large member
+    finally:
+        for client in filter(None, (small, large)):
+            client.close()
+
+
+def test_an_entry_whose_only_taker_left_before_its_send_is_skipped_until_one_joins(make_broker, connect):
+    """The one member that takes a large entry holds its window full and leaves while the entry waits for it: the
+    entry is skipped for the group (counted), not left waiting nor sent to the small member, which gets the holding
+    member's unacked entry; the next member that takes it gets it."""
+    broker = make_broker(reader_batch_size=1)
+    producer = connect(broker.port, "producer")
+    holding = connect(broker.port, "holding", manual_ack=True)
+    assert holding.subscribe(GROUP) == 1
+    scq_write(producer, "k1", b"a")
+    assert keys_of(holding.expect(1)) == ["k1"]
+    small = V5Client(broker.port, "small", MaximumPacketSize=SMALL_PACKET)
+    large = None
+    try:
+        assert small.subscribe(GROUP) == [1]
+        scq_write(producer, "big", b"x" * 600)
+        assert wait_until(lambda: group_row(broker)["inflight"] == 2, 10)  # k1 held, big waiting for the holder
+        holding.close(clean=False)
+        assert keys_of(small.expect(1)) == ["k1"]
+        assert wait_until(lambda: scrape(broker).get(SKIPPED) == 1, 10)
+        large = V5Client(broker.port, "large")
+        assert large.subscribe(GROUP) == [1]
+        assert keys_of(large.expect(1)) == ["big"]
+        assert small.messages.empty()
+    finally:
+        for client in filter(None, (small, large)):
+            client.close()
+
+
+def test_each_member_gets_the_subscription_identifier_of_its_subscription(broker, connect):
+    """MQTT-3.3.4-3: a member's deliveries carry the Subscription Identifier its ``$share/...`` SUBSCRIBE gave,
+    with ``ecq-seqno`` and ``ecq-ts`` as a plain reader's."""
+    producer = connect(broker.port, "producer")
+    members = [V5Client(broker.port, f"sid-{i}") for i in range(2)]
+    try:
+        for number, member in enumerate(members, 5):
+            assert member.subscribe(GROUP, subscription_id=number) == [1]
+        write_keys(producer, ["a", "b", "c", "d"])
+        got = split_v5(members, 4)
+        assert sorted(keys_of(m for messages in got for m in messages)) == ["a", "b", "c", "d"]
+        for number, messages in enumerate(got, 5):
+            assert messages and all(m.properties.SubscriptionIdentifier == [number] for m in messages), number
+            assert all({"ecq-seqno", "ecq-ts"} <= dict(m.properties.UserProperty).keys() for m in messages)
+    finally:
+        for member in members:
+            member.close()
+
+
+def split_v5(members, count: int, timeout: float = 10.0) -> list[list]:
+    """The messages each MQTT 5 member received until ``count`` arrived among them all."""
+    got: list[list] = [[] for _ in members]
+
+    def take() -> int:
+        for member, messages in zip(members, got):
+            while not member.messages.empty():
+                messages.append(member.messages.get_nowait())
+        return sum(map(len, got))
+
+    assert wait_until(lambda: take() >= count, timeout), got
+    return got
+
+
+def group_row(broker) -> dict:
+    """The group ``workers`` of the SCQ ``Q`` as the admin API shows it among the queue's readers."""
+    return next(row for row in api(broker, f"/api/v1/scq/{Q}")["readers"] if row["reader"] == "$share/workers")
 
 
 @pytest.mark.skipif(shutil.which("mosquitto_sub") is None or shutil.which("stdbuf") is None,

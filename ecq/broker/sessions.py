@@ -15,7 +15,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker import amqtt_hooks as hooks
 from ecq.queue.engine import QueueEngine
-from ecq.queue.groups import GroupDispatch, group_position_id, parse_group_filter
+from ecq.queue.groups import GroupDispatch, group_filter, group_position_id, parse_group_filter
 from ecq.queue.topics import parse_scq_filter, position_id, queue_filter
 
 if TYPE_CHECKING:
@@ -159,16 +159,18 @@ class QueueSessions:
     async def _join_group(self, clientid: str, group: str, queue: str,
                           connection: BrokerProtocolHandler | None) -> None:
         """Make ``connection`` a member of the shared group ``group`` of the SCQ ``queue``; the group's consumer is
-        attached to its members (ecq.queue.groups.GroupDispatch), a window each, or sends again when the last
-        member had unsubscribed."""
+        attached to its members (ecq.queue.groups.GroupDispatch), a window each and each's Maximum Packet Size and
+        Subscription Identifier, or sends again when the last member had unsubscribed."""
         if (claim := self._claims.get(clientid)) is not None:
             await asyncio.shield(claim)
         if not hooks.connection_is_open(connection) or connection is not hooks.live_connection(self._context, clientid):
             return
-        position = group_position_id(queue, group)
+        position, topic_filter = group_position_id(queue, group), group_filter(queue, group)
         settings = self._engine.settings
-        dispatch = self._groups.setdefault(position, GroupDispatch(settings.scq_dispatch, settings.reader_batch_size))
-        dispatch.join(clientid, connection, hooks.receive_maximum(connection))
+        dispatch = self._groups.setdefault(position, GroupDispatch(settings.scq_dispatch, settings.reader_batch_size,
+                                                                   topic_filter))
+        dispatch.join(clientid, connection, hooks.receive_maximum(connection),
+                      hooks.delivery_fits(connection, topic_filter))
         self._memberships.setdefault(clientid, set()).add(position)
         await self._engine.attach(position, dispatch, lambda: bool(dispatch.members), queue=queue)
 

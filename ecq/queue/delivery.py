@@ -61,9 +61,10 @@ _UNKNOWN = 2**64  # above every seqno: "the stored tail is not known"
 SAVE_RETRY_S = 1.0  # after a failed ack-state save (disk full, I/O error), try again this much later
 
 # publish(connection, topic, payload, seqno, ts_ms, expires_ms (publish and expiry time, Unix ms, expiry 0: none; for
-# MQTT 5's properties), dup (True: a send again, DUP=1)) -> awaits the PUBACK; raises ConnectionError when the
-# connection is gone.
-Publish = Callable[[Any, str, bytes, int, int, int, bool], Awaitable[None]]
+# MQTT 5's properties), dup (True: a send again, DUP=1), topic_filter=None (an SCQ group's: the subscription the
+# delivery answers, for its MQTT 5 Subscription Identifier)) -> awaits the PUBACK; raises ConnectionError when the
+# connection is gone, oversize.NoConnectionTakes when no connection it may send on takes the entry.
+Publish = Callable[..., Awaitable[None]]
 # fits(topic, message) -> False when the PUBLISH of ``message`` would exceed what the connection takes (its size).
 Fits = Callable[[str, Message], bool]
 # read(func, *args) -> a future of the blocking store read func(*args), run off the event loop.
@@ -93,7 +94,7 @@ class Consumer:
                  "_read_deadline", "_window", "_reach", "_retention_s", "_inflight_max", "_tombstones",
                  "_acked_tombstones",
                  "_read_cursor", "_ready", "_newest", "_handed", "_told", "_reading", "_deleted_in_read", "_unreadable", "_wake",
-                 "_pump_task", "_fits", "skipped", "_census", "_reader_saved")  # one per queue: no dict
+                 "_pump_task", "_fits", "skipped", "_retry_due", "_census", "_reader_saved")  # one per queue: no dict
 
     def __init__(self, clientid: str, state: AckState, *, store: QueueStore, pool: WriterPool, publish: Publish,
                  observer: DeliveryObserver, read: Read, read_deadline: SharedDeadline, window: int,
@@ -138,6 +139,7 @@ class Consumer:
         self._pump_task: asyncio.Task | None = None
         self._fits: Fits | None = None      # the attached connection's size bound (None: none)
         self.skipped: dict[int, Message] = {}  # seqno -> entries skipped for this connection: gaps in _handed
+        self._retry_due = False             # attached again: the skipped entries may fit now
         self._census = census if census is not None else Census()
 
     @property
@@ -156,7 +158,7 @@ class Consumer:
         self._fits = fits
         self._newest = self._told = _UNKNOWN  # appends made while detached were not told: read to a short read
         if connection is self.connection:
-            self._sending = True
+            self._sending, self._retry_due = True, bool(self.skipped)
             self.wake()
             return
         self.detach()
@@ -287,6 +289,7 @@ class Consumer:
             if self._fold_acked():
                 self._save()
             if not self.saving:  # every PUBACK received so far is stored before anything more is sent
+                self._retry_skipped()
                 self._hand_out_ready()
                 self._read_ahead()
 
@@ -349,9 +352,24 @@ class Consumer:
         if self._fits is not None and not self._fits(topic, message):
             oversize.skip(self.skipped, self.clientid, message, self._observer)
             return
+        self._start_delivery(topic, message)
+
+    def _start_delivery(self, topic: str, message: Message) -> None:
         task = asyncio.create_task(self._deliver(topic, message), name=f"ecq-send-{self.clientid}-{message.seqno}")
         self.inflight[message.seqno] = task
         self._census.inflight += 1
+
+    def _retry_skipped(self) -> None:
+        """When the attached connection may take more than before (attached again: an SCQ group's new member), send
+        the skipped entries it now takes, still gaps in ``_handed`` until their PUBACKs."""
+        if not self._retry_due:
+            return
+        self._retry_due = False
+        for seqno, message in sorted(self.skipped.items()):
+            topic = delivery_topic(self.queue, message.key)
+            if seqno not in self.inflight and (self._fits is None or self._fits(topic, message)):
+                del self.skipped[seqno]
+                self._start_delivery(topic, message)
 
     def _done_inflight(self, seqno: int) -> None:
         if self.inflight.pop(seqno, None) is not None:
@@ -376,6 +394,12 @@ class Consumer:
             self._done_inflight(message.seqno)
             if connection is self.connection:
                 self.detach()
+            return
+        except oversize.NoConnectionTakes:
+            self._done_inflight(message.seqno)
+            if connection is self.connection:
+                oversize.skip(self.skipped, self.clientid, message, self._observer)
+                self.wake()
             return
         self._done_inflight(message.seqno)
         self.resends.acked(message.seqno)

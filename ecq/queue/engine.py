@@ -251,10 +251,10 @@ class QueueEngine:
         """Deliver the queue of ``clientid`` to ``connection`` (loading its ack state first), at most
         min(``reader_batch_size``, ``receive_maximum``) deliveries in flight (None: ``reader_batch_size``), an SCQ
         group's (``connection`` an ecq.queue.groups.GroupDispatch) the sum of its members' windows when the state
-        is loaded; an entry ``fits`` refuses (too large for the connection) is skipped for it (see
-        ``Consumer.attach``). An SCQ reader: ``queue`` is the SCQ's queue id and ``clientid`` the reader's position
-        id (ecq.queue.topics.position_id); a first attach, with no stored position, starts at the queue's oldest
-        entry.
+        is loaded; an entry ``fits`` refuses (too large for the connection; a group's: for every member) is skipped
+        for it (see ``Consumer.attach``). An SCQ reader: ``queue`` is the SCQ's queue id and ``clientid`` the
+        reader's position id (ecq.queue.topics.position_id); a first attach, with no stored position, starts at the
+        queue's oldest entry.
 
         ``still_current()`` is asked after that load: an unsubscribe, disconnect or takeover may have
         happened meanwhile, and then nothing is attached. A connection already attached is detached first.
@@ -271,7 +271,8 @@ class QueueEngine:
             self._consumer(clientid, state, queue)
         if not self.closing and still_current():
             if isinstance(connection, GroupDispatch):
-                self.consumers[clientid].attach(connection, connection.capacity, windows=len(connection.members))
+                self.consumers[clientid].attach(connection, connection.capacity, connection.fits,
+                                                windows=len(connection.members))
             else:
                 self.consumers[clientid].attach(connection, receive_maximum, fits)
 

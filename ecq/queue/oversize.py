@@ -10,6 +10,10 @@ acked after it, a cost paid again by every ack save: past :data:`MAX_ACKED_PAST_
 entry is dropped (passed as if acked, counted with reason :data:`DROPPED_TOO_LARGE`, logged), so the stored ack state
 stays within a few kilobytes.
 
+An SCQ group's consumer (ecq.queue.groups) skips an entry no connected member takes, and the one whose member that
+took it left before it was sent (:class:`NoConnectionTakes`, raised by its publish); a member joining hands the
+skipped entries out again (``Consumer.attach`` of the same connection).
+
 Each function takes a consumer's ``skipped`` map (seqno -> the entry skipped for its connection) and, where the gaps
 close, its ack state.
 """
@@ -26,6 +30,11 @@ log = logging.getLogger(__name__)
 SKIPPED_TOO_LARGE = "packet_too_large"  # the reason of a skip: above the connection's Maximum Packet Size
 DROPPED_TOO_LARGE = "packet_too_large_dropped"  # a skipped entry given up: too many entries acked past it
 MAX_ACKED_PAST_A_GAP = 1024  # entries acked out of order past a skipped one: 8 bytes each in every ack save
+
+
+class NoConnectionTakes(Exception):
+    """Raised by a consumer's ``publish`` when no connection it may send on takes the entry (an SCQ group whose
+    members that take it left): the entry is skipped as one ``fits`` refused."""
 
 
 def skip(skipped: dict[int, Message], clientid: str, message: Message, observer: Any) -> None:

@@ -240,13 +240,16 @@ def acknowledge_soon(handler: BrokerProtocolHandler, qos: int, packet_id: int | 
 
 
 async def publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: bytes, seqno: int | None = None,
-                       ts_ms: int | None = None, expires_ms: int = 0, dup: bool = False) -> None:
+                       ts_ms: int | None = None, expires_ms: int = 0, dup: bool = False,
+                       topic_filter: str | None = None) -> None:
     """Send a QoS 1 PUBLISH on ``handler`` and wait for its PUBACK for as long as the connection lives. On an
     MQTT 5 connection it carries the User Properties ``ecq-seqno`` and ``ecq-ts`` (the message's seqno and
     publish time in Unix ms, when given), for an entry that expires at ``expires_ms`` (Unix ms, 0: never)
     the Message Expiry Interval left (MQTT 5.0 section 3.3.2.3.3), and the Subscription Identifier of the
-    queue's subscription (section 3.3.4). DUP is 1 when ``dup`` or when this session sent entry ``seqno`` before,
-    whose packet id it then reuses (:func:`_delivery_packet_id`).
+    subscription the delivery answers (section 3.3.4): ``topic_filter``, an SCQ group's
+    ``$share/<group>/$SCQ/<queue>/#``, or by default the queue's (ecq.queue.topics.reading_filter). DUP is 1 when
+    ``dup`` or when this session sent entry ``seqno`` before, whose packet id it then reuses
+    (:func:`_delivery_packet_id`).
 
     amqtt's own ``mqtt_publish`` gives up after a fixed 5 s and forgets the packet id, so under load a
     late PUBACK was lost and the resend added more load. MQTT 3.1.1 section 4.4 resends unacknowledged
@@ -257,13 +260,13 @@ async def publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: byte
     Raises ConnectionError when the connection is closed or closes before the PUBACK.
     """
     if (context := context_of(handler)) is None:
-        return await _publish_qos1(handler, topic, payload, seqno, ts_ms, expires_ms, dup)
+        return await _publish_qos1(handler, topic, payload, seqno, ts_ms, expires_ms, dup, topic_filter)
     async with context.window():
-        return await _publish_qos1(handler, topic, payload, seqno, ts_ms, expires_ms, dup)
+        return await _publish_qos1(handler, topic, payload, seqno, ts_ms, expires_ms, dup, topic_filter)
 
 
 async def _publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: bytes, seqno: int | None,
-                        ts_ms: int | None, expires_ms: int, dup: bool) -> None:
+                        ts_ms: int | None, expires_ms: int, dup: bool, topic_filter: str | None) -> None:
     if not connection_is_open(handler):
         raise ConnectionError("connection closed")
     session = handler.session
@@ -277,7 +280,8 @@ async def _publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: byt
         if context_of(handler) is None:
             send_soon(handler, message.build_publish_packet(dup=dup).to_bytes())
         else:
-            send_soon(handler, _mqtt5_delivery(session, packet_id, topic, payload, seqno, ts_ms, expires_ms, dup))
+            send_soon(handler, _mqtt5_delivery(session, packet_id, topic, payload, seqno, ts_ms, expires_ms, dup,
+                                               topic_filter))
         await puback
         _sent_packet_ids(session).pop((topic, seqno), None)
     except asyncio.CancelledError:
@@ -292,23 +296,25 @@ async def _publish_qos1(handler: BrokerProtocolHandler, topic: str, payload: byt
             del session.inflight_out[packet_id]
 
 
-def delivery_fits(handler: BrokerProtocolHandler) -> Callable[[str, Message], bool] | None:
+def delivery_fits(handler: BrokerProtocolHandler, topic_filter: str | None = None
+                  ) -> Callable[[str, Message], bool] | None:
     """For an MQTT 5 connection that announced a Maximum Packet Size, a test of whether the delivery PUBLISH of a
-    queue entry to a topic stays within it (its exact encoding, as :func:`publish_qos1` sends it; MQTT 5.0 section
-    3.1.2.11.4, MQTT-3.1.2-24: a larger packet is not sent); None when every delivery fits (3.1.1: no limit)."""
+    queue entry to a topic stays within it (its exact encoding, as :func:`publish_qos1` sends it with
+    ``topic_filter``'s Subscription Identifier; MQTT 5.0 section 3.1.2.11.4, MQTT-3.1.2-24: a larger packet is not
+    sent); None when every delivery fits (3.1.1: no limit)."""
     context = context_of(handler)
     if context is None or context.maximum_packet_size is None:
         return None
     session = handler.session
     return lambda topic, entry: context.fits(_mqtt5_delivery(session, 1, topic, entry.payload, entry.seqno,
-                                                             entry.ts_ms, entry.expires_ms, False))
+                                                             entry.ts_ms, entry.expires_ms, False, topic_filter))
 
 
 def _mqtt5_delivery(session: Any, packet_id: int, topic: str, payload: bytes, seqno: int | None, ts_ms: int | None,
-                    expires_ms: int, dup: bool) -> bytes:
-    """The v5 PUBLISH of a delivery, with the Subscription Identifier of the session's ``$ECQ/<clientid>/#`` (or
-    ``$SCQ/<queue>/#``, ecq.queue.topics.reading_filter)."""
-    subscription = subscriptions_of(session).get(reading_filter(topic))
+                    expires_ms: int, dup: bool, topic_filter: str | None = None) -> bytes:
+    """The v5 PUBLISH of a delivery, with the Subscription Identifier of the session's ``topic_filter`` (None: its
+    ``$ECQ/<clientid>/#`` or ``$SCQ/<queue>/#``, ecq.queue.topics.reading_filter)."""
+    subscription = subscriptions_of(session).get(topic_filter or reading_filter(topic))
     ids = (subscription.subscription_id,) if subscription and subscription.subscription_id else ()
     return delivery(packet_id, topic, payload, seqno, ts_ms, expires_ms, dup, ids)
 
