@@ -100,11 +100,11 @@ def test_corrections_wrap_in_table_order_and_the_original_is_kept():
 
 
 def test_steps_run_as_the_chain_of_wrappers_would_in_one_wrapper():
-    """``seam.step``: the befores of the later corrections first (one replacing the arguments the rest gets), amqtt's
-    method, then the afters of the earlier ones first, each run whatever the call or the after before it raised (the
-    last exception propagates); the corrections named in table order; one coroutine per call, not one per step."""
+    """``seam.step``: the befores of the later corrections first (one replacing the arguments the rest and every after
+    gets), amqtt's method, then the afters of the earlier ones first, each run whatever the call or the after before
+    it raised (the last exception propagates); the corrections named in table order; one coroutine per call."""
     ran: list[str] = []
-    raising: set[str] = set()
+    raising: set[str] = set()  # the corrections whose after raises, then whose before raises
 
     class Owner:
         async def method(self, value: int) -> int:
@@ -116,6 +116,8 @@ def test_steps_run_as_the_chain_of_wrappers_would_in_one_wrapper():
     def correction(label: str, *, adds: int = 0):
         def before(owner: Owner, value: int) -> tuple[Owner, int] | None:
             ran.append(f"before {label} {value}")
+            if f"{label} before" in raising:
+                raise KeyError(f"{label} before")
             return (owner, value + adds) if adds else None
 
         def after(owner: Owner, value: int) -> None:
@@ -134,7 +136,7 @@ def test_steps_run_as_the_chain_of_wrappers_would_in_one_wrapper():
     assert coroutine.cr_code.co_filename == seam.__file__  # one frame, named as the method it stands for:
     assert coroutine.cr_code.co_qualname == f"{Owner.__qualname__}.method"
     assert ran == ["before outer 1", "before middle 1", "before inner 2", "amqtt 2", "after inner 2",
-                   "after middle 2", "after outer 1"]
+                   "after middle 2", "after outer 2"]
     assert seam.corrections()["Owner.method"] == ["test_seam.inner", "test_seam.middle", "test_seam.outer"]
     assert "Owner.method (one wrapper)\n    test_seam.inner\n    test_seam.middle\n    test_seam.outer" in seam.describe()
 
@@ -143,7 +145,14 @@ def test_steps_run_as_the_chain_of_wrappers_would_in_one_wrapper():
     with pytest.raises(KeyError, match="inner") as raised:
         asyncio.run(Owner().method(-5))
     assert isinstance(raised.value.__context__, ValueError)
-    assert ran[-3:] == ["after inner -4", "after middle -4", "after outer -5"]
+    assert ran[-3:] == ["after inner -4", "after middle -4", "after outer -4"]
+
+    ran.clear()
+    raising.clear()
+    raising.add("middle before")  # its own after is not due; the outer one's is
+    with pytest.raises(KeyError, match="middle before"):
+        asyncio.run(Owner().method(1))
+    assert ran == ["before outer 1", "before middle 1", "after outer 1"]
 
 
 async def _run(coroutine: Any) -> Any:

@@ -114,7 +114,7 @@ class Step:
 
     ``before(*args)`` runs before the call and returns the arguments the call gets from there on (the inner steps,
     amqtt), or None to keep them; ``after(*args)`` runs once the call ended, however it ended (a ``finally``), given
-    the arguments as its ``before`` left them; ``body``, a coroutine function, replaces amqtt's own method."""
+    the arguments the call was made with; ``body``, a coroutine function, replaces amqtt's own method."""
 
     before: Callable[..., tuple[Any, ...] | None] | None = None
     after: Callable[..., None] | None = None
@@ -127,8 +127,10 @@ def step(owner: type, name: str, *, before: Callable[..., tuple[Any, ...] | None
     install one wrapper running all of its steps as the chain of wrappers :func:`replace` would make runs them: the
     befores of the later corrections first, then the body (amqtt's own, or the first step's ``body``), then the afters
     of the earlier ones first, each after running whatever the one before it raised, as nested ``finally`` clauses
-    do; a ``before`` that raises is not followed by its own ``after``. amqtt calls both such methods with positional
-    arguments only. Raises :class:`AmqttSeamError` as :func:`replace` does, when ``owner.name`` is not a coroutine
+    do; a ``before`` that raises is not followed by its own ``after``. One difference from that chain, so that a call
+    allocates nothing but its frame: every ``after`` is given the arguments as the befores left them, also those an
+    inner correction's ``before`` replaced (``websocket``'s, the one that replaces any, is outermost). amqtt calls both
+    such methods with positional arguments only. Raises :class:`AmqttSeamError` as :func:`replace` does, when ``owner.name`` is not a coroutine
     method, when :func:`replace` corrects it too, or for a ``body`` that is not the method's first step."""
     key = _record(owner, name)
     steps = _steps.setdefault(key, [])
@@ -148,16 +150,15 @@ def _one_wrapper(owner: type, name: str, original: Callable[..., Any], steps: tu
     outermost_first = steps[::-1]
 
     async def corrected(*args: Any) -> Any:
-        entered: list[tuple[Callable[..., None], tuple[Any, ...]]] = []  # (after, its arguments), outermost first
+        entered = 0  # the steps of outermost_first whose before ran: their afters are due
         try:
             for each in outermost_first:
                 if each.before is not None:
                     args = each.before(*args) or args
-                if each.after is not None:
-                    entered.append((each.after, args))
+                entered += 1
             return await body(*args)
         finally:
-            _leave(entered)
+            _leave(outermost_first, entered, args)
 
     # its frames named as the method they stand for, in tracebacks and profiles (py-spy), not "corrected"
     corrected.__code__ = corrected.__code__.replace(co_name=name, co_qualname=f"{owner.__qualname__}.{name}")
@@ -165,15 +166,16 @@ def _one_wrapper(owner: type, name: str, original: Callable[..., Any], steps: tu
     return corrected
 
 
-def _leave(entered: list[tuple[Callable[..., None], tuple[Any, ...]]]) -> None:
-    """Run the afters of ``entered`` last first, each one whatever the one before it raised (the last exception
-    raised propagates), as the ``finally`` clauses of nested wrappers run."""
+def _leave(outermost_first: tuple[Step, ...], entered: int, args: tuple[Any, ...]) -> None:
+    """Run the afters of the first ``entered`` steps of ``outermost_first`` with ``args``, the innermost first, each
+    one whatever the one before it raised (the last exception raised propagates), as nested ``finally`` clauses run."""
     if entered:
-        after, args = entered.pop()
+        after = outermost_first[entered - 1].after
         try:
-            after(*args)
+            if after is not None:
+                after(*args)
         finally:
-            _leave(entered)
+            _leave(outermost_first, entered - 1, args)
 
 
 def _record(owner: Owner, name: str) -> tuple[Owner, str]:
