@@ -138,7 +138,8 @@ def test_steps_run_as_the_chain_of_wrappers_would_in_one_wrapper():
     assert ran == ["before outer 1", "before middle 1", "before inner 2", "amqtt 2", "after inner 2",
                    "after middle 2", "after outer 2"]
     assert seam.corrections()["Owner.method"] == ["test_seam.inner", "test_seam.middle", "test_seam.outer"]
-    assert "Owner.method (one wrapper)\n    test_seam.inner\n    test_seam.middle\n    test_seam.outer" in seam.describe()
+    assert ("Owner.method (one wrapper)\n    test_seam.inner\n    test_seam.middle\n    test_seam.outer"
+            in seam.describe())
 
     ran.clear()
     raising.add("inner")

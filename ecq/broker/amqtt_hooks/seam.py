@@ -98,7 +98,8 @@ def apply(table: Iterable[Callable[[], None]]) -> None:
 def replace(owner: Owner, name: str, replacement: Any) -> None:
     """Set ``owner.name`` to ``replacement`` (a function, or a classmethod object for a classmethod), keeping amqtt's
     own attribute in :data:`saved` the first time and recording the correction being applied. Raises
-    :class:`AmqttSeamError` outside :func:`apply` or when ``owner`` has no ``name`` (amqtt changed)."""
+    :class:`AmqttSeamError` outside :func:`apply`, when ``owner`` has no ``name`` (amqtt changed) or when ``name`` is
+    corrected through :func:`step` (one wrapper)."""
     key = _record(owner, name)
     if key in _steps:
         raise AmqttSeamError(f"{_label(owner)}.{name} is corrected through seam.step() (one wrapper): "
@@ -130,18 +131,24 @@ def step(owner: type, name: str, *, before: Callable[..., tuple[Any, ...] | None
     do; a ``before`` that raises is not followed by its own ``after``. One difference from that chain, so that a call
     allocates nothing but its frame: every ``after`` is given the arguments as the befores left them, also those an
     inner correction's ``before`` replaced (``websocket``'s, the one that replaces any, is outermost). amqtt calls both
-    such methods with positional arguments only. Raises :class:`AmqttSeamError` as :func:`replace` does, when ``owner.name`` is not a coroutine
-    method, when :func:`replace` corrects it too, or for a ``body`` that is not the method's first step."""
+    such methods with positional arguments only. Raises :class:`AmqttSeamError` as :func:`replace` does, and when
+    ``owner.name`` is not a coroutine method, is replaced through :func:`replace` too, or has its body replaced by
+    a step other than its first."""
     key = _record(owner, name)
     steps = _steps.setdefault(key, [])
-    problem = ("is not a coroutine method" if not inspect.iscoroutinefunction(saved[key])
-               else "is replaced through seam.replace() too" if len(_corrections[key]) > len(steps)
-               else "has its body replaced by an earlier correction's step" if body is not None and steps else None)
-    if problem is not None:
-        raise AmqttSeamError(f"{_label(owner)}.{name}, corrected by {_applying[-1]} through seam.step(), {problem}")
+    if not inspect.iscoroutinefunction(saved[key]):
+        _refuse_step(owner, name, "is not a coroutine method")
+    if len(_corrections[key]) > len(steps):
+        _refuse_step(owner, name, "is replaced through seam.replace() too")
+    if body is not None and steps:
+        _refuse_step(owner, name, "has its body replaced by an earlier correction's step")
     steps.append(Step(before, after, body))
     _corrections[key].append(_applying[-1])
     setattr(owner, name, _one_wrapper(owner, name, saved[key], tuple(steps)))
+
+
+def _refuse_step(owner: type, name: str, problem: str) -> None:
+    raise AmqttSeamError(f"{_label(owner)}.{name}, corrected by {_applying[-1]} through seam.step(), {problem}")
 
 
 def _one_wrapper(owner: type, name: str, original: Callable[..., Any], steps: tuple[Step, ...]) -> Callable[..., Any]:
