@@ -10,6 +10,7 @@ import os
 import pathlib
 import re
 from types import ModuleType
+from typing import Any
 
 import pytest
 from amqtt.adapters import BufferReader, StreamReaderAdapter, StreamWriterAdapter, WebSocketsReader, WebSocketsWriter
@@ -17,6 +18,7 @@ from amqtt.broker import Broker
 
 from ecq.broker import amqtt_hooks
 from ecq.broker.amqtt_hooks import seam
+from ecq.broker.config_file import prepare
 from ecq.broker.plugin import EcqPlugin
 from ecq.testing import BrokerProcess, free_port
 
@@ -97,10 +99,149 @@ def test_corrections_wrap_in_table_order_and_the_original_is_kept():
     assert "Owner.method\n    test_seam.inner\n    test_seam.outer" in seam.describe()
 
 
+def test_steps_run_as_the_chain_of_wrappers_would_in_one_wrapper():
+    """``seam.step``: the befores of the later corrections first (one replacing the arguments the rest and every after
+    gets), amqtt's method, then the afters of the earlier ones first, each run whatever the call or the after before
+    it raised (the last exception propagates); the corrections named in table order; one coroutine per call."""
+    ran: list[str] = []
+    raising: set[str] = set()  # the corrections whose after raises, then whose before raises
+
+    class Owner:
+        async def method(self, value: int) -> int:
+            ran.append(f"amqtt {value}")
+            if value < 0:
+                raise ValueError("amqtt's")
+            return value
+
+    def correction(label: str, *, adds: int = 0):
+        def before(owner: Owner, value: int) -> tuple[Owner, int] | None:
+            ran.append(f"before {label} {value}")
+            if f"{label} before" in raising:
+                raise KeyError(f"{label} before")
+            return (owner, value + adds) if adds else None
+
+        def after(owner: Owner, value: int) -> None:
+            ran.append(f"after {label} {value}")
+            if label in raising:
+                raise KeyError(label)
+
+        def install() -> None:
+            seam.step(Owner, "method", before=before, after=after)
+        install.__qualname__ = label
+        return install
+
+    seam.apply([correction("inner"), correction("middle", adds=1), correction("outer")])
+    coroutine = Owner().method(1)
+    assert asyncio.run(_run(coroutine)) == 2
+    assert coroutine.cr_code.co_filename == seam.__file__  # one frame, named as the method it stands for:
+    assert coroutine.cr_code.co_qualname == f"{Owner.__qualname__}.method"
+    assert ran == ["before outer 1", "before middle 1", "before inner 2", "amqtt 2", "after inner 2",
+                   "after middle 2", "after outer 2"]
+    assert seam.corrections()["Owner.method"] == ["test_seam.inner", "test_seam.middle", "test_seam.outer"]
+    assert ("Owner.method (one wrapper)\n    test_seam.inner\n    test_seam.middle\n    test_seam.outer"
+            in seam.describe())
+
+    ran.clear()
+    raising.add("inner")
+    with pytest.raises(KeyError, match="inner") as raised:
+        asyncio.run(Owner().method(-5))
+    assert isinstance(raised.value.__context__, ValueError)
+    assert ran[-3:] == ["after inner -4", "after middle -4", "after outer -4"]
+
+    ran.clear()
+    raising.clear()
+    raising.add("middle before")  # its own after is not due; the outer one's is
+    with pytest.raises(KeyError, match="middle before"):
+        asyncio.run(Owner().method(1))
+    assert ran == ["before outer 1", "before middle 1", "after outer 1"]
+
+
+async def _run(coroutine: Any) -> Any:
+    return await coroutine
+
+
+def test_a_body_replaces_amqtts_method_only_as_the_first_step_and_a_method_has_one_kind_of_correction():
+    class Owner:
+        async def method(self) -> str:
+            return "amqtt's"
+
+        async def other(self) -> str:
+            return "amqtt's"
+
+    async def body(owner: Owner) -> str:
+        return "ECQ's"
+
+    def replaced_body() -> None:
+        seam.step(Owner, "method", body=body)
+
+    def late_body() -> None:
+        seam.step(Owner, "method", body=body)
+
+    def wrapped() -> None:
+        seam.replace(Owner, "other", Owner.other)
+
+    def stepped_after_a_wrapper() -> None:
+        seam.step(Owner, "other", before=lambda owner: None)
+
+    def wrapped_after_steps() -> None:
+        seam.replace(Owner, "method", Owner.method)
+
+    seam.apply([replaced_body])
+    assert asyncio.run(Owner().method()) == "ECQ's"
+    for correction, problem in ((late_body, "body replaced by an earlier correction's step"),
+                                (stepped_after_a_wrapper, "replaced through seam.replace"),
+                                (wrapped_after_steps, "must give its correction as a step too")):
+        with pytest.raises(seam.AmqttSeamError, match=problem):
+            seam.apply([wrapped, correction] if correction is stepped_after_a_wrapper else [correction])
+
+
+@pytest.mark.timeout(30)
+async def test_a_connection_holds_one_ecq_frame_for_each_method_it_stays_in(tmp_path):
+    """amqtt's ``_client_connected`` and ``_handle_client_session`` stay suspended for a connection's whole life, so
+    each wrapper of theirs is a coroutine frame per connected client (8 of them, about 3 KB, with one wrapper per
+    correction): a persistent client's connection, in an in-process ECQ broker, holds one ECQ frame above each
+    (and fleet_scale's body in place of amqtt's ``_handle_client_session``)."""
+    port = free_port()
+    broker = Broker(prepare(None, bind=f"127.0.0.1:{port}", data_dir=tmp_path))
+    await broker.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"\x10\x12\x00\x04MQTT\x04\x00\x00\x3c\x00\x06frames")  # clean session 0
+        assert await asyncio.wait_for(reader.readexactly(4), 10) == b"\x20\x02\x00\x00"
+        chain: list[str] = []
+        while not any(name.endswith("client_message_loop") for name in chain):  # the task reaches its loop
+            await asyncio.sleep(0.01)
+            chain = next((names for task in asyncio.all_tasks() if "amqtt Broker.stream_connected" in
+                          (names := _awaited(task.get_coro()))), [])
+        amqtts = chain.index("amqtt Broker._client_connected")
+        loop = next(n for n, name in enumerate(chain) if name.endswith("client_message_loop"))
+        above_client_connected = chain[chain.index("amqtt Broker.stream_connected") + 1:amqtts]
+        above_the_loop = chain[amqtts + 1:loop]
+        assert above_client_connected == ["seam Broker._client_connected"], chain
+        assert above_the_loop == ["seam Broker._handle_client_session", "fleet_scale "
+                                  "connect_without_walking_every_filter.<locals>.handle_client_session"], chain
+        writer.close()
+    finally:
+        await broker.shutdown()
+
+
+def _awaited(coroutine: Any) -> list[str]:
+    """``"module qualname"`` of ``coroutine`` and of each coroutine it awaits in turn, outermost first, as far as the
+    one the task stands in (its ``cr_await`` no coroutine)."""
+    names = []
+    while hasattr(coroutine, "cr_code"):
+        module = pathlib.Path(coroutine.cr_code.co_filename).stem
+        names.append(f"{'amqtt' if '/amqtt/' in coroutine.cr_code.co_filename else module} "
+                     f"{coroutine.cr_code.co_qualname}")
+        coroutine = coroutine.cr_await
+    return names
+
+
 def test_install_records_every_replacement_of_amqtt():
     amqtt_hooks.install(EcqPlugin)
     table = seam.corrections()
-    replacements = sum(len(re.findall(r"^\s+replace\(", path.read_text(), re.M)) for path in HOOKS.glob("*.py"))
+    replacements = sum(len(re.findall(r"^\s+(?:replace|step)\(", path.read_text(), re.M))
+                       for path in HOOKS.glob("*.py"))
     assert sum(len(names) for key, names in table.items() if not key.startswith("Owner.")) == replacements
     correction_names = {f"{c.__module__.rsplit('.', 1)[-1]}.{c.__name__}" for c in amqtt_hooks.CORRECTIONS}
     for (owner, name), original in seam.saved.items():
@@ -143,8 +284,14 @@ def test_every_private_amqtt_name_ecq_reads_is_declared():
 
 
 def _private_reads(path: pathlib.Path) -> set[str]:
-    return {node.attr for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+    """``x._name`` read in ``path``, and each private name it corrects through ``seam.step`` (given as a string)."""
+    tree = ast.parse(path.read_text())
+    read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
             and isinstance(node.ctx, ast.Load) and re.match(r"_[a-z]", node.attr)}
+    stepped = {node.args[1].value for node in ast.walk(tree) if isinstance(node, ast.Call)
+               and isinstance(node.func, ast.Name) and node.func.id == "step"
+               and isinstance(node.args[1], ast.Constant) and re.match(r"_[a-z]", node.args[1].value)}
+    return read | stepped
 
 
 def _defined(path: pathlib.Path) -> set[str]:

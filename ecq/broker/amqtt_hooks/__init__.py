@@ -59,8 +59,13 @@ amqtt behaviour it replaces. One module per concern:
 
 Several corrections wrap the same amqtt method (``init_from_connect`` seven deep, ``_handle_disconnect`` seven): a
 correction wraps what it finds, so the order of :data:`CORRECTIONS` is the order of wrapping (the later one runs
-first), and a comment beside an entry says where that order matters. A new correction is a function that calls
-``seam.replace`` and an entry in :data:`CORRECTIONS`.
+first), and a comment beside an entry says where that order matters. The two methods a connection stays in for its
+whole life, ``Broker._client_connected`` (3 corrections) and ``_handle_client_session`` (5), are corrected through
+``seam.step`` instead: each correction gives what it does before the call and after it (a ``finally``), or amqtt's
+body replaced (``fleet_scale``), and the seam runs them in that same order from one wrapper per method, so a
+connection holds one ECQ coroutine frame above each instead of one per correction (per connected consumer,
+``scripts/benchlib/heapprobe.py`` at 2,000: see docs/benchmarks.md). A new correction is a function that calls
+``seam.replace`` (or ``seam.step`` for those two methods) and an entry in :data:`CORRECTIONS`.
 """
 
 from __future__ import annotations
@@ -106,7 +111,7 @@ CORRECTIONS: tuple[Callable[[], None], ...] = (
     session_memory.light_session_state,
     session_memory.small_session_queues,
     session_memory.one_waiter_per_connection,
-    fleet_scale.connect_without_walking_every_filter,  # first: replaces the method every other wrapper wraps
+    fleet_scale.connect_without_walking_every_filter,  # first: the body of _handle_client_session's one wrapper
     fleet_scale.index_subscriptions_by_client,
     fleet_scale.expire_sessions_from_their_deadlines,
     fleet_scale.subscribe_without_walking_every_retained_message,

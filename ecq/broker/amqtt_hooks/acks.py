@@ -19,7 +19,7 @@ from amqtt.mqtt.puback import PubackPacket
 from amqtt.session import Session
 
 from ecq.broker.amqtt_hooks.ecq_paths import client_id, no_op
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import replace, step
 from ecq.broker.amqtt_hooks.target import find_target
 
 log = logging.getLogger(__name__)
@@ -109,16 +109,14 @@ def keep_the_new_connection_on_persistent_takeover() -> None:
     client saw EOF 0.7 s after its takeover). MQTT 3.1.1 section 3.1.4 closes only the existing connection. So the
     handler being replaced is noted before amqtt's takeover starts, and its end only stops that handler.
     """
-    original_session = Broker._handle_client_session
     original_disconnect = Broker._handle_disconnect
     taken_over: weakref.WeakSet[BrokerProtocolHandler] = weakref.WeakSet()
 
-    async def handle_client_session(broker: Broker, reader: Any, writer: Any, session: Session,
+    def note_the_handler_taken_over(broker: Broker, reader: Any, writer: Any, session: Session,
                                     handler: BrokerProtocolHandler, *args: Any) -> None:
         _, previous = broker._sessions.get(session.client_id, (None, None))
         if previous is not None and previous is not handler and previous.session is session:
             taken_over.add(previous)
-        return await original_session(broker, reader, writer, session, handler, *args)
 
     async def handle_disconnect(broker: Broker, session: Session, handler: BrokerProtocolHandler,
                                 disconnect_waiter: asyncio.Future) -> None:
@@ -127,6 +125,6 @@ def keep_the_new_connection_on_persistent_takeover() -> None:
             return
         await original_disconnect(broker, session, handler, disconnect_waiter)
 
-    replace(Broker, "_handle_client_session", handle_client_session)
+    step(Broker, "_handle_client_session", before=note_the_handler_taken_over)
     replace(Broker, "_handle_disconnect", handle_disconnect)
 

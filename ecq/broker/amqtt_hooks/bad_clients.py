@@ -28,7 +28,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.publish import PublishVariableHeader
 from amqtt.mqtt.subscribe import SubscribePayload
 
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import replace, step
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.throttle import LogThrottle
 from ecq.queue.topics import is_ecq_topic
@@ -173,23 +173,21 @@ def close_abandoned_connections() -> None:
     left the broker unable to accept anyone. Now the socket is closed once amqtt returns.
     Also registers the connection in ``_connections`` for the packet checks below.
     """
-    original = Broker._client_connected
 
-    async def client_connected(broker: Broker, listener_name: str, reader: Any, writer: Any) -> None:
+    def register(broker: Broker, listener_name: str, reader: Any, writer: Any) -> None:
         plugin = find_target(broker.plugins_manager)
-        if plugin is None:
-            return await original(broker, listener_name, reader, writer)
-        peer = writer.get_peer_info()
-        _connections[reader] = _Connection(f"{peer[0]}:{peer[1]}" if peer else "unknown peer",
-                                           plugin.settings.effective_max_packet_bytes(),
-                                           plugin.settings.connect_timeout, plugin.count_protocol_violation)
-        try:
-            await original(broker, listener_name, reader, writer)
-        finally:
+        if plugin is not None:
+            peer = writer.get_peer_info()
+            _connections[reader] = _Connection(f"{peer[0]}:{peer[1]}" if peer else "unknown peer",
+                                               plugin.settings.effective_max_packet_bytes(),
+                                               plugin.settings.connect_timeout, plugin.count_protocol_violation)
+
+    def close(broker: Broker, listener_name: str, reader: Any, writer: Any) -> None:
+        if find_target(broker.plugins_manager) is not None:  # the broker's plugins, as register() found them
             del _connections[reader]
             _abort(writer)
 
-    replace(Broker, "_client_connected", client_connected)
+    step(Broker, "_client_connected", before=register, after=close)
 
 
 def time_limit_connect() -> None:

@@ -30,7 +30,7 @@ from ecq.broker.amqtt_hooks import flow
 from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE, client_id, close_connection, no_op
 from ecq.broker.amqtt_hooks.fleet_scale import retained_matching
 from ecq.broker.amqtt_hooks.mqtt5_routing import sends_retained
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import replace, step
 from ecq.broker.amqtt_hooks.shared_subscriptions import receivers
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
 from ecq.queue.topics import is_ecq_topic
@@ -72,19 +72,15 @@ def release_handlers_of_offline_sessions() -> None:
     handling ends the entry keeps only the session: subscriptions and queued messages stay with it (MQTT 3.1.1
     section 3.1.2.4), and its next connection brings a new handler. An entry a takeover already gave to a new
     connection is left alone."""
-    original = Broker._handle_client_session
 
-    async def handle_client_session(broker: Broker, reader: Any, writer: Any, session: Any,
-                                    handler: BrokerProtocolHandler, *args: Any) -> None:
-        try:
-            return await original(broker, reader, writer, session, handler, *args)
-        finally:
-            entry = broker._sessions.get(session.client_id)
-            if (find_target(broker.plugins_manager) is not None and entry is not None and entry[1] is handler
-                    and session.transitions.state == "disconnected"):
-                broker._sessions[session.client_id] = (session, None)
+    def release_the_handler(broker: Broker, reader: Any, writer: Any, session: Any, handler: BrokerProtocolHandler,
+                            *args: Any) -> None:
+        entry = broker._sessions.get(session.client_id)
+        if (find_target(broker.plugins_manager) is not None and entry is not None and entry[1] is handler
+                and session.transitions.state == "disconnected"):
+            broker._sessions[session.client_id] = (session, None)
 
-    replace(Broker, "_handle_client_session", handle_client_session)
+    step(Broker, "_handle_client_session", after=release_the_handler)
 
 
 def set_session_expiry(context: BrokerContext, seconds: float) -> None:
@@ -195,24 +191,23 @@ def offline_queue_first_on_reconnect() -> None:
     ordered topics) and outside ``session_max_queued``. So from the CONNECT of a CleanSession=0 client until its
     queue is taken for sending, its QoS 1 and 2 messages join that queue (see :func:`_fan_out`), within the bound;
     later ones are sent after the queue's."""
-    original_session = Broker._handle_client_session
     original_queued = Broker._publish_session_retained_messages
 
-    async def handle_client_session(broker: Broker, reader: Any, writer: Any, session: Any,
-                                    handler: BrokerProtocolHandler, *args: Any) -> None:
+    def mark_resuming(broker: Broker, reader: Any, writer: Any, session: Any, handler: BrokerProtocolHandler,
+                      *args: Any) -> None:
         if find_target(broker.plugins_manager) is not None and session.clean_session is False:
             _resuming[id(session)] = handler
-        try:
-            return await original_session(broker, reader, writer, session, handler, *args)
-        finally:
-            if _resuming.get(id(session)) is handler:  # not a newer connection's (a takeover) mark
-                del _resuming[id(session)]
+
+    def unmark_resuming(broker: Broker, reader: Any, writer: Any, session: Any, handler: BrokerProtocolHandler,
+                        *args: Any) -> None:
+        if _resuming.get(id(session)) is handler:  # not a newer connection's (a takeover) mark
+            del _resuming[id(session)]
 
     async def publish_queued(broker: Broker, session: Any) -> None:
         _resuming.pop(id(session), None)  # the queue is taken before this coroutine first yields: nothing comes between
         await original_queued(broker, session)
 
-    replace(Broker, "_handle_client_session", handle_client_session)
+    step(Broker, "_handle_client_session", before=mark_resuming, after=unmark_resuming)
     replace(Broker, "_publish_session_retained_messages", publish_queued)
 
 

@@ -23,7 +23,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker.amqtt_hooks.authentication import refuse_connect
 from ecq.broker.amqtt_hooks.mqtt5_edge import refuse_v5_with
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import replace, step
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.throttle import LogThrottle
 
@@ -92,17 +92,15 @@ def cap_connections() -> None:
     connection or refuses it (``authentication.refuse_connect``: CONNACK, close, nothing of a session touched); the
     connection's end, on every path, releases what was counted.
     """
-    original_connected = Broker._client_connected
     original_init = BrokerProtocolHandler.init_from_connect
 
-    async def client_connected(broker: Broker, listener_name: str, reader: Any, writer: Any) -> None:
-        admission = _Admission()
-        _admission.set(admission)
-        try:
-            await original_connected(broker, listener_name, reader, writer)
-        finally:
-            if admission.client_id is not None:
-                _counts[broker].release(admission.client_id)
+    def admit(broker: Broker, listener_name: str, reader: Any, writer: Any) -> None:
+        _admission.set(_Admission())
+
+    def release(broker: Broker, listener_name: str, reader: Any, writer: Any) -> None:
+        admission = _admission.get()  # admit()'s: the connection's task is the one context that sets it
+        if admission is not None and admission.client_id is not None:
+            _counts[broker].release(admission.client_id)
 
     async def init_from_connect(cls: type, reader: Any, writer: Any, plugins_manager: Any,
                                 loop: Any = None) -> tuple[BrokerProtocolHandler, Any]:
@@ -117,7 +115,7 @@ def cap_connections() -> None:
         admission.client_id = session.client_id
         return handler, session
 
-    replace(Broker, "_client_connected", client_connected)
+    step(Broker, "_client_connected", before=admit, after=release)
     replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
 
 

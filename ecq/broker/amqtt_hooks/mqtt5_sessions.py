@@ -29,7 +29,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from ecq.broker.amqtt_hooks.ecq_paths import connection_is_open
 from ecq.broker.amqtt_hooks.mqtt5_messages import payload_of
 from ecq.broker.amqtt_hooks.mqtt5_packets import context_of, disconnect
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import replace, step
 from ecq.broker.amqtt_hooks.target import find_target
 
 log = logging.getLogger(__name__)
@@ -289,17 +289,15 @@ def tell_v5_clients_why_they_are_closed() -> None:
     a keepalive timeout (``handle_read_timeout``, see ``conformance.enforce_keepalive``) and when the broker stops
     (``Broker.shutdown``). MQTT 5.0 section 3.14.2.1: the server may send DISCONNECT with the reason before it
     closes; a v5 connection is sent 0x8E Session taken over, 0x8D Keep Alive timeout, 0x8B Server shutting down."""
-    original_session = Broker._handle_client_session
     original_delete = Broker._delete_session
     original_timeout = BrokerProtocolHandler.handle_read_timeout
     original_shutdown = Broker.shutdown
 
-    async def handle_client_session(broker: Broker, reader: Any, writer: Any, session: Any,
-                                    handler: BrokerProtocolHandler, *args: Any) -> None:
+    def tell_the_connection_taken_over(broker: Broker, reader: Any, writer: Any, session: Any,
+                                       handler: BrokerProtocolHandler, *args: Any) -> None:
         _, previous = broker._sessions.get(session.client_id, (None, None))
         if previous is not None and previous is not handler:
             tell(previous, SESSION_TAKEN_OVER)
-        return await original_session(broker, reader, writer, session, handler, *args)
 
     async def delete_session(broker: Broker, client_id: str) -> None:
         _, previous = broker._sessions.get(client_id, (None, None))
@@ -319,7 +317,7 @@ def tell_v5_clients_why_they_are_closed() -> None:
                     tell(handler, SERVER_SHUTTING_DOWN)
         await original_shutdown(broker)
 
-    replace(Broker, "_handle_client_session", handle_client_session)
+    step(Broker, "_handle_client_session", before=tell_the_connection_taken_over)
     replace(Broker, "_delete_session", delete_session)
     replace(BrokerProtocolHandler, "handle_read_timeout", handle_read_timeout)
     replace(Broker, "shutdown", shutdown)

@@ -7,6 +7,12 @@ Modelled on gevent's ``monkey.patch_item``: the first replacement of ``(owner, n
 in which order". A correction replaces a method by a wrapper of the one it finds there (its ``original``), so the
 corrections of one method form a chain: the first listed is innermost, the last one runs first.
 
+Each wrapper of such a chain is a coroutine frame, and a method that runs for a connection's whole life (amqtt's
+``Broker._client_connected`` and ``_handle_client_session``) keeps every one of them suspended per connected client. So
+the corrections of such a method give :func:`step` their parts instead (what runs before the call, what runs after it
+as a ``finally``, at most one replacement of amqtt's body), and the seam installs ONE wrapper running them in the
+order of that same chain: the frames of a connection hold one ECQ wrapper per method, not one per correction.
+
 :func:`apply` runs a table of corrections (``amqtt_hooks.CORRECTIONS``) after :func:`check_amqtt_version`; a
 replacement outside it, or of a name its owner lacks, raises :class:`AmqttSeamError` instead of being made, and the
 broker does not start.
@@ -18,6 +24,7 @@ import importlib.metadata
 import inspect
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -57,6 +64,7 @@ PRIVATE_READS: dict[str, tuple[str, ...]] = {
 Owner = type | ModuleType  # a class of amqtt's, or one of its modules (for a name it looks up there, as Queue)
 saved: dict[tuple[Owner, str], Any] = {}  # (owner, name) -> amqtt's own attribute, as found in the class or module
 _corrections: dict[tuple[Owner, str], list[str]] = {}  # (owner, name) -> the corrections wrapping it, innermost first
+_steps: dict[tuple[Owner, str], list[Step]] = {}  # (owner, name) -> its corrections' steps (step()), innermost first
 _applying: list[str] = []  # the correction being applied, while apply() runs it
 
 
@@ -90,7 +98,96 @@ def apply(table: Iterable[Callable[[], None]]) -> None:
 def replace(owner: Owner, name: str, replacement: Any) -> None:
     """Set ``owner.name`` to ``replacement`` (a function, or a classmethod object for a classmethod), keeping amqtt's
     own attribute in :data:`saved` the first time and recording the correction being applied. Raises
-    :class:`AmqttSeamError` outside :func:`apply` or when ``owner`` has no ``name`` (amqtt changed)."""
+    :class:`AmqttSeamError` outside :func:`apply`, when ``owner`` has no ``name`` (amqtt changed) or when ``name`` is
+    corrected through :func:`step` (one wrapper)."""
+    key = _record(owner, name)
+    if key in _steps:
+        raise AmqttSeamError(f"{_label(owner)}.{name} is corrected through seam.step() (one wrapper): "
+                             f"{_applying[-1]} must give its correction as a step too")
+    _corrections[key].append(_applying[-1])
+    setattr(owner, name, replacement)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One correction's part of the one wrapper :func:`step` installs: plain functions called with the method's
+    positional arguments (``self`` first), so nothing is awaited between two corrections' parts.
+
+    ``before(*args)`` runs before the call and returns the arguments the call gets from there on (the inner steps,
+    amqtt), or None to keep them; ``after(*args)`` runs once the call ended, however it ended (a ``finally``), given
+    the arguments the call was made with; ``body``, a coroutine function, replaces amqtt's own method."""
+
+    before: Callable[..., tuple[Any, ...] | None] | None = None
+    after: Callable[..., None] | None = None
+    body: Callable[..., Any] | None = None
+
+
+def step(owner: type, name: str, *, before: Callable[..., tuple[Any, ...] | None] | None = None,
+         after: Callable[..., None] | None = None, body: Callable[..., Any] | None = None) -> None:
+    """Correct the amqtt coroutine method ``owner.name`` by a :class:`Step` of the correction being applied, and
+    install one wrapper running all of its steps as the chain of wrappers :func:`replace` would make runs them: the
+    befores of the later corrections first, then the body (amqtt's own, or the first step's ``body``), then the afters
+    of the earlier ones first, each after running whatever the one before it raised, as nested ``finally`` clauses
+    do; a ``before`` that raises is not followed by its own ``after``. One difference from that chain, so that a call
+    allocates nothing but its frame: every ``after`` is given the arguments as the befores left them, also those an
+    inner correction's ``before`` replaced (``websocket``'s, the one that replaces any, is outermost). amqtt calls both
+    such methods with positional arguments only. Raises :class:`AmqttSeamError` as :func:`replace` does, and when
+    ``owner.name`` is not a coroutine method, is replaced through :func:`replace` too, or has its body replaced by
+    a step other than its first."""
+    key = _record(owner, name)
+    steps = _steps.setdefault(key, [])
+    if not inspect.iscoroutinefunction(saved[key]):
+        _refuse_step(owner, name, "is not a coroutine method")
+    if len(_corrections[key]) > len(steps):
+        _refuse_step(owner, name, "is replaced through seam.replace() too")
+    if body is not None and steps:
+        _refuse_step(owner, name, "has its body replaced by an earlier correction's step")
+    steps.append(Step(before, after, body))
+    _corrections[key].append(_applying[-1])
+    setattr(owner, name, _one_wrapper(owner, name, saved[key], tuple(steps)))
+
+
+def _refuse_step(owner: type, name: str, problem: str) -> None:
+    raise AmqttSeamError(f"{_label(owner)}.{name}, corrected by {_applying[-1]} through seam.step(), {problem}")
+
+
+def _one_wrapper(owner: type, name: str, original: Callable[..., Any], steps: tuple[Step, ...]) -> Callable[..., Any]:
+    """The coroutine function running ``steps`` (innermost first) around ``original`` (see :func:`step`)."""
+    body = steps[0].body or original
+    outermost_first = steps[::-1]
+
+    async def corrected(*args: Any) -> Any:
+        entered = 0  # the steps of outermost_first whose before ran: their afters are due
+        try:
+            for each in outermost_first:
+                if each.before is not None:
+                    args = each.before(*args) or args
+                entered += 1
+            return await body(*args)
+        finally:
+            _leave(outermost_first, entered, args)
+
+    # its frames named as the method they stand for, in tracebacks and profiles (py-spy), not "corrected"
+    corrected.__code__ = corrected.__code__.replace(co_name=name, co_qualname=f"{owner.__qualname__}.{name}")
+    corrected.__name__, corrected.__qualname__ = name, f"{owner.__qualname__}.{name}"
+    return corrected
+
+
+def _leave(outermost_first: tuple[Step, ...], entered: int, args: tuple[Any, ...]) -> None:
+    """Run the afters of the first ``entered`` steps of ``outermost_first`` with ``args``, the innermost first, each
+    one whatever the one before it raised (the last exception raised propagates), as nested ``finally`` clauses run."""
+    if entered:
+        after = outermost_first[entered - 1].after
+        try:
+            if after is not None:
+                after(*args)
+        finally:
+            _leave(outermost_first, entered - 1, args)
+
+
+def _record(owner: Owner, name: str) -> tuple[Owner, str]:
+    """``(owner, name)``, amqtt's own attribute kept in :data:`saved` the first time. Raises :class:`AmqttSeamError`
+    outside :func:`apply` or when ``owner`` has no ``name`` (amqtt changed)."""
     if not _applying:
         raise AmqttSeamError(f"{_label(owner)}.{name} replaced outside amqtt_hooks.install(): add the correction "
                              f"to amqtt_hooks.CORRECTIONS")
@@ -99,8 +196,8 @@ def replace(owner: Owner, name: str, replacement: Any) -> None:
                              f"ECQ's correction {_applying[-1]} replaces")
     key = (owner, name)
     saved.setdefault(key, inspect.getattr_static(owner, name))
-    _corrections.setdefault(key, []).append(_applying[-1])
-    setattr(owner, name, replacement)
+    _corrections.setdefault(key, [])
+    return key
 
 
 def kept_on(obj: Any, name: str, make: Callable[[], Any]) -> Any:
@@ -126,7 +223,7 @@ def is_replaced(owner: Owner, name: str) -> bool:
 
 def corrections() -> dict[str, list[str]]:
     """``{"Owner.name": ["module.correction", ...]}``: what ECQ replaces in amqtt, each with the corrections wrapping
-    it, innermost (first installed) first."""
+    it, innermost (first installed) first (for a method corrected by :func:`step`, its steps in that order)."""
     return {f"{owner.__name__}.{name}": list(names) for (owner, name), names in _corrections.items()}
 
 
@@ -134,8 +231,9 @@ def describe() -> str:
     """:func:`corrections` as text, one amqtt name a paragraph, sorted by name."""
     lines = [f"What ECQ replaces in amqtt {AMQTT_VERSION}, with its corrections in order (innermost first; the last "
              f"runs first):"]
+    one_wrapper = {f"{owner.__name__}.{name}" for owner, name in _steps}
     for target, names in sorted(corrections().items()):
-        lines.append(target)
+        lines.append(f"{target} (one wrapper)" if target in one_wrapper else target)
         lines.extend(f"    {name}" for name in names)
     return "\n".join(lines)
 

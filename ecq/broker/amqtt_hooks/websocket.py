@@ -32,7 +32,7 @@ from websockets.asyncio.server import ServerConnection, broadcast
 from websockets.exceptions import ConnectionClosed
 from websockets.frames import CloseCode
 
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import replace, step
 from ecq.broker.amqtt_hooks.target import find_target
 
 log = logging.getLogger(__name__)
@@ -85,17 +85,17 @@ def correct_websocket_adapters() -> None:
     ``WebSocketsReader._feed_buffer`` keeps the last message it received when ``recv()`` raises ConnectionClosed
     and appends it again until it has the bytes it was asked for. ``Broker._client_connected`` gets a
     :class:`_SendingWebSocketsWriter` and a :class:`_WebSocketsReaderEndingAtTheClose` on the same connection."""
-    original = Broker._client_connected
 
-    async def client_connected(broker: Broker, listener_name: str, reader: Any, writer: Any) -> None:
-        if find_target(broker.plugins_manager) is not None:
-            if type(writer) is WebSocketsWriter:
-                writer = _SendingWebSocketsWriter(writer._protocol)
-            if type(reader) is WebSocketsReader:
-                reader = _WebSocketsReaderEndingAtTheClose(reader._protocol)
-        await original(broker, listener_name, reader, writer)
+    def adapters(broker: Broker, listener_name: str, reader: Any, writer: Any) -> tuple[Any, ...] | None:
+        if find_target(broker.plugins_manager) is None:
+            return None
+        if type(writer) is WebSocketsWriter:
+            writer = _SendingWebSocketsWriter(writer._protocol)
+        if type(reader) is WebSocketsReader:
+            reader = _WebSocketsReaderEndingAtTheClose(reader._protocol)
+        return broker, listener_name, reader, writer
 
-    replace(Broker, "_client_connected", client_connected)
+    step(Broker, "_client_connected", before=adapters)
 
 
 def take_websocket_messages_of_the_largest_packet() -> None:
