@@ -197,9 +197,16 @@ def test_show_config_inuse_shows_the_values_in_effect_as_yaml(make_broker):
     assert "data_retention: 604800.0  # default\n" in text and "events: false\n" in text  # events: given
 
 
+def ready_line(broker) -> str:
+    """The broker's one "ECQ ready:" log line, logged just after its port accepts (amqtt's post-start event)."""
+    assert wait_until(lambda: "ECQ ready:" in broker.log(), 10), broker.log()
+    [line] = [line for line in broker.log().splitlines() if "ECQ ready:" in line]
+    return line
+
+
 def test_start_up_log_says_where_everything_is(make_broker):
     broker = make_broker(writer_pool_size=3)
-    [line] = [line for line in broker.log().splitlines() if "ECQ ready:" in line]
+    line = ready_line(broker)
     assert f"MQTT on 127.0.0.1:{broker.port} (listen backlog 1024)" in line
     assert f"admin API http://127.0.0.1:{broker.admin_port}/" in line
     assert f"data_dir {broker.data_dir};" in line and f"lake {broker.data_dir / 'lake'};" in line
@@ -208,7 +215,7 @@ def test_start_up_log_says_where_everything_is(make_broker):
 
 def test_a_cluster_node_says_where_its_queues_are_at_start_up(broker_process, jetstream_options):
     broker = broker_process(**jetstream_options, node_name="node-7").start()
-    [line] = [line for line in broker.log().splitlines() if "ECQ ready:" in line]
+    line = ready_line(broker)
     assert (f"queues on JetStream at {', '.join(jetstream_options['nats_servers'])} (namespace "
             f"{jetstream_options['jetstream_namespace']}, 2 shards, 3 replicas; node node-7)") in line
 
