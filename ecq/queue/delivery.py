@@ -49,6 +49,7 @@ from ecq.queue import oversize
 from ecq.queue.census import Census
 from ecq.queue.clock import now_ms, retention_cutoff_ms
 from ecq.queue.deadlines import SharedDeadline
+from ecq.queue.lean_event import LeanEvent
 from ecq.queue.resends import Resends
 from ecq.queue.tombstones import delete_acked
 from ecq.store.protocol import AckState, ExpiredRow, Message, QueueStore, SaveAck, StoreReadError
@@ -128,14 +129,14 @@ class Consumer:
         self._reader_saved = reader_saved
         self._acked_tombstones: list[ExpiredRow] = []  # acked, to delete once a save holding their ack commits
         self._read_cursor = state.acked     # highest seqno read from the store for this connection
-        self._ready: deque[Message] = deque()  # read ahead, not yet handed out (at most two windows)
+        self._ready: deque[Message] | tuple[()] = ()  # read ahead, not yet handed out (at most two windows)
         self._newest = state.acked          # highest seqno known to be stored (appends tell it)
-        self._handed: deque[int] = deque()  # seqnos handed to this connection, oldest first, not yet folded
+        self._handed: deque[int] | tuple[()] = ()  # seqnos handed to this connection, oldest first, not yet folded
         self._told = 0                      # highest seqno told since the read in flight started (_UNKNOWN: polled)
         self._reading: asyncio.Task | None = None   # the read-ahead in flight
         self._deleted_in_read: set[int] = set()     # seqnos deleted while it was in flight: not to be sent
         self._unreadable = False            # a read found damaged data: delivery stops (StoreReadError)
-        self._wake = asyncio.Event()
+        self._wake = LeanEvent()
         self._pump_task: asyncio.Task | None = None
         self._fits: Fits | None = None      # the attached connection's size bound (None: none)
         self.skipped: dict[int, Message] = {}  # seqno -> entries skipped for this connection: gaps in _handed
@@ -173,8 +174,7 @@ class Consumer:
             self._pump_task.cancel()
         self._cancel_read()
         self._cancel_inflight()
-        self._handed.clear()
-        self._ready.clear()
+        self._handed, self._ready = (), ()
         self.skipped.clear()
         self._read_cursor = self.state.acked
         if self.connection is not None:
@@ -206,8 +206,7 @@ class Consumer:
         if self.connection is not None and not self._sending:
             self.detach()
         self._cancel_inflight()
-        self._handed.clear()
-        self._ready.clear()
+        self._handed, self._ready = (), ()
         self.skipped.clear()
         self.resends.clear()
         self.state = AckState(acked, self.state.last_ack_ms, set())
@@ -245,7 +244,7 @@ class Consumer:
     def forget(self, seqnos: set[int]) -> None:
         """Entries ``seqnos`` were deleted (purge, GC, quota eviction): drop them from the read-ahead so they are
         not sent; an entry skipped for this connection no longer holds ``acked`` back."""
-        self._ready = deque(m for m in self._ready if m.seqno not in seqnos)
+        self._ready = deque(m for m in self._ready if m.seqno not in seqnos) or ()
         if self._reading is not None:  # the read may have found them before their delete committed
             self._deleted_in_read |= seqnos
         self._close_gaps([seqno for seqno in self.skipped if seqno in seqnos])
@@ -259,10 +258,10 @@ class Consumer:
         joins the read-ahead directly and no store read is made for it.
         """
         if self._ready:
-            self._ready = deque(m for m in self._ready if m.key != key or m.seqno >= seqno)
+            self._ready = deque(m for m in self._ready if m.key != key or m.seqno >= seqno) or ()
         self._close_gaps(oversize.superseded(self.skipped, key, seqno))
         if message is not None and self._takes_from_commit(seqno):
-            self._ready.append(message)
+            self._add_ready([message])
             self._read_cursor = seqno
         self._newest = max(self._newest, seqno)
         self._told = max(self._told, seqno)
@@ -324,7 +323,7 @@ class Consumer:
         self.wake()
         if messages is None:
             return
-        self._ready.extend(m for m in messages if m.seqno not in deleted)
+        self._add_ready([m for m in messages if m.seqno not in deleted])
         self._read_cursor = messages[-1].seqno if messages else self._read_cursor
         if len(messages) < limit:  # everything stored was read, but what was appended meanwhile
             self._newest = max(self._read_cursor, self._told)
@@ -343,8 +342,22 @@ class Consumer:
             message = self._ready.popleft()
             if message.ts_ms >= oldest_live_ms and not message.lapsed(now):
                 self._hand_out(message)
+        if not self._ready:
+            self._ready = ()
+
+    def _add_ready(self, messages: list[Message]) -> None:
+        """Append ``messages`` to the read-ahead (kept as ``()`` while empty, as ``_handed`` is: an empty deque is
+        760 bytes, and most consumers of a fleet wait with nothing read ahead or in flight)."""
+        if not messages:
+            return
+        if self._ready:
+            self._ready.extend(messages)
+        else:
+            self._ready = deque(messages)
 
     def _hand_out(self, message: Message) -> None:
+        if not self._handed:
+            self._handed = deque()
         self._handed.append(message.seqno)
         if message.seqno in self.state.above:
             return
@@ -424,6 +437,8 @@ class Consumer:
             self.state.acked = self._handed.popleft()
             self.state.above.discard(self.state.acked)
             advanced = True
+        if not self._handed:
+            self._handed = ()
         if advanced:
             self.resends.forget_through(self.state.acked)
         return advanced

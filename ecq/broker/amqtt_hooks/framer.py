@@ -30,6 +30,9 @@ packets from those bytes:
   the pending handler tasks are run out (bounded, not on a cancel) or cancelled, then
   ``handle_connection_closed``, ``_reader_stopped``, ``stop``.
 
+amqtt's handler events ``_reader_ready`` and ``_reader_stopped`` (an ``asyncio.Event``, with its 760-byte deque, each)
+become :class:`ecq.queue.lean_event.LeanEvent`s as the framer starts, before anything but ``start`` waits on them.
+
 Packets the fast path takes are not seen by amqtt's PACKET_RECEIVED plugins (e.g. the ``$SYS`` counters);
 ``ecq_fast_path_packets_total{packet}`` counts them.
 """
@@ -37,7 +40,6 @@ Packets the fast path takes are not seen by amqtt's PACKET_RECEIVED plugins (e.g
 from __future__ import annotations
 
 import asyncio
-import collections
 import io
 import logging
 
@@ -57,6 +59,7 @@ from ecq.broker.amqtt_hooks.ecq_paths import client_id, send_soon
 from ecq.broker.amqtt_hooks.flow import all_routed, room_to_read
 from ecq.broker.amqtt_hooks.seam import replace
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
+from ecq.queue.lean_event import LeanEvent
 from ecq.queue.topics import PREFIX, SCQ_PREFIX, is_ecq_topic
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,8 @@ RUN_OUT_S = 5.0  # at the end of a connection, the longest its last packets' han
 _QOS_2_FLAGS = 0x04  # PUBLISH flags & 0x06 for QoS 2
 _ECQ_PREFIXES = (PREFIX.encode(), SCQ_PREFIX.encode())  # the topics ECQ takes itself
 _PINGRESP = bytes((PINGRESP << 4, 0))  # the same two bytes in MQTT 3.1.1 and 5.0
+_READY = LeanEvent()  # every framer's handler._reader_ready once it runs: set, never cleared, waited on by no one
+_READY.set()
 _HANDLERS = {CONNACK: "handle_connack", SUBSCRIBE: "handle_subscribe", UNSUBSCRIBE: "handle_unsubscribe",
              SUBACK: "handle_suback", UNSUBACK: "handle_unsuback", PUBACK: "handle_puback", PUBREC: "handle_pubrec",
              PUBREL: "handle_pubrel", PUBCOMP: "handle_pubcomp", PINGREQ: "handle_pingreq",
@@ -85,6 +90,15 @@ def read_with_the_framer() -> None:
         await Framer(handler, plugin).run()
 
     replace(BrokerProtocolHandler, "_reader_loop", reader_loop)
+
+
+def _lean_events(handler: BrokerProtocolHandler) -> None:
+    """Set amqtt's ``_reader_ready``, which ``start`` waits on, and give the handler lean events in place of amqtt's
+    (an ``asyncio.Event`` holds a 760-byte deque; ecq.queue.lean_event): nothing waits on ``_reader_stopped`` yet,
+    and ``_reader_ready`` is never waited on again."""
+    handler._reader_stopped = LeanEvent()
+    handler._reader_ready, ready = _READY, handler._reader_ready
+    ready.set()
 
 
 class _PacketReader(BufferReader):
@@ -108,8 +122,8 @@ class Framer:
         self._stream: asyncio.StreamReader = self._byte_stream(handler.reader)
         self._max_packet_bytes = checked_connection(self._adapter).max_packet_bytes
         self._packets = _PacketReader()  # also names the connection in violations until the reader's exit
-        self._running: collections.deque[tuple[asyncio.Task, bool]] = collections.deque()  # amqtt handler tasks,
-        # each with whether it ends by itself (see _run_out)
+        self._running: list[tuple[asyncio.Task, bool]] = []  # amqtt handler tasks, each with whether it ends by
+        # itself (see _run_out); a list, not a deque (760 bytes): a connection has a few at a time, mostly none
         self._loop = asyncio.get_running_loop()
         keep_alive = handler.session.keep_alive
         self._keepalive_s = keep_alive if keep_alive and keep_alive > 0 else None
@@ -127,7 +141,7 @@ class Framer:
     async def run(self) -> None:
         """Read until the connection ends, then run amqtt's reader exit path (once)."""
         handler, cancelled = self._handler, False
-        handler._reader_ready.set()
+        _lean_events(handler)
         with checks_shared_with(self._adapter, self._packets):
             self._arm_keepalive()
             try:
@@ -160,8 +174,9 @@ class Framer:
                 await asyncio.wait(finishing, timeout=RUN_OUT_S)
             except asyncio.CancelledError:
                 log.debug("reader of %s cancelled while its last packets were handled", client_id(self._handler))
-        while self._running:
-            self._running.popleft()[0].cancel()
+        for task, _ in self._running:
+            task.cancel()
+        self._running.clear()
 
     async def _read(self) -> None:
         """Cut and hand on packets until EOF; a partial fixed header waits for the next read."""
@@ -175,8 +190,8 @@ class Framer:
                 return
             pending = await self._cut(pending + chunk if pending else chunk)
             await room_to_read(self._adapter)  # PUBLISHes read and not yet routed within their bounds
-            while self._running and self._running[0][0].done():
-                self._running.popleft()
+            if self._running:
+                self._running = [running for running in self._running if not running[0].done()]
 
     async def _cut(self, data: bytes) -> bytes:
         """Hand on every whole packet of ``data``; returns the bytes of an incomplete fixed header at its end.
