@@ -78,6 +78,16 @@ class BrokerThread:
             return fn()
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
 
+    def engine(self):
+        """The ECQ plugin's QueueEngine (call on the broker's loop)."""
+        from ecq.broker.amqtt_hooks.target import find_target
+        return find_target(self.broker.plugins_manager).engine
+
+    def connections(self) -> int:
+        """The connections the broker serves now (call on the broker's loop)."""
+        from ecq.broker.amqtt_hooks import connection_is_open
+        return sum(connection_is_open(handler) for _, handler in self.broker._sessions.values())
+
     def wait_until(self, predicate, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while not self.call(predicate):
@@ -176,8 +186,11 @@ def main() -> None:
             tracemalloc.start(1)
         n, base = args.clients, Measure(args.trace)
         if args.phase == "idle":
-            open_devices(broker.port, "idle", n, persistent=False)
+            devices = open_devices(broker.port, "idle", n, persistent=False)  # kept: a dropped socket closes
+            broker.wait_until(lambda: broker.connections() == n)
             base.report("idle connections (clean session)", n)
+            assert broker.call(broker.connections) == n, "connections closed while measured"
+            del devices
         else:
             tasks = broker.call(lambda: len(asyncio.all_tasks()))
             consumers = open_devices(broker.port, "dev", n, persistent=True)
@@ -186,7 +199,8 @@ def main() -> None:
                 sock.sendall(DISCONNECT)
                 sock.close()
             broker.wait_until(lambda: len(asyncio.all_tasks()) <= tasks and all(  # every connection's task ended
-                s.transitions.state == "disconnected" for s, _ in broker.broker._sessions.values()))
+                s.transitions.state == "disconnected" for s, _ in broker.broker._sessions.values())
+                and not broker.engine().consumers)  # and each consumer forgotten (ecq.broker.sessions.disconnected)
             base.report("offline persistent sessions", n)
         broker.stop()
 
