@@ -141,12 +141,19 @@ def log_refused_connects() -> None:
     authentication plugin: True, False, or None for "not mine") and refuses when no plugin answered a boolean or
     any answered False, logging that only at DEBUG. The answers are read here, where they are made, so that no
     plugin is asked twice; the decision stays amqtt's.
+
+    amqtt asks the plugins in a task each, gathered (``PluginManager._map_plugin_method``): a task, a future and
+    their callbacks for every CONNECT. Here each plugin's ``authenticate`` is awaited in turn on the CONNECT's own
+    task, in the config's order; the answers are the same (only several slow plugins, e.g. two that ask an HTTP
+    service, now add their waits up).
     """
     original_map_plugin_auth = PluginManager.map_plugin_auth
 
     async def map_plugin_auth(manager: PluginManager, *, session: Any) -> dict:
-        answers = await original_map_plugin_auth(manager, session=session)
-        if find_target(manager) is not None and (reason := _refusal(answers)) is not None:
+        if find_target(manager) is None:
+            return await original_map_plugin_auth(manager, session=session)
+        answers = {plugin: await plugin.authenticate(session=session) for plugin in manager._auth_plugins}
+        if (reason := _refusal(answers)) is not None:
             if (held_back := _refusal_log.due()) is not None:
                 more = f" ({held_back} more refused CONNECTs since the last such line)" if held_back else ""
                 log.warning("ECQ: CONNECT of client %r (user %r) from %s refused (CONNACK 0x05, MQTT 5 0x87): %s%s",
