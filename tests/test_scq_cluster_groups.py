@@ -1,0 +1,94 @@
+"""SCQ shared groups across the brokers of a cluster (issue 33 point 7): a group's members on two ECQ nodes of one
+local NATS JetStream cluster share its position, served by the node holding the group's lease
+(ecq.broker.group_leases); paho 3.1.1 clients over TCP."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from tests.harness import wait_until
+from tests.test_scq import scq_write
+from tests.test_scq_groups import GROUP, keys_of, write_keys
+
+LEASE_S = 3.0  # scq_group_lease in the kill test: the other node takes the group within it (plus a margin)
+
+
+def received_keys(members, count: int, timeout: float = 20.0) -> Counter:
+    """How many times each key reached the members together, once ``count`` arrived and nothing more in 1 s."""
+    got: Counter = Counter()
+
+    def take() -> int:
+        for member in members:
+            while not member.messages.empty():
+                got.update(keys_of([member.messages.get_nowait()]))
+        return sum(got.values())
+    assert wait_until(lambda: take() >= count, timeout), f"only {sum(got.values())} of {count} arrived"
+    for member in members:
+        got.update(keys_of(member.quiet(1.0 if member is members[0] else 0)))
+    return got
+
+
+def holder_with_unacked(connect, node, producer):
+    """A member on ``node`` that got a..c of a..f with a window of 3, acked a and b and holds c, d and e unacked:
+    d and e came only once the ack save of a and b was stored (ecq.queue.delivery sends nothing before)."""
+    write_keys(producer, list("abcdef"))
+    holding = connect(node.port, "holding", manual_ack=True)
+    assert holding.subscribe(GROUP) == 1
+    first = holding.expect(3, timeout=20)
+    assert keys_of(first) == ["a", "b", "c"]
+    holding.ack(first[0])
+    holding.ack(first[1])
+    assert keys_of(holding.expect(2, timeout=10)) == ["d", "e"]
+    return holding
+
+
+def test_each_entry_reaches_one_member_of_the_whole_group(cluster_nodes, connect):
+    """Members on both nodes: every entry of a backlog and of later writes reaches exactly one member of the group
+    (without the lease, each node's members formed a group of their own: every entry once per node)."""
+    node1, node2 = (node.start() for node in cluster_nodes(reader_batch_size=3))
+    producer = connect(node1.port, "producer")
+    backlog = [f"b{i}" for i in range(30)]
+    write_keys(producer, backlog)
+    members = [connect(node1.port, "near-1"), connect(node2.port, "far"), connect(node1.port, "near-2")]
+    for member in members:
+        assert member.subscribe(GROUP) == 1
+    later = [f"l{i}" for i in range(20)]
+    write_keys(connect(node2.port, "producer-2"), later)
+    got = received_keys(members, len(backlog) + len(later))
+    assert got == Counter(backlog + later), {key: n for key, n in got.items() if n != 1}
+
+
+def test_the_other_node_takes_over_when_the_holding_nodes_members_leave(cluster_nodes, connect):
+    """The member on the node serving the group disconnects holding unacked entries: the member on the other node,
+    sent nothing until then, gets them and the rest, never what was acked."""
+    node1, node2 = (node.start() for node in cluster_nodes(reader_batch_size=3))
+    producer = connect(node1.port, "producer")
+    holding = holder_with_unacked(connect, node1, producer)
+    standby = connect(node2.port, "standby")
+    assert standby.subscribe(GROUP) == 1
+    assert standby.quiet(1.0) == []  # a standby: its node does not hold the group's lease
+    holding.close(clean=False)
+    assert sorted(keys_of(standby.expect(3, timeout=10))) == ["c", "d", "e"]
+    assert keys_of(standby.expect(1, timeout=10)) == ["f"]
+    scq_write(producer, "g", b"g")
+    assert keys_of(standby.expect(1, timeout=10)) == ["g"]
+    assert standby.quiet(0.5) == []
+
+
+def test_a_killed_holders_group_goes_to_the_other_node_within_the_lease(cluster_nodes, connect):
+    """The node serving the group is killed (kill -9): within the lease time plus a margin the member on the other
+    node gets what was not acked and the rest; nothing acked comes again."""
+    node1, node2 = (node.start() for node in cluster_nodes(reader_batch_size=3, scq_group_lease=f"{LEASE_S}s"))
+    holding = holder_with_unacked(connect, node1, connect(node2.port, "producer"))
+    standby = connect(node2.port, "standby")
+    assert standby.subscribe(GROUP) == 1
+    assert standby.quiet(0.5) == []
+    killed = time.monotonic()
+    node1.kill()
+    got = standby.expect(4, timeout=LEASE_S + 5)
+    elapsed = time.monotonic() - killed
+    assert sorted(keys_of(got)) == ["c", "d", "e", "f"]
+    assert elapsed < LEASE_S + 5
+    assert standby.quiet(0.5) == []
+    holding.close(clean=False)
