@@ -92,3 +92,17 @@ def test_a_killed_holders_group_goes_to_the_other_node_within_the_lease(cluster_
     assert elapsed < LEASE_S + 5
     assert standby.quiet(0.5) == []
     holding.close(clean=False)
+
+
+def test_a_stopping_holder_hands_the_group_over_at_once(cluster_nodes, connect):
+    """The node serving the group stops (SIGTERM) with a lease of a minute: it hands the lease back once its acks
+    are saved, so the member on the other node gets the rest well within the lease; nothing acked comes again."""
+    node1, node2 = (node.start() for node in cluster_nodes(reader_batch_size=3, scq_group_lease="60s"))
+    holding = holder_with_unacked(connect, node1, connect(node2.port, "producer"))
+    standby = connect(node2.port, "standby")
+    assert standby.subscribe(GROUP) == 1
+    assert standby.quiet(0.5) == []
+    assert node1.stop() == 0
+    assert sorted(keys_of(standby.expect(4, timeout=15))) == ["c", "d", "e", "f"]
+    assert standby.quiet(0.5) == []
+    holding.close(clean=False)

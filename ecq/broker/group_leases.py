@@ -146,7 +146,7 @@ class GroupLeases:
         except KeyWrongLastSequenceError:
             return None
         except Exception as exc:
-            log.warning("ECQ could not take the lease of SCQ group %s: %s", position, exc or type(exc).__name__)
+            self._log_failure("take the lease", position, exc)
             await self._woken(position, self._lease_s / RETRY_FRACTION)
             return None
 
@@ -164,7 +164,7 @@ class GroupLeases:
         if not free.done() or free.cancelled():
             return 0
         if (exc := free.exception()) is not None:
-            log.warning("ECQ could not watch the lease of SCQ group %s: %s", position, exc or type(exc).__name__)
+            self._log_failure("watch the lease", position, exc)
             await self._woken(position, self._lease_s / RETRY_FRACTION)
             return 0
         return free.result()
@@ -218,8 +218,16 @@ class GroupLeases:
     async def _hand_back(self, position: str, key: str, revision: int) -> None:
         try:
             await self._link.submit(self._kv.delete(key, last=revision))
+        except KeyWrongLastSequenceError:  # it lapsed meanwhile, and another broker may hold it now
+            pass
         except Exception as exc:  # it lapses after scq_group_lease
-            log.warning("ECQ could not hand back the lease of SCQ group %s: %s", position, exc or type(exc).__name__)
+            self._log_failure("hand back the lease", position, exc)
+
+    def _log_failure(self, what: str, position: str, exc: BaseException) -> None:
+        """A warning while the link to NATS is up; during an outage (logged by the store's link) a debug line, as
+        each group tries again every tenth of the lease."""
+        level = logging.WARNING if self._link.connected else logging.DEBUG
+        log.log(level, "ECQ could not %s of SCQ group %s: %s", what, position, exc or type(exc).__name__)
 
     async def _woken(self, position: str, seconds: float) -> None:
         """Wait ``seconds`` or until the group's members change, whichever comes first."""
