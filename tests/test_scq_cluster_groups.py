@@ -4,11 +4,14 @@ local NATS JetStream cluster share its position, served by the node holding the 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 
+from ecq.queue.groups import group_position_id
+from ecq.store.jsapi import token
 from tests.harness import wait_until
-from tests.test_scq import scq_write
+from tests.test_scq import Q, scq_write
 from tests.test_scq_groups import GROUP, keys_of, write_keys
 
 LEASE_S = 3.0  # scq_group_lease in the kill test: the other node takes the group within it (plus a margin)
@@ -106,3 +109,30 @@ def test_a_stopping_holder_hands_the_group_over_at_once(cluster_nodes, connect):
     assert sorted(keys_of(standby.expect(4, timeout=15))) == ["c", "d", "e", "f"]
     assert standby.quiet(0.5) == []
     holding.close(clean=False)
+
+
+def test_a_holder_whose_renewal_is_refused_stops_at_once(cluster_nodes, connect):
+    """Another party takes the lease over (a KV put: the holder's next renewal, expecting its revision, is refused):
+    the holder stops serving the group at once, and the group is served again once that lease lapses unrenewed."""
+    (node1,) = (node.start() for node in cluster_nodes(1, scq_group_lease=f"{LEASE_S}s"))
+    producer = connect(node1.port, "producer")
+    member = connect(node1.port, "member")
+    assert member.subscribe(GROUP) == 1
+    scq_write(producer, "a", b"a")
+    assert keys_of(member.expect(1, timeout=10)) == ["a"]  # node-1 serves the group
+    asyncio.run(put_lease(node1.options, b"intruder"))
+    assert wait_until(lambda: "lost the lease of SCQ group" in node1.log(), LEASE_S + 2)
+    scq_write(producer, "b", b"b")
+    assert member.quiet(1.0) == []  # not served: node-1's consumer is detached
+    assert keys_of(member.expect(1, timeout=LEASE_S + 5)) == ["b"]  # the intruder's lease lapsed: node-1 took it
+
+
+async def put_lease(options: dict, holder: bytes) -> None:
+    """Overwrite the lease of the group ``workers`` of the SCQ ``Q`` in the brokers' bucket, as another broker."""
+    import nats
+    client = await nats.connect(options["nats_servers"], connect_timeout=2)
+    try:
+        kv = await client.jetstream(timeout=10).key_value(f"{options['jetstream_namespace']}_group_leases")
+        await kv.put(token(group_position_id(f"$SCQ/{Q}", "workers")), holder)
+    finally:
+        await client.close()

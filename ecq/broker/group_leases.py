@@ -125,13 +125,14 @@ class GroupLeases:
     async def _serve_while_held(self, position: str, key: str, last: int) -> int:
         """Take the lease (expecting revision ``last``) and serve the group while it is held and wanted, then hand
         it back; or wait while another broker holds it. Returns the revision the next take expects."""
+        taken_at = asyncio.get_running_loop().time()
         revision = await self._take(position, key, last)
         if revision is None:
             return await self._until_free(position, key)
         self._held.add(position)
         try:
             await self._serve(position)
-            revision = await self._keep(position, key, revision)
+            revision = await self._keep(position, key, revision, taken_at)
         finally:
             self._held.discard(position)
             await self._stop(position)
@@ -190,30 +191,33 @@ class GroupLeases:
         finally:
             await watcher.stop()
 
-    async def _keep(self, position: str, key: str, revision: int) -> int | None:
-        """Renew the lease every third of its time while the group is ``wanted`` here; the revision held once it is
-        not, None once the lease is lost (taken by another broker, or not renewed within its time)."""
+    async def _keep(self, position: str, key: str, revision: int, taken_at: float) -> int | None:
+        """Renew the lease (taken by a request sent at ``taken_at``, the loop's time) every third of its time while
+        the group is ``wanted`` here; the revision held once it is not, None once the lease is lost: a renewal
+        refused (another broker took it), or none answered within the lease time since the last renewal was sent
+        (NATS may have let it lapse: its age counts from when NATS stored it, no sooner than the request was sent)."""
         loop = asyncio.get_running_loop()
-        renewed = due = loop.time()
+        renewed, due = taken_at, taken_at + self._lease_s / 3
         while True:
-            due = max(due, renewed + self._lease_s / 3)
             await self._woken(position, due - loop.time())
             if self._closing or not self._wanted(position):
                 return revision
             if loop.time() < due:
                 continue
+            sent, expires = loop.time(), renewed + self._lease_s
             try:
-                revision = await self._link.submit(self._kv.update(key, self._node, last=revision))
-                renewed = loop.time()
+                renewal = self._link.submit(self._kv.update(key, self._node, last=revision))
+                revision = await asyncio.wait_for(renewal, max(expires - sent, 0.0))
+                renewed, due = sent, sent + self._lease_s / 3
             except KeyWrongLastSequenceError:
                 log.warning("ECQ lost the lease of SCQ group %s to another broker: its members here wait", position)
                 return None
-            except Exception as exc:
-                if loop.time() - renewed >= self._lease_s:
+            except Exception as exc:  # NATS away or slow, or no answer before the lease expires
+                if loop.time() >= expires:
                     log.warning("ECQ could not renew the lease of SCQ group %s within %.1f s (%s): its members here "
                                 "wait", position, self._lease_s, exc or type(exc).__name__)
                     return None
-                due = loop.time() + self._lease_s / RETRY_FRACTION
+                due = min(loop.time() + self._lease_s / RETRY_FRACTION, expires)
 
     async def _hand_back(self, position: str, key: str, revision: int) -> None:
         try:

@@ -178,7 +178,7 @@ class QueueSessions:
                       hooks.delivery_fits(connection, topic_filter))
         self._memberships.setdefault(clientid, set()).add(position)
         if self.leases is not None and not self.leases.holds(position):
-            self.leases.members_changed(position)  # a standby until this broker holds the group's lease: then serve_group
+            self.leases.members_changed(position)  # a standby until this broker holds the lease
             return
         await self.serve_group(position)
 
