@@ -5,6 +5,7 @@ local NATS JetStream cluster share its position, served by the node holding the 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 
@@ -110,6 +111,27 @@ def test_a_stopping_holder_hands_the_group_over_at_once(cluster_nodes, connect):
     assert standby.quiet(0.5) == []
     holding.close(clean=False)
 
+
+def test_the_holders_last_member_unsubscribing_hands_the_group_over(cluster_nodes, connect):
+    """The holding node's last member unsubscribes with a delivery in flight: its PUBACK still counts (MQTT 3.1.1
+    section 3.10.4) and the group stays on that node until then; then the member on the other node gets the rest."""
+    node1, node2 = (node.start() for node in cluster_nodes(scq_group_lease=f"{LEASE_S}s"))
+    producer = connect(node1.port, "producer")
+    leaving = connect(node1.port, "leaving", manual_ack=True)
+    assert leaving.subscribe(GROUP) == 1
+    scq_write(producer, "a", b"a")
+    in_flight = leaving.expect(1, timeout=10)
+    standby = connect(node2.port, "standby")
+    assert standby.subscribe(GROUP) == 1
+    unsubscribed = threading.Event()
+    leaving._c.on_unsubscribe = lambda *_args: unsubscribed.set()
+    leaving._c.unsubscribe(GROUP)
+    assert unsubscribed.wait(10)
+    scq_write(producer, "b", b"b")
+    assert standby.quiet(0.5) == []  # node-1 holds the group while "a" is in flight
+    leaving.ack(in_flight[0])
+    assert keys_of(standby.expect(1, timeout=LEASE_S + 5)) == ["b"]
+    assert standby.quiet(0.5) == []
 
 def test_a_holder_whose_renewal_is_refused_stops_at_once(cluster_nodes, connect):
     """Another party takes the lease over (a KV put: the holder's next renewal, expecting its revision, is refused):
