@@ -66,7 +66,7 @@ def _show(seconds: float) -> str:
 
 
 Timer = _bounded(0.01)       # heartbeat, timeouts, export interval: a shorter timer only burns CPU
-Lease = _bounded(3.0)        # renewed every third: at least once a second
+Lease = _bounded(3.0)        # renewed every third of it: at most once a second
 GcInterval = _bounded(0.1)
 Retention = _bounded(1.0)
 Int = StrictInt              # YAML `true` is not 1
