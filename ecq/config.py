@@ -66,6 +66,7 @@ def _show(seconds: float) -> str:
 
 
 Timer = _bounded(0.01)       # heartbeat, timeouts, export interval: a shorter timer only burns CPU
+Lease = _bounded(3.0)        # renewed every third of it: at most once a second
 GcInterval = _bounded(0.1)
 Retention = _bounded(1.0)
 Int = StrictInt              # YAML `true` is not 1
@@ -195,6 +196,9 @@ class EcqSettings(BaseModel):
                                                  "several ECQ clusters")
     node_name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
                                   description="this broker's name in the cluster; None = <hostname>-<pid>")
+    scq_group_lease: Lease = Field(default=10.0, description="with backend jetstream, the lease by which one broker "
+                                   "at a time serves an SCQ shared group: renewed every third of it; a holder killed "
+                                   "is replaced after at most this long (the same on every broker)")
 
     @model_validator(mode="before")
     @classmethod

@@ -1,7 +1,8 @@
 """This broker as one of a cluster's brokers (``backend: jetstream``): it joins the cluster at start (the bus between
 brokers, the cluster's KV state, the streams' health, the leaders spread), keeps the cluster told of what follows a
-client across brokers (retained messages, messages of ordinary topics), and hands a persistent session over to the
-broker where its client id connects (:meth:`_release_to_cluster`; the sessions are kept by :mod:`.session_keeper`).
+client across brokers (retained messages, messages of ordinary topics), hands a persistent session over to the
+broker where its client id connects (:meth:`_release_to_cluster`; the sessions are kept by :mod:`.session_keeper`),
+and serves an SCQ shared group only while it holds the group's lease (:mod:`.group_leases`).
 Without a cluster every call is a no-op. The bus is :mod:`ecq.broker.bus`, the stored state
 :mod:`ecq.broker.cluster_state`; amqtt's side of the hand-over is ``ecq.broker.amqtt_hooks.cluster``.
 """
@@ -31,25 +32,37 @@ class ClusterNode:
         self.bus: Any = None  # ecq.broker.bus.ClusterBus with backend: jetstream
         self.state: Any = None  # ecq.broker.cluster_state.ClusterState with backend: jetstream
         self.stream_health: Any = None  # ecq.store.jetstream_health.StreamHealth with backend: jetstream
+        self.leases: Any = None  # ecq.broker.group_leases.GroupLeases with backend: jetstream
         self._spreading: asyncio.Future | None = None  # the leader spread at start
 
     async def join(self) -> None:
-        """Start the bus and the cluster's state (retained messages loaded, before the listeners open), watch the
-        streams' health and spread their leaders in the background. Raises what NATS raised."""
+        """Start the bus, the cluster's state (retained messages loaded, before the listeners open) and the SCQ
+        groups' leases, watch the streams' health and spread their leaders in the background. Raises what NATS
+        raised."""
         from ecq.broker.bus import ClusterBus  # needs the [cluster] extra
         from ecq.broker.cluster_state import ClusterState
+        from ecq.broker.group_leases import GroupLeases
         loop = asyncio.get_running_loop()
         self.bus = ClusterBus(self._settings, loop, deliver=self._deliver_from_cluster,
                               release=self._release_to_cluster)
         await loop.run_in_executor(None, self.bus.start)
         self.state = ClusterState(self._settings, self.bus.link, loop, self._retained_from_cluster)
         await loop.run_in_executor(None, self.state.start)  # before the listeners open: retained loaded
-        self._sessions.bus = self.bus
+        self.leases = GroupLeases(self._settings, self.bus.link, serve=self._sessions.serve_group,
+                                  stop=self._sessions.stop_group, wanted=self._sessions.wants_group)
+        await loop.run_in_executor(None, self.leases.start)
+        self._sessions.bus, self._sessions.leases = self.bus, self.leases
         self.stream_health = self._engine.store.stream_health()
         self.stream_health.start()
         self._spreading = asyncio.ensure_future(self._spread_leaders())
         log.info("ECQ node %s joined the cluster (NATS %s)", self._settings.effective_node_name(),
                  ", ".join(self._settings.nats_servers))
+
+    async def leave_groups(self) -> None:
+        """Stop serving the SCQ groups whose lease this broker holds and hand the leases back once their acks are
+        saved (a stopping broker: the other brokers' members take the groups over at once)."""
+        if self.leases is not None:
+            await self.leases.close()
 
     def close(self) -> None:
         """Stop watching the streams, close the cluster's state and the bus."""

@@ -92,9 +92,11 @@ class EcqPlugin(BaseTopicPlugin):
         log.info("ECQ ready: %s", self.settings.describe(hooks.listener_addresses(self.context)))
 
     async def on_broker_pre_shutdown(self) -> None:
-        """Stop delivering and end a running GC pass; unacked messages and persistent sessions stay stored."""
+        """Stop delivering and end a running GC pass; unacked messages and persistent sessions stay stored; in a
+        cluster, hand the SCQ groups served here to the other brokers."""
         self.engine.stop_delivering()
         self.kept_sessions.save_at_shutdown()
+        await self.cluster.leave_groups()
 
     async def close(self) -> None:
         """Stop the admin API, leave the cluster, close the engine (writes committed), flush events (amqtt's last)."""

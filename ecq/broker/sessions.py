@@ -2,7 +2,8 @@
 resuming their queue, and the attach/detach calls to the queue engine that follow from amqtt's
 connect, subscribe, unsubscribe and disconnect events: for a client's own ``$ECQ/<clientid>/#`` and for each
 ``$SCQ/<queue>/#`` it reads (its position in that SCQ, ecq.queue.topics.position_id), and its membership of each
-shared group ``$share/<group>/$SCQ/<queue>/#`` it holds (the group's position, ecq.queue.groups)."""
+shared group ``$share/<group>/$SCQ/<queue>/#`` it holds (the group's position, ecq.queue.groups; in a cluster served
+here only while this broker holds the group's lease, ecq.broker.group_leases)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from ecq.broker import amqtt_hooks as hooks
 from ecq.queue.engine import QueueEngine
 from ecq.queue.groups import GroupDispatch, group_filter, group_position_id, parse_group_filter
-from ecq.queue.topics import parse_scq_filter, position_id, queue_filter
+from ecq.queue.topics import parse_scq_filter, position_id, queue_filter, queue_of_position
 
 if TYPE_CHECKING:
     from ecq.broker.bus import ClusterBus
+    from ecq.broker.group_leases import GroupLeases
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ class QueueSessions:
         self._context, self._engine = context, engine
         self._connections: dict[str, BrokerProtocolHandler] = {}
         self.bus: ClusterBus | None = None  # in a cluster: takeover across brokers
+        self.leases: GroupLeases | None = None  # in a cluster: which broker serves each shared group
         self._claims: dict[str, asyncio.Future] = {}
         self._reading: dict[str, dict[str, str]] = {}  # clientid -> {position id: SCQ queue id} attached for it
         self._groups: dict[str, GroupDispatch] = {}  # a shared group's position id -> its connected members
@@ -87,6 +90,8 @@ class QueueSessions:
                 dispatch.leave(client_id)
                 if not dispatch.members:
                     self._engine.stop_sending(position)
+                    if self.leases is not None:
+                        self.leases.members_changed(position)  # handed back once the deliveries in flight ended
 
     async def disconnected(self, client_id: str, persistent: bool) -> None:
         """Detach a consumer whose connection closed, and forget it if nothing of it must stay in memory
@@ -172,7 +177,30 @@ class QueueSessions:
         dispatch.join(clientid, connection, hooks.receive_maximum(connection),
                       hooks.delivery_fits(connection, topic_filter))
         self._memberships.setdefault(clientid, set()).add(position)
-        await self._engine.attach(position, dispatch, lambda: bool(dispatch.members), queue=queue)
+        if self.leases is not None and not self.leases.holds(position):
+            self.leases.members_changed(position)  # a standby until this broker holds the lease
+            return
+        await self.serve_group(position)
+
+    async def serve_group(self, position: str) -> None:
+        """Attach the consumer of the shared group whose position id is ``position`` to its members here, if any
+        (in a cluster: this broker holds the group's lease)."""
+        if (dispatch := self._groups.get(position)) is None or not dispatch.members:
+            return
+        await self._engine.attach(position, dispatch, lambda: (
+            bool(dispatch.members) and self._groups.get(position) is dispatch
+            and (self.leases is None or self.leases.holds(position))), queue=queue_of_position(position))
+
+    async def stop_group(self, position: str) -> None:
+        """Stop serving the shared group ``position`` here (its lease is lost or handed back): its members here get
+        nothing more, and this returns once the acks they sent are saved."""
+        await self._engine.release(position)
+        self._engine.forget_if_idle(position)
+
+    def wants_group(self, position: str) -> bool:
+        """True while the shared group ``position`` has a member here, or deliveries in flight to one that left."""
+        dispatch = self._groups.get(position)
+        return dispatch is not None and (bool(dispatch.members) or self._engine.connection_of(position) is dispatch)
 
     def _leave_groups(self, clientid: str) -> None:
         """The connection of ``clientid`` closed: it leaves its groups (a newer connection stays or joins again);
@@ -187,6 +215,8 @@ class QueueSessions:
                 del self._groups[position]
                 self._engine.detach(position)
                 self._engine.forget_if_idle(position)
+                if self.leases is not None:
+                    self.leases.members_changed(position)  # no member here: the lease is handed back
         if (live := hooks.live_connection(self._context, clientid)) is None or not hooks.connection_is_open(live):
             self._memberships.pop(clientid, None)
 
