@@ -203,3 +203,4 @@ def test_scq_ids_never_meet_ecq_ids():
     assert delivery_topic("$SCQ/fleet", "k/x") == "$SCQ/fleet/k/x"
     assert reading_filter("$SCQ/fleet/k/x") == "$SCQ/fleet/#" and reading_filter("$ECQ/car/k") == "$ECQ/car/#"
     assert parse_target("$SCQ/w/fleet/k") == "$SCQ/fleet"
+    assert parse_target("$SCQ/ctl/fleet/rewind") == "$SCQ/fleet"  # a refused rewind's event names its queue

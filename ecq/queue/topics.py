@@ -196,13 +196,14 @@ def printable(text: str) -> str:
 
 
 def parse_target(topic: str) -> str | None:
-    """The clientid a PUBLISH under ``$ECQ/w/`` or ``$ECQ/ctl/`` was meant for, when one can be read from it
-    (for logs and events)."""
+    """The clientid a PUBLISH under ``$ECQ/w/`` or ``$ECQ/ctl/`` was meant for, or the queue id (``$SCQ/<queue>``) of
+    one under ``$SCQ/w/`` or ``$SCQ/ctl/``, when one can be read from it (for logs and events)."""
     for prefix in (WRITE_PREFIX, CTL_PREFIX):
         if topic.startswith(prefix):
             return topic[len(prefix):].partition("/")[0] or None
-    if topic.startswith(SCQ_WRITE_PREFIX) and (queue := topic[len(SCQ_WRITE_PREFIX):].partition("/")[0]):
-        return scq_queue_id(queue)
+    for prefix in (SCQ_WRITE_PREFIX, SCQ_CTL_PREFIX):
+        if topic.startswith(prefix) and (queue := topic[len(prefix):].partition("/")[0]):
+            return scq_queue_id(queue)
     return None
 
 
