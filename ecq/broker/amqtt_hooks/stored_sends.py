@@ -8,13 +8,14 @@ to the connection (``conformance._fan_out``, one write batch per fan-out, before
 the sending of a resumed session's queue (``conformance.offline_messages_not_retained``, the keys its take returned,
 ``cluster.store_offline_queues_in_the_cluster``): the send carries the stored copy's key (:func:`sending`), amqtt's
 message flow notes it under the packet id (:func:`note`, ``conformance.resend_unacked_on_reconnect``), and the copy
-is deleted as its client's PUBACK (a QoS 2 one's PUBCOMP) is decoded, before the next packet is read
-(:func:`delete_stored_copies_at_acknowledgement`), when the session drops it (``session_max_inflight``, the
-connection's outgoing bound) or when the send never reached the flow (an MQTT 5 message not sent: expired, No Local,
-too large). A QoS 2 message whose PUBREC came stays stored until its PUBCOMP: a broker killed in between sends it
-again after its restart as a new PUBLISH (at least once; the PUBREL with its packet id is resent only after a
-SIGTERM, which stores it). The session's stored queue then holds, oldest first,
-what its client has not acknowledged: after a restart its CONNECT gets them as new PUBLISHes, before newer ones.
+is settled as its client's PUBACK (a QoS 2 one's PUBCOMP) is decoded (:func:`delete_stored_copies_at_acknowledgement`;
+the store deletes those of one event-loop turn in one write batch, ``StoredSessions.settle_sends``), when the session
+drops it (``session_max_inflight``, the connection's outgoing bound) or when the send never reached the flow (an MQTT
+5 message not sent: expired, No Local, too large). The session's stored queue then holds, oldest first, what its
+client has not acknowledged: after a restart its CONNECT gets them as new PUBLISHes, before newer ones. A QoS 2
+message whose PUBREC came stays stored until its PUBCOMP: a broker killed in between sends it again after its restart
+as a new PUBLISH (at least once; the PUBREL with its packet id is resent only after a SIGTERM, which stores it).
+LevelDB only: a cluster's store keeps none of these sends (its keys are None), so a node's crash loses them.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ _TAKEN = "_ecq_taken_sends"  # Session.attributes: the keys of the messages of i
 def delete_stored_copies_at_acknowledgement() -> None:
     """amqtt 0.12.1's ``BrokerProtocolHandler.handle_puback`` and ``handle_pubcomp`` end an outgoing message's flow
     (MQTT 3.1.1 sections 4.3.2, 4.3.3) in a task of its own, later. The stored copy of the message they acknowledge
-    is deleted at once instead, while the reader decodes the packet, as ``acks.handle_puback_at_once`` resolves its
-    waiter (so a PINGREQ after it is answered once it is gone); then amqtt's (or ECQ's) handling goes on."""
+    is settled at once instead, while the reader decodes the packet, as ``acks.handle_puback_at_once`` resolves its
+    waiter: its delete is in the store before the answer to a later packet (a PINGRESP) is written, both at the
+    event loop's next turn in that order; then amqtt's (or ECQ's) handling goes on."""
     original_puback = BrokerProtocolHandler.handle_puback
     original_pubcomp = BrokerProtocolHandler.handle_pubcomp
 
@@ -86,6 +88,8 @@ def acknowledged(handler: Any, packet_id: int | None) -> None:
     session = handler.session
     keys = session.attributes.get(_KEYS) if session is not None else None
     if keys and (key := keys.pop(packet_id, None)) is not None:
+        if not keys:  # an idle session keeps no table
+            del session.attributes[_KEYS]
         settle(handler, [key])
 
 
@@ -119,4 +123,8 @@ def queue_taken(session: Any, keys: list[Any]) -> None:
 def next_taken(session: Any) -> Any:
     """The key of the stored copy of the next message taken from ``session``'s queue (None: none)."""
     taken = session.attributes.get(_TAKEN)
-    return taken.popleft() if taken else None
+    if not taken:
+        return None
+    if len(taken) == 1:
+        del session.attributes[_TAKEN]
+    return taken.popleft()
