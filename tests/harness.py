@@ -194,6 +194,7 @@ class RawClient:
         self.send(0x10, variable)
         header, body = self._recv()
         assert header == 0x20 and body[1] == 0, f"CONNECT refused: {body!r}"
+        self.session_present = bool(body[0] & 1)
 
     def publish_qos1(self, topic: bytes, payload: bytes, packet_id: int) -> tuple[int, bytes]:
         """Send a QoS 1 PUBLISH and return the broker's answer (type byte, body)."""

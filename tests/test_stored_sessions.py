@@ -643,3 +643,93 @@ def test_an_offline_session_goes_to_the_store_and_comes_back_over_every_transpor
     assert sorted(topics_payloads(device.expect(2))) == [("$ECQ/car9/k1", b"queue entry"),
                                                          ("cmd/car9/a", b"queued while offline")]
     assert stored_only(broker) == 0
+
+
+def _resumed(port: int, clientid: str) -> RawClient:
+    device = RawClient(port, clientid, clean_session=False)
+    assert device.session_present
+    return device
+
+
+@pytest.mark.timeout(60)
+def test_messages_sent_and_not_acknowledged_come_again_after_kill9(make_broker, connect):
+    """A QoS 1 message of an ordinary topic sent to a connected persistent session is stored before its publisher's
+    PUBACK and deleted at its subscriber's PUBACK (``amqtt_hooks.stored_sends``): after a kill -9 and the restart,
+    the CleanSession 0 CONNECT gets session present 1 and those it did not acknowledge, in order, before a newer one
+    (MQTT 3.1.1 sections 4.4, 4.6), and none it acknowledged."""
+    broker = make_broker()
+    device = RawClient(broker.port, "k1", clean_session=False)
+    assert device.subscribe(b"cmd/#")[0] == 0x90
+    producer = connect(broker.port, "backend")
+    for i in range(6):
+        producer.publish("cmd/k1", b"m%d" % i)
+    sent = [device.receive_publish() for _ in range(6)]
+    assert [payload for _topic, _packet_id, payload in sent] == [b"m%d" % i for i in range(6)]
+    device.puback(*(packet_id for _topic, packet_id, _payload in sent[::2]))  # m0, m2, m4
+    assert device.ping()  # the PUBACKs were decoded, their stored copies deleted
+    broker.kill()
+    device.close()
+    broker.start()
+    device = _resumed(broker.port, "k1")
+    connect(broker.port, "backend2").publish("cmd/k1", b"newer")
+    again = [device.receive_publish() for _ in range(4)]
+    assert [payload for _topic, _packet_id, payload in again] == [b"m1", b"m3", b"m5", b"newer"]
+    device.puback(*(packet_id for _topic, packet_id, _payload in again))
+    assert device.ping()
+    device.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_resumed_queue_sent_and_not_acknowledged_comes_again_after_kill9(make_broker, connect):
+    """The messages queued for an offline session stay stored while they are sent at its reconnect, each until its
+    PUBACK: after a kill -9 the next reconnect gets the one not acknowledged, not the one acknowledged."""
+    broker = make_broker()
+    device = RawClient(broker.port, "k2", clean_session=False)
+    assert device.subscribe(b"cmd/#")[0] == 0x90
+    device.close()
+    wait_stored_only(broker, 1)
+    producer = connect(broker.port, "backend")
+    producer.publish("cmd/k2", b"q0")
+    producer.publish("cmd/k2", b"q1")
+    device = _resumed(broker.port, "k2")
+    sent = [device.receive_publish() for _ in range(2)]
+    assert [payload for _topic, _packet_id, payload in sent] == [b"q0", b"q1"]
+    device.puback(sent[0][1])
+    assert device.ping()
+    broker.kill()
+    device.close()
+    broker.start()
+    device = _resumed(broker.port, "k2")
+    connect(broker.port, "backend2").publish("cmd/k2", b"newer")
+    again = [device.receive_publish() for _ in range(2)]
+    assert [payload for _topic, _packet_id, payload in again] == [b"q1", b"newer"]
+    device.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_qos2_message_not_received_comes_again_after_kill9_a_completed_one_never(make_broker, connect):
+    """At QoS 2 the stored copy is deleted at the PUBCOMP: after a kill -9 the message whose PUBREC never came is
+    sent again (a new PUBLISH), the completed one is not."""
+    broker = make_broker()
+    device = RawClient(broker.port, "k3", clean_session=False)
+    assert device.subscribe(b"cmd/#", qos=2)[0] == 0x90
+    producer = connect(broker.port, "backend")
+    producer.publish("cmd/k3", b"completed", qos=2)
+    producer.publish("cmd/k3", b"not received", qos=2)
+    header, body = device.receive()
+    assert header & 0xF6 == 0x34 and body.endswith(b"completed")
+    packet_id = body[8:10]  # after the 2-byte length and "cmd/k3"
+    device.send(0x50, packet_id)  # PUBREC
+    packets = [device.receive(), device.receive()]  # the PUBREL, and the second PUBLISH (no PUBREC for it)
+    assert (0x62, packet_id) in packets
+    assert [body.endswith(b"not received") for header, body in packets if header & 0xF6 == 0x34] == [True]
+    device.send(0x70, packet_id)  # PUBCOMP
+    assert device.ping()
+    broker.kill()
+    device.close()
+    broker.start()
+    device = _resumed(broker.port, "k3")
+    connect(broker.port, "backend2").publish("cmd/k3", b"newer", qos=2)
+    header, body = device.receive()
+    assert header & 0xF6 == 0x34 and body.endswith(b"not received")
+    device.close()

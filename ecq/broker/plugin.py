@@ -56,7 +56,7 @@ class EcqPlugin(BaseTopicPlugin):
         self.start_error: Exception | None = None  # raised by ecq.broker.amqtt_hooks from Broker.start
         self.sessions = QueueSessions(context, self.engine)
         self.cluster = ClusterNode(self.settings, context, self.engine, self.sessions)
-        self.kept_sessions = SessionKeeper(self.settings, context, self.cluster)
+        self.kept_sessions = self.session_sends = SessionKeeper(self.settings, context, self.cluster)
         self.metrics = NodeMetrics(self.settings, context, self.engine, self.cluster, self.kept_sessions,
                                    lambda: self.controls.event_stats(), lambda: self.controls.ready()[0])
         self.writes = EcqWrites(self.settings, self.engine, self.access, self.metrics.ecq, lambda: self.events)
@@ -173,8 +173,8 @@ class EcqPlugin(BaseTopicPlugin):
     def queue_for_stored_sessions(self, topic: str, data: bytes, qos: int) -> list[tuple[str, str]]:
         return self.kept_sessions.queue_for_stored(topic, data, qos)
 
-    def session_queue_taken(self, clientid: str) -> None:
-        self.kept_sessions.queue_taken(clientid)
+    def session_queue_taken(self, clientid: str, messages: list[tuple[str, int, bytes]], kept: frozenset) -> list:
+        return self.kept_sessions.queue_taken(clientid, messages, kept)
 
     async def session_expired(self, clientid: str) -> None:
         await self.kept_sessions.expired(clientid)

@@ -111,7 +111,23 @@ class SessionKeeper:
         the messages that dropped from full queues."""
         return self.stored.queue_for_stored(topic, data, qos) if self.stored is not None else []
 
-    def queue_taken(self, clientid: str) -> None:
-        """Drop the store's copy of a persistent session's queue, which is being sent."""
+    def queue_taken(self, clientid: str, messages: list[tuple[str, int, bytes]], kept: frozenset[Any]) -> list[Any]:
+        """A persistent session's queued ``messages`` are being sent: on LevelDB its stored queue becomes the sends of
+        ``kept`` keys and these, whose keys are returned, to :meth:`settled` each at its acknowledgement
+        (StoredSessions.take_queue); a cluster drops its copy of the queue (Nones returned)."""
+        if self.stored is not None:
+            return self.stored.take_queue(clientid, messages, kept)
         if self.store is not None:
             self.store.drop_queue(clientid)
+        return [None] * len(messages)
+
+    def sent(self, sends: list[tuple[str, str, int, bytes]]) -> list[Any]:
+        """``(clientid, topic, QoS, payload)`` messages about to be sent to connected persistent sessions: stored on
+        LevelDB before the publisher's PUBACK (StoredSessions.store_sends), their keys returned; a cluster stores none
+        (Nones: a node's crash loses them, as before)."""
+        return self.stored.store_sends(sends) if self.stored is not None else [None] * len(sends)
+
+    def settled(self, keys: list[Any]) -> None:
+        """Delete the stored copies of messages sent (keys from :meth:`sent` or :meth:`queue_taken`)."""
+        if self.stored is not None:
+            self.stored.settle_sends(keys)

@@ -77,6 +77,43 @@ class LevelDbSessions:
             return values
         return self._store.run(queue)
 
+    def put_messages(self, messages: list[tuple[str, bytes]]) -> list[bytes]:
+        """Queue each ``(clientid, message)`` at the end of its client's queue, in one write batch and without the
+        bound of :meth:`queue` (the caller bounds them): returns their keys, for :meth:`delete_messages`."""
+        keys = [self._queue(clientid) + U64.pack(next(self._order)) for clientid, _message in messages]
+
+        def put() -> None:
+            with self._db.write_batch(sync=self._store._sync) as batch:
+                for key, (_clientid, message) in zip(keys, messages, strict=True):
+                    batch.put(key, message)
+        self._store.run(put)
+        return keys
+
+    def delete_messages(self, keys: list[bytes]) -> None:
+        """Delete the queued messages of ``keys`` (from :meth:`put_messages` or :meth:`replace_queue`), in one write
+        batch; a key deleted already is no error."""
+        def delete() -> None:
+            with self._db.write_batch(sync=self._store._sync) as batch:
+                for key in keys:
+                    batch.delete(key)
+        self._store.run(delete)
+
+    def replace_queue(self, clientid: str, messages: list[bytes], kept: frozenset[bytes] = frozenset()) -> list[bytes]:
+        """Make ``clientid``'s queue the messages of ``kept`` keys it holds, then ``messages`` (oldest first), in one
+        write batch: returns the keys of ``messages``."""
+        prefix = self._queue(clientid)
+        keys = [prefix + U64.pack(next(self._order)) for _message in messages]
+
+        def replace() -> None:
+            with self._db.write_batch(sync=self._store._sync) as batch:
+                for key in self._db.iterator(prefix=prefix, include_value=False):
+                    if key not in kept:
+                        batch.delete(key)
+                for key, message in zip(keys, messages, strict=True):
+                    batch.put(key, message)
+        self._store.run(replace)
+        return keys
+
     def messages(self, clientid: str) -> list[bytes]:
         """The messages queued for ``clientid``, oldest first."""
         return self._store.run(lambda: list(self._db.iterator(prefix=self._queue(clientid), include_key=False)))

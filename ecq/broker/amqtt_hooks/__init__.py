@@ -33,6 +33,8 @@ amqtt behaviour it replaces. One module per concern:
   aggregate;
 - :mod:`.shared_subscriptions`: ``$share/<ShareName>/<filter>`` (MQTT 5.0 section 4.8.2): each message to one
   member of the group, malformed ones refused, the ACL judging the filter read;
+- :mod:`.stored_sends`: a QoS 1/2 message sent to a connected persistent session stays in the session store until
+  its client acknowledges it;
 - :mod:`.cluster`: ordinary MQTT messages forwarded to and from the other brokers of a cluster, retained messages
   and persistent sessions that follow the client across them;
 - :mod:`.session_memory`: a session's state and queues in objects of a few bytes, not kilobytes;
@@ -75,7 +77,7 @@ from collections.abc import Callable
 from ecq.broker.amqtt_hooks import (acks, authentication, bad_clients, cluster, conformance, connection_cap,
                                     ecq_guards, ecq_paths, fleet_scale, flow, framer, mqtt5_edge, mqtt5_framer,
                                     mqtt5_routing, mqtt5_sessions, seam, session_memory, session_owners,
-                                    shared_subscriptions, start_up, target, websocket)
+                                    shared_subscriptions, start_up, stored_sends, target, websocket)
 from ecq.broker.amqtt_hooks.bad_clients import ProtocolViolation
 from ecq.broker.amqtt_hooks.cluster import (HeldSession, PersistentSession, broadcast_from_cluster, discard_session,
                                            hand_over_session, persistent_session, persistent_sessions,
@@ -152,6 +154,7 @@ CORRECTIONS: tuple[Callable[[], None], ...] = (
     conformance.store_persistent_sessions_before_their_acknowledgements,
     shared_subscriptions.take_shared_subscriptions,  # its fan-out side is conformance._subscribers'
     conformance.resend_unacked_on_reconnect,
+    stored_sends.delete_stored_copies_at_acknowledgement,  # outside resend_unacked's handle_puback: every PUBACK
     conformance.enforce_keepalive,
     cluster.replicate_retained_messages,  # outside keep_ecq_out_of_retained_store: $ECQ/ never reaches it
     cluster.adopt_sessions_from_the_cluster,  # outside authenticate_before_the_session's: refused, claims nothing

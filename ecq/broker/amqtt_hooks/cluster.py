@@ -24,6 +24,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.pubrel import PubrelPacket
 from amqtt.session import OutgoingApplicationMessage
 
+from ecq.broker.amqtt_hooks import stored_sends
 from ecq.broker.amqtt_hooks.connection_cap import connections_of
 from ecq.broker.amqtt_hooks.ecq_paths import holds_packet_ids
 from ecq.broker.amqtt_hooks.fleet_scale import filters_of, granted_of, note_subscription
@@ -282,8 +283,10 @@ def store_offline_queues_in_the_cluster() -> None:
     (``Broker._retain_broadcast_message``) and sends them on reconnect (``_publish_session_retained_messages``): when
     that broker died or restarted, they were lost with it. MQTT 3.1.1 section 3.1.2.4 keeps them with the session,
     so each one queued is also handed to the plugin for its session store, the cluster's or the embedded one
-    (:meth:`EcqHooksTarget.session_message_queued`), and the stored copy is dropped when the queue is taken for
-    sending (:meth:`EcqHooksTarget.session_queue_taken`)."""
+    (:meth:`EcqHooksTarget.session_message_queued`). When the queue is taken for sending
+    (:meth:`EcqHooksTarget.session_queue_taken`) the embedded store keeps it, with the session's sends not yet
+    acknowledged, each message until its acknowledgement (``stored_sends``: a broker killed meanwhile sends them
+    again after its restart); the cluster's copy is dropped."""
     original_queue = Broker._retain_broadcast_message
     original_send = Broker._publish_session_retained_messages
 
@@ -298,7 +301,9 @@ def store_offline_queues_in_the_cluster() -> None:
     async def publish_session_retained_messages(broker: Broker, session: Any) -> None:
         plugin = find_target(broker.plugins_manager)
         if plugin is not None and not session.retained_messages.empty():
-            plugin.session_queue_taken(session.client_id)
+            messages = [(m.topic, m.qos, bytes(m.data)) for m in session.retained_messages.items()]
+            stored_sends.queue_taken(session, plugin.session_queue_taken(session.client_id, messages,
+                                                                          stored_sends.held_keys(session)))
         await original_send(broker, session)
 
     replace(Broker, "_retain_broadcast_message", retain_broadcast_message)

@@ -26,7 +26,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.puback import PubackPacket
 from amqtt.session import OUTGOING
 
-from ecq.broker.amqtt_hooks import flow
+from ecq.broker.amqtt_hooks import flow, stored_sends
 from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE, client_id, close_connection, no_op
 from ecq.broker.amqtt_hooks.fleet_scale import retained_matching
 from ecq.broker.amqtt_hooks.mqtt5_routing import sends_retained
@@ -167,7 +167,8 @@ def _store(handler: BrokerProtocolHandler) -> None:
 def offline_messages_not_retained() -> None:
     """amqtt 0.12.1's ``Broker._publish_session_retained_messages`` sends the messages queued for a
     disconnected session with RETAIN=1. They were not published retained, and MQTT 3.1.1 section 3.3.1.3
-    sets RETAIN only on a retained message sent for a new subscription: they go out with RETAIN=0."""
+    sets RETAIN only on a retained message sent for a new subscription: they go out with RETAIN=0. Each keeps its
+    copy in the session store until acknowledged (``stored_sends``: the keys its take returned)."""
     original = Broker._publish_session_retained_messages
 
     async def publish_queued(broker: Broker, session: Any) -> None:
@@ -177,7 +178,9 @@ def offline_messages_not_retained() -> None:
         sends = []
         while handler is not None and not session.retained_messages.empty():
             message = session.retained_messages.get_nowait()
-            sends.append(handler.mqtt_publish(message.topic, message.data, message.qos, retain=False))
+            send = handler.mqtt_publish(message.topic, message.data, message.qos, retain=False)
+            key = stored_sends.next_taken(session)
+            sends.append(send if key is None else stored_sends.send_stored(handler, key, send))
         await asyncio.gather(*sends, return_exceptions=True)
 
     replace(Broker, "_publish_session_retained_messages", publish_queued)
@@ -267,7 +270,9 @@ def conformant_fan_out() -> None:
     min(PUBLISH QoS, highest granted QoS of its matching subscriptions); a disconnected CleanSession=0 session
     gets its QoS 1 and 2 messages queued (section 3.1.2.4), within ``session_max_queued``, and so does a
     reconnecting one until that queue is sent (:func:`offline_queue_first_on_reconnect`). A connected client's
-    sends are ECQ's tasks, within its outgoing bounds (``flow.send_or_drop``), not amqtt's broadcast tasks.
+    sends are ECQ's tasks, within its outgoing bounds (``flow.send_or_drop``), not amqtt's broadcast tasks. The QoS 1
+    and 2 messages of a connected persistent session are stored first, in one write batch per fan-out, until their
+    acknowledgement (``stored_sends``), as the queued ones of an offline session are.
 
     amqtt does not put the PUBLISH's QoS in its broadcast, so ``_handle_message_delivery`` records it for
     ``_broadcast_message`` (same task) in a context variable. A broadcast with a QoS (the Will, a plugin's)
@@ -324,6 +329,7 @@ async def _fan_out(broker: Broker, plugin: EcqHooksTarget, broadcast: dict[str, 
     subscribers = _subscribers(broker, topic)
     for clientid, dropped in plugin.queue_for_stored_sessions(topic, broadcast["data"], publish_qos):
         plugin.session_message_dropped(clientid, dropped, "queue_full")  # the sessions amqtt does not hold
+    persistent: list[tuple[Any, Any, int]] = []  # (handler, session, QoS): sends to store before they start
     for session, granted in subscribers.values():
         qos = min(publish_qos, granted)
         if not await broker._topic_filtering(session, topic=topic, action=Action.RECEIVE):
@@ -333,8 +339,17 @@ async def _fan_out(broker: Broker, plugin: EcqHooksTarget, broadcast: dict[str, 
                 _make_room(session.retained_messages, plugin, session.client_id)
                 await broker._retain_broadcast_message(broadcast, qos, session)
             continue
-        if (handler := broker._get_handler(session)) is not None:
+        if (handler := broker._get_handler(session)) is None:
+            continue
+        if qos > QOS_0 and session.clean_session is False and not is_ecq_topic(topic):
+            persistent.append((handler, session, qos))
+        else:
             flow.send_or_drop(handler, plugin, topic, broadcast["data"], qos)
+    if persistent:
+        keys = plugin.session_sends.sent([(session.client_id, topic, qos, broadcast["data"])
+                                          for _handler, session, qos in persistent])
+        for (handler, _session, qos), key in zip(persistent, keys, strict=True):
+            flow.send_or_drop(handler, plugin, topic, broadcast["data"], qos, key)
 
 
 def _make_room(queue: asyncio.Queue, plugin: EcqHooksTarget, clientid: str) -> None:
@@ -351,12 +366,14 @@ def resend_unacked_on_reconnect() -> None:
     resends unacknowledged PUBLISHes (DUP=1, same packet id) and PUBRELs. So such a message is put back
     for a persistent session, at most ``session_max_inflight`` per session (the oldest is dropped).
     ``$ECQ/`` deliveries are excluded: ECQ redelivers its queues itself (``ecq_paths.publish_qos1``).
-    A PUBACK that comes after amqtt's 5 s gave up now settles the kept message."""
+    A PUBACK that comes after amqtt's 5 s gave up now settles the kept message. A message's copy in the session
+    store is noted under its packet id as its flow starts, and deleted when it is dropped here (``stored_sends``)."""
     original_flow = BrokerProtocolHandler._handle_message_flow
     original_retry = BrokerProtocolHandler._retry_deliveries
     original_puback = BrokerProtocolHandler.handle_puback
 
     async def handle_message_flow(handler: BrokerProtocolHandler, message: Any) -> None:
+        stored_sends.note(handler, message)
         try:
             await original_flow(handler, message)
         except (asyncio.CancelledError, Exception):
@@ -403,6 +420,7 @@ def _keep_for_resend(handler: BrokerProtocolHandler, message: Any) -> None:
     kept = [pid for pid, m in session.inflight_out.items() if pid not in waited and not is_ecq_topic(m.topic)]
     for packet_id in kept[:max(0, len(kept) - plugin.settings.session_max_inflight)]:
         plugin.session_message_dropped(session.client_id, session.inflight_out.pop(packet_id).topic, "inflight_full")
+        stored_sends.acknowledged(handler, packet_id)
 
 
 def enforce_keepalive() -> None:

@@ -42,6 +42,7 @@ from amqtt.mqtt.pingreq import PingReqPacket
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.publish import PublishPacket
 
+from ecq.broker.amqtt_hooks import stored_sends
 from ecq.broker.amqtt_hooks.ecq_paths import client_id
 from ecq.broker.amqtt_hooks.mqtt5_sessions import tell
 from ecq.broker.amqtt_hooks.seam import kept_on, replace
@@ -98,21 +99,25 @@ def _transport(handler: BrokerProtocolHandler) -> asyncio.Transport | None:
     return getattr(protocol, "transport", None)
 
 
-def send_or_drop(handler: BrokerProtocolHandler, plugin: EcqHooksTarget, topic: str, data: Any, qos: int) -> None:
+def send_or_drop(handler: BrokerProtocolHandler, plugin: EcqHooksTarget, topic: str, data: Any, qos: int,
+                 stored: Any = None) -> None:
     """Send ``data`` on ``topic`` at ``qos`` to ``handler``'s connection (amqtt's ``mqtt_publish`` in a task of
     ECQ's), unless the connection holds ``max_queued_messages`` sends not done, or ``max_queued_bytes`` with its
     write buffer: then the message is dropped and counted (``ecq_messages_dropped_total{reason="queue_full"}``), and a
-    connection at its bound for ``stuck_subscriber_timeout`` seconds is closed (:func:`_close_stuck`)."""
+    connection at its bound for ``stuck_subscriber_timeout`` seconds is closed (:func:`_close_stuck`). ``stored``:
+    the key of the message's copy in the session store (``stored_sends``), deleted when it is dropped."""
     settings, outbound = plugin.settings, _outbound(handler)
     if outbound.closed:
+        stored_sends.settle(handler, [stored])
         return
     transport = _transport(handler)
     buffered = transport.get_write_buffer_size() if transport is not None else 0
     if len(outbound.sends) < settings.max_queued_messages and outbound.bytes + buffered < settings.max_queued_bytes:
         outbound.full_since = None
         size = len(topic) + len(data or b"")
-        outbound.add(asyncio.ensure_future(_send(handler, outbound, topic, data, qos)), size)
+        outbound.add(asyncio.ensure_future(_send(handler, outbound, topic, data, qos, stored)), size)
         return
+    stored_sends.settle(handler, [stored])
     plugin.outgoing_message_dropped(client_id(handler), topic)
     now = time.monotonic()
     if outbound.full_since is None:
@@ -122,10 +127,14 @@ def send_or_drop(handler: BrokerProtocolHandler, plugin: EcqHooksTarget, topic: 
         _close_stuck(handler, transport)
 
 
-async def _send(handler: BrokerProtocolHandler, outbound: Outbound, topic: str, data: Any, qos: int) -> None:
-    """amqtt's ``mqtt_publish`` of one fan-out message; a send the connection's end cut short, or whose
-    acknowledgement timed out (amqtt's own warning, :func:`limit_ack_timeout_log`), ends quietly (amqtt's broadcast
-    loop logged each with a traceback); any other failure is logged at most once per :data:`LOG_INTERVAL_S`."""
+async def _send(handler: BrokerProtocolHandler, outbound: Outbound, topic: str, data: Any, qos: int,
+                stored: Any) -> None:
+    """amqtt's ``mqtt_publish`` of one fan-out message (its stored copy ``stored``, see ``stored_sends``); a send the
+    connection's end cut short, or whose acknowledgement timed out (amqtt's own warning,
+    :func:`limit_ack_timeout_log`), ends quietly (amqtt's broadcast loop logged each with a traceback); any other
+    failure is logged at most once per :data:`LOG_INTERVAL_S`."""
+    if stored is not None:
+        stored_sends.sending(stored)
     try:
         await handler.mqtt_publish(topic, data, qos, False)
     except (AMQTTError, ProtocolHandlerError, ConnectionError, TimeoutError) as exc:
@@ -136,6 +145,8 @@ async def _send(handler: BrokerProtocolHandler, outbound: Outbound, topic: str, 
                         "most every %g s)", topic, client_id(handler), held_back, LOG_INTERVAL_S, exc_info=exc)
     finally:
         outbound.done(asyncio.current_task())
+        if stored is not None:
+            stored_sends.sent(handler, stored)
 
 
 def _close_stuck(handler: BrokerProtocolHandler, transport: asyncio.Transport | None) -> None:

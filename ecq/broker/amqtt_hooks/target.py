@@ -38,10 +38,24 @@ class HandedOverSession(Protocol):
     releases: list[int]
 
 
+class SessionSends(Protocol):
+    """The session store's copies of the messages of ordinary topics sent at QoS 1/2 to connected persistent sessions
+    (``ecq.broker.session_keeper.SessionKeeper``), so that a broker killed before their acknowledgement still has
+    them. A key is opaque; None stands for a message not stored (a cluster, a failed write)."""
+
+    def sent(self, sends: list[tuple[str, str, int, bytes]]) -> list[Any]:
+        """Store each ``(clientid, topic, QoS, payload)`` about to be sent, before the publisher's PUBACK: a key
+        each."""
+
+    def settled(self, keys: list[Any]) -> None:
+        """Delete the stored copies of ``keys``: acknowledged, or dropped from the session."""
+
+
 class EcqHooksTarget(Protocol):
     """The plugin as the corrections use it (``ecq.broker.plugin.EcqPlugin`` implements it)."""
 
     settings: EcqSettings
+    session_sends: SessionSends
     context: BrokerContext  # the broker the plugin runs in
     start_error: Exception | None  # a failure of the plugin's start, raised from ``Broker.start``
 
@@ -102,8 +116,10 @@ class EcqHooksTarget(Protocol):
         session store only, that no CONNECT has claimed yet (none on a cluster); returns ``[(clientid, topic)]`` of
         the older messages dropped from their full queues (``session_max_queued``)."""
 
-    def session_queue_taken(self, clientid: str) -> None:
-        """Drop the session store's copy of a persistent session's queue: it is being sent."""
+    def session_queue_taken(self, clientid: str, messages: list[tuple[str, int, bytes]], kept: frozenset) -> list:
+        """A persistent session's queued ``messages`` ``[(topic, QoS, payload)]`` are being sent: the session store
+        keeps the sends of ``kept`` keys (:class:`SessionSends`) and these, and returns their keys (LevelDB), or
+        drops its copy of the queue (a cluster: Nones)."""
 
     def session_evicted(self, clientid: str, session: Any, messages: list[tuple[str, int, bytes]]) -> bool:
         """Keep ``clientid``'s offline persistent ``session`` (``cluster.PersistentSession``) and the ``messages``
