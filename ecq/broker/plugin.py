@@ -65,8 +65,7 @@ class EcqPlugin(BaseTopicPlugin):
         hooks.set_session_expiry(context, self.settings.session_expiry)
         hooks.shorten_subscriptions_repr(context)
         hooks.count_routed_publishes(context)
-        log.info("ECQ plugin: data_dir=%s, %d writer agents", self.settings.data_dir,
-                 self.settings.effective_pool_size())
+        log.info("ECQ plugin: data_dir=%s, %d writer agents", self.settings.data_dir, self.settings.effective_pool_size())
 
     async def on_broker_pre_start(self) -> None:
         """Start event recording, the queue engine, the cluster, the stored sessions and the admin API. amqtt awaits
@@ -92,8 +91,7 @@ class EcqPlugin(BaseTopicPlugin):
         log.info("ECQ ready: %s", self.settings.describe(hooks.listener_addresses(self.context)))
 
     async def on_broker_pre_shutdown(self) -> None:
-        """Stop delivering and end a running GC pass; unacked messages and persistent sessions stay stored; in a
-        cluster, hand the SCQ groups served here to the other brokers."""
+        """Stop delivering (unacked messages and persistent sessions stay stored), hand a cluster its SCQ groups."""
         self.engine.stop_delivering()
         self.kept_sessions.save_at_shutdown()
         await self.cluster.leave_groups()
