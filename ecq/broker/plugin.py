@@ -65,13 +65,13 @@ class EcqPlugin(BaseTopicPlugin):
         hooks.set_session_expiry(context, self.settings.session_expiry)
         hooks.shorten_subscriptions_repr(context)
         hooks.count_routed_publishes(context)
-        log.info("ECQ plugin: data_dir=%s, %d writer agents", self.settings.data_dir, self.settings.effective_pool_size())
+        settings = self.settings
+        log.info("ECQ plugin: data_dir=%s, %d writer agents", settings.data_dir, settings.effective_pool_size())
 
     async def on_broker_pre_start(self) -> None:
-        """Start event recording, the queue engine, the cluster, the stored sessions and the admin API. amqtt awaits
-        this before it opens its listeners, so once the MQTT port accepts, ECQ is ready. amqtt 0.12.1 runs it in a
-        task and ignores its exception, so a failure (the store unreadable, the admin address taken) is kept in
-        ``start_error``; ecq.broker.amqtt_hooks raises it from Broker.start."""
+        """Start event recording, the queue engine, the cluster, the stored sessions and the admin API, before amqtt
+        opens its listeners (once the MQTT port accepts, ECQ is ready). amqtt 0.12.1 ignores this task's exception, so
+        a failure (store unreadable, admin address taken) is kept in ``start_error``, raised from Broker.start."""
         try:
             if self.events and await self.events.start():
                 self.engine.observers.append(self.events)
