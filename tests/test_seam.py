@@ -126,7 +126,7 @@ def test_steps_run_as_the_chain_of_wrappers_would_in_one_wrapper():
                 raise KeyError(label)
 
         def install() -> None:
-            seam.step(Owner, "method", before=before, after=after)
+            seam.step(Owner, "method", before=before, always=after)
         install.__qualname__ = label
         return install
 

@@ -17,7 +17,7 @@ from amqtt.mqtt.connack import NOT_AUTHORIZED, ConnackPacket
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.plugins.manager import PluginManager
 
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import replace, step
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.throttle import LogThrottle
 
@@ -80,21 +80,19 @@ def authenticate_before_the_session() -> None:
     plugins gave, so no plugin is asked twice, and wrappers outside this one (``conformance.keep_persistent_sessions``)
     still judge that final session.
     """
-    original_init = BrokerProtocolHandler.init_from_connect
     original_initialize = Broker._initialize_client_session
     original_authenticate = Broker._authenticate
     allowed: weakref.WeakKeyDictionary[BrokerProtocolHandler, bool] = weakref.WeakKeyDictionary()  # -> is_anonymous
 
-    async def init_from_connect(cls: type, reader: Any, writer: Any, plugins_manager: Any,
-                                loop: Any = None) -> tuple[BrokerProtocolHandler, Any]:
-        handler, session = await original_init(reader, writer, plugins_manager, loop)
+    async def authenticate_the_connect(connected: tuple[BrokerProtocolHandler, Any], cls: type, reader: Any,
+                                       writer: Any, plugins_manager: Any, loop: Any) -> None:
+        handler, session = connected
         plugin = find_target(plugins_manager)
         if plugin is None:
-            return handler, session
+            return
         if not await original_authenticate(plugin.context._broker_instance, session, None):
             await refuse_connect(plugins_manager, writer, f"client id {session.client_id!r} not authorized")
         allowed[handler] = session.is_anonymous
-        return handler, session
 
     async def initialize_client_session(broker: Broker, *args: Any) -> tuple[BrokerProtocolHandler, Any]:
         handler, session = await original_initialize(broker, *args)
@@ -109,7 +107,7 @@ def authenticate_before_the_session() -> None:
         session.is_anonymous = anonymous
         return True
 
-    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
+    step(BrokerProtocolHandler, "init_from_connect", after=authenticate_the_connect)
     replace(Broker, "_initialize_client_session", initialize_client_session)
     replace(Broker, "_authenticate", authenticate)
     logging.getLogger("amqtt.broker").addFilter(_RefusalAlreadyLogged())

@@ -93,11 +93,21 @@ def checked_connection(reader: Any) -> _Connection | None:
 def checks_shared_with(reader: Any, alias: Any) -> Iterator[None]:
     """While in the block, packets decoded from ``alias`` (e.g. a buffer holding bytes read from ``reader``)
     get the checks of ``reader``'s connection, and their violations name it."""
-    _connections[alias] = _connections[reader]
+    share_checks(reader, alias)
     try:
         yield
     finally:
-        _connections.pop(alias, None)
+        stop_sharing_checks(alias)
+
+
+def share_checks(reader: Any, alias: Any) -> None:
+    """Until :func:`stop_sharing_checks`, packets decoded from ``alias`` get the checks of ``reader``'s connection."""
+    _connections[alias] = _connections[reader]
+
+
+def stop_sharing_checks(alias: Any) -> None:
+    """The end of :func:`share_checks` (nothing when ``alias`` shares none)."""
+    _connections.pop(alias, None)
 
 
 def fixed_header_violation(packet_type: int, flags: int, remaining_length: int, max_packet_bytes: int) -> str | None:
@@ -187,7 +197,7 @@ def close_abandoned_connections() -> None:
             del _connections[reader]
             _abort(writer)
 
-    step(Broker, "_client_connected", before=register, after=close)
+    step(Broker, "_client_connected", before=register, always=close)
 
 
 def time_limit_connect() -> None:
@@ -195,17 +205,18 @@ def time_limit_connect() -> None:
     forever: a socket that never sends a whole CONNECT held its file descriptor. Now it
     is closed after ``connect_timeout`` (EMQX does the same after its ``idle_timeout``). An unexpected
     exception while reading the CONNECT becomes an ``AMQTTError``, so amqtt logs it and releases the
-    listener's slot instead of ending the connection's task with it.
+    listener's slot instead of ending the connection's task with it. The body of the method's one wrapper
+    (``seam.step``): amqtt's own, under that time limit.
     """
     original = BrokerProtocolHandler.init_from_connect.__func__
 
-    async def init_from_connect(cls: type[BrokerProtocolHandler], reader: Any, writer: Any, *args: Any,
-                                **kwargs: Any) -> tuple[BrokerProtocolHandler, Any]:
+    async def init_from_connect(cls: type[BrokerProtocolHandler], reader: Any, writer: Any, plugins_manager: Any,
+                                loop: Any) -> tuple[BrokerProtocolHandler, Any]:
         connection = _connections.get(reader)
         if connection is None:
-            return await original(cls, reader, writer, *args, **kwargs)
+            return await original(cls, reader, writer, plugins_manager, loop)
         try:
-            handler, session = await asyncio.wait_for(original(cls, reader, writer, *args, **kwargs),
+            handler, session = await asyncio.wait_for(original(cls, reader, writer, plugins_manager, loop),
                                                       connection.connect_timeout_s)
         except TimeoutError:
             raise AMQTTError(f"no CONNECT from {connection.peer} within {connection.connect_timeout_s:g} s: "
@@ -217,7 +228,7 @@ def time_limit_connect() -> None:
         connection.client_id = session.client_id
         return handler, session
 
-    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
+    step(BrokerProtocolHandler, "init_from_connect", body=init_from_connect)
 
 
 def check_fixed_headers() -> None:

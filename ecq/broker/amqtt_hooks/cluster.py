@@ -29,7 +29,7 @@ from ecq.broker.amqtt_hooks.ecq_paths import holds_packet_ids
 from ecq.broker.amqtt_hooks.fleet_scale import filters_of, granted_of, note_subscription
 from ecq.broker.amqtt_hooks.mqtt5_messages import Subscription, subscriptions_of
 from ecq.broker.amqtt_hooks.mqtt5_sessions import expiry_of, will_pending
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import replace, step
 from ecq.broker.amqtt_hooks.session_owners import mark_owner_unknown
 from ecq.broker.amqtt_hooks.shared_subscriptions import is_shared
 from ecq.broker.amqtt_hooks.target import HandedOverSession, find_target
@@ -123,19 +123,17 @@ def adopt_sessions_from_the_cluster() -> None:
     amqtt alone found only sessions of its own process: a client reconnecting to another broker lost its
     session, and on one broker every restart lost them all (the claim now restores the one the embedded store
     kept)."""
-    original = BrokerProtocolHandler.init_from_connect
 
-    async def init_from_connect(cls: type, reader: Any, writer: Any, plugins_manager: Any,
-                                loop: Any = None) -> tuple[BrokerProtocolHandler, Any]:
-        handler, session = await original(reader, writer, plugins_manager, loop)
+    async def claim_the_session(connected: tuple[BrokerProtocolHandler, Any], cls: type, reader: Any, writer: Any,
+                                plugins_manager: Any, loop: Any) -> None:
+        _, session = connected
         plugin = find_target(plugins_manager)
         if plugin is not None and session.client_id:
             state = await plugin.claim_session(session.client_id, bool(session.clean_session))
             if state is not None and state.present and not session.clean_session:
                 _install_session(plugin.context._broker_instance, session.client_id, state)
-        return handler, session
 
-    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
+    step(BrokerProtocolHandler, "init_from_connect", after=claim_the_session)
 
 
 def _install_session(broker: Broker, clientid: str, state: HandedOverSession) -> None:
@@ -247,11 +245,9 @@ def hand_offline_sessions_to_the_store() -> None:
     shared subscription group (``$share/``), which gets the group's messages while no member is connected
     (``shared_subscriptions``; the stored sessions' index queues nothing for a group).
     """
-    original = Broker._handle_disconnect
 
-    async def handle_disconnect(broker: Broker, session: Any, handler: BrokerProtocolHandler,
-                                disconnect_waiter: Any) -> None:
-        await original(broker, session, handler, disconnect_waiter)
+    async def hand_the_session_to_the_store(_: None, broker: Broker, session: Any, handler: BrokerProtocolHandler,
+                                            disconnect_waiter: Any) -> None:
         plugin = find_target(broker.plugins_manager)
         if plugin is None or not _evictable(broker, session):
             return
@@ -259,7 +255,7 @@ def hand_offline_sessions_to_the_store() -> None:
         if held is not None and plugin.session_evicted(session.client_id, held, _unreceived(session)):
             await broker._cleanup_session(session.client_id)
 
-    replace(Broker, "_handle_disconnect", handle_disconnect)
+    step(Broker, "_handle_disconnect", after=hand_the_session_to_the_store)
 
 
 def _evictable(broker: Broker, session: Any) -> bool:

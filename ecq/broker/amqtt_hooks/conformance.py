@@ -80,7 +80,7 @@ def release_handlers_of_offline_sessions() -> None:
                 and session.transitions.state == "disconnected"):
             broker._sessions[session.client_id] = (session, None)
 
-    step(Broker, "_handle_client_session", after=release_the_handler)
+    step(Broker, "_handle_client_session", always=release_the_handler)
 
 
 def set_session_expiry(context: BrokerContext, seconds: float) -> None:
@@ -207,7 +207,7 @@ def offline_queue_first_on_reconnect() -> None:
         _resuming.pop(id(session), None)  # the queue is taken before this coroutine first yields: nothing comes between
         await original_queued(broker, session)
 
-    step(Broker, "_handle_client_session", before=mark_resuming, after=unmark_resuming)
+    step(Broker, "_handle_client_session", before=mark_resuming, always=unmark_resuming)
     replace(Broker, "_publish_session_retained_messages", publish_queued)
 
 
@@ -220,19 +220,17 @@ def route_what_was_read_before_the_disconnect() -> None:
     MQTT 3.1.1 sections 4.3.2 and 3.14.4: a PUBACKed message is the server's to deliver, and what was read
     before DISCONNECT is processed. So ``Broker._handle_disconnect`` first handles what is queued, as the loop
     would have: subscriptions, unsubscriptions, then messages in arrival order (a Will, if due, comes after)."""
-    original = Broker._handle_disconnect
 
-    async def handle_disconnect(broker: Broker, session: Any, handler: BrokerProtocolHandler,
-                                disconnect_waiter: asyncio.Future) -> None:
+    async def handle_what_was_read(broker: Broker, session: Any, handler: BrokerProtocolHandler,
+                                   disconnect_waiter: asyncio.Future) -> None:
         if find_target(broker.plugins_manager) is not None:
             for queue, handle in ((handler._pending_subscriptions, broker._handle_subscription),
                                   (handler._pending_unsubscriptions, broker._handle_unsubscription),
                                   (session.delivered_message_queue, broker._handle_message_delivery)):
                 while not queue.empty():
                     await handle(session, handler, _resolved(queue.get_nowait()))
-        await original(broker, session, handler, disconnect_waiter)
 
-    replace(Broker, "_handle_disconnect", handle_disconnect)
+    step(Broker, "_handle_disconnect", before=handle_what_was_read)
 
 
 def end_clean_sessions_with_their_connection() -> None:
@@ -240,17 +238,15 @@ def end_clean_sessions_with_their_connection() -> None:
     CleanSession=0 CONNECT of the same clientid within that second was given the clean session (session present
     1, its subscriptions, which then persisted). MQTT 3.1.1 section 3.1.2.4: a clean session lasts as long as
     its network connection. So ``Broker._handle_disconnect`` ends it at once."""
-    original = Broker._handle_disconnect
 
-    async def handle_disconnect(broker: Broker, session: Any, handler: BrokerProtocolHandler,
-                                disconnect_waiter: asyncio.Future) -> None:
-        await original(broker, session, handler, disconnect_waiter)
+    async def end_a_clean_session(_: None, broker: Broker, session: Any, handler: BrokerProtocolHandler,
+                                  disconnect_waiter: asyncio.Future) -> None:
         stored, _ = broker._sessions.get(session.client_id, (None, None))
         if (find_target(broker.plugins_manager) is not None and session.clean_session and stored is session
                 and session.transitions.state == "disconnected"):
             await broker._cleanup_session(session.client_id)
 
-    replace(Broker, "_handle_disconnect", handle_disconnect)
+    step(Broker, "_handle_disconnect", after=end_a_clean_session)
 
 
 def _resolved(value: Any) -> asyncio.Future:
@@ -412,15 +408,13 @@ def enforce_keepalive() -> None:
     for any close without DISCONNECT, publishes the Will, section 3.1.2.5). The reader's timeout is
     ``session.keep_alive`` (amqtt adds its ``timeout-disconnect-delay`` to it), so that becomes 1.5 x the
     CONNECT's keepalive, and the timeout closes the connection."""
-    original_init = BrokerProtocolHandler.init_from_connect
     original_timeout = BrokerProtocolHandler.handle_read_timeout
 
-    async def init_from_connect(cls: type, reader: Any, writer: Any, plugins_manager: Any,
-                                loop: Any = None) -> tuple[BrokerProtocolHandler, Any]:
-        handler, session = await original_init(reader, writer, plugins_manager, loop)
+    def stretch_the_keepalive(connected: tuple[BrokerProtocolHandler, Any], cls: type, reader: Any, writer: Any,
+                              plugins_manager: Any, loop: Any) -> None:
+        _, session = connected
         if find_target(plugins_manager) is not None:
             session.keep_alive = session.keep_alive * 1.5
-        return handler, session
 
     def handle_read_timeout(handler: BrokerProtocolHandler) -> None:
         if find_target(handler.plugins_manager) is None:
@@ -430,5 +424,5 @@ def enforce_keepalive() -> None:
         _closing.add(task)
         task.add_done_callback(_closing.discard)
 
-    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
+    step(BrokerProtocolHandler, "init_from_connect", after=stretch_the_keepalive)
     replace(BrokerProtocolHandler, "handle_read_timeout", handle_read_timeout)

@@ -14,7 +14,7 @@ from amqtt.broker import Broker
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker.amqtt_hooks.authentication import refuse_connect
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import replace, step
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic
 
@@ -30,18 +30,16 @@ def refuse_forbidden_wills() -> None:
     touches any existing session of that clientid (:func:`authentication.refuse_connect`: CONNACK, close, an
     error that ends the connection); the refusal is logged by ``AccessControl.will_refusal``, rate-limited.
     """
-    original = BrokerProtocolHandler.init_from_connect.__func__
 
-    async def init_from_connect(cls: type[BrokerProtocolHandler], reader: Any, writer: Any, plugins_manager: Any,
-                                loop: asyncio.AbstractEventLoop | None = None) -> tuple[BrokerProtocolHandler, Any]:
-        handler, session = await original(cls, reader, writer, plugins_manager, loop)
+    async def refuse_a_forbidden_will(connected: tuple[BrokerProtocolHandler, Any], cls: type, reader: Any,
+                                      writer: Any, plugins_manager: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+        _, session = connected
         plugin = find_target(plugins_manager)
         reason = plugin.will_refusal(session) if plugin is not None and session.will_flag else None
         if reason is not None:
             await refuse_connect(plugins_manager, writer, reason)
-        return handler, session
 
-    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
+    step(BrokerProtocolHandler, "init_from_connect", after=refuse_a_forbidden_will)
 
 
 def keep_ecq_out_of_broadcasts() -> None:

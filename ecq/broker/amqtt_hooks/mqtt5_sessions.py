@@ -173,7 +173,6 @@ def expire_sessions_one_by_one() -> None:
     end of the connection (``_handle_disconnect``, outermost) a session with an interval, which a DISCONNECT may
     have changed, is forgotten after it (at most ``session_expiry``, amqtt's monitor's bound), at once for 0."""
     original_initialize = Broker._initialize_client_session
-    original_disconnect = Broker._handle_disconnect
     original_cleanup = Broker._cleanup_session
 
     async def initialize_client_session(broker: Broker, *args: Any) -> tuple[BrokerProtocolHandler, Any]:
@@ -187,9 +186,8 @@ def expire_sessions_one_by_one() -> None:
             session.attributes.pop(_EXPIRY, None)
         return handler, session
 
-    async def handle_disconnect(broker: Broker, session: Any, handler: BrokerProtocolHandler,
-                                disconnect_waiter: asyncio.Future) -> None:
-        await original_disconnect(broker, session, handler, disconnect_waiter)
+    async def expire_the_offline_session(_: None, broker: Broker, session: Any, handler: BrokerProtocolHandler,
+                                         disconnect_waiter: asyncio.Future) -> None:
         options = _options(handler)
         if options is None or _end_of_connection(broker, session) != _OFFLINE:
             return  # 3.1.1, or the session ended or went to a newer connection: nothing left to expire
@@ -207,7 +205,7 @@ def expire_sessions_one_by_one() -> None:
         await original_cleanup(broker, client_id)
 
     replace(Broker, "_initialize_client_session", initialize_client_session)
-    replace(Broker, "_handle_disconnect", handle_disconnect)
+    step(Broker, "_handle_disconnect", after=expire_the_offline_session)
     replace(Broker, "_cleanup_session", cleanup_session)
 
 
@@ -236,7 +234,6 @@ def publish_wills_after_their_delay() -> None:
     session's expiry runs out. A Clean Start CONNECT that discards an offline session publishes its pending
     Will (``Broker._delete_session``)."""
     original_initialize = Broker._initialize_client_session
-    original_disconnect = Broker._handle_disconnect
     original_delete = Broker._delete_session
 
     async def initialize_client_session(broker: Broker, *args: Any) -> tuple[BrokerProtocolHandler, Any]:
@@ -245,9 +242,8 @@ def publish_wills_after_their_delay() -> None:
             session.will_flag = False
         return handler, session
 
-    async def handle_disconnect(broker: Broker, session: Any, handler: BrokerProtocolHandler,
-                                disconnect_waiter: asyncio.Future) -> None:
-        await original_disconnect(broker, session, handler, disconnect_waiter)
+    async def publish_the_will(_: None, broker: Broker, session: Any, handler: BrokerProtocolHandler,
+                               disconnect_waiter: asyncio.Future) -> None:
         options = _options(handler)
         if options is None or options.will is None or isinstance(disconnect_waiter.result(), DisconnectPacket):
             return  # 3.1.1, no Will, or a DISCONNECT other than 0x04 (which mqtt5_framer hands over as none)
@@ -272,7 +268,7 @@ def publish_wills_after_their_delay() -> None:
         await original_delete(broker, client_id)
 
     replace(Broker, "_initialize_client_session", initialize_client_session)
-    replace(Broker, "_handle_disconnect", handle_disconnect)
+    step(Broker, "_handle_disconnect", after=publish_the_will)
     replace(Broker, "_delete_session", delete_session)
 
 
