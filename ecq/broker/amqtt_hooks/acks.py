@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 
 
 def resolve_pubacks_at_once() -> None:
-    """Install :func:`handle_puback_at_once` as amqtt's ``BrokerProtocolHandler.handle_puback``."""
-    replace(BrokerProtocolHandler, "handle_puback", handle_puback_at_once)
+    """Install :func:`handle_puback_at_once` as amqtt's ``BrokerProtocolHandler.handle_puback`` (the body of its one
+    wrapper, a plain function as this one)."""
+    step(BrokerProtocolHandler, "handle_puback", body=handle_puback_at_once)
 
 
 def handle_puback_at_once(handler: BrokerProtocolHandler, puback: PubackPacket) -> Coroutine[Any, Any, None]:

@@ -28,7 +28,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.publish import PublishVariableHeader
 from amqtt.mqtt.subscribe import SubscribePayload
 
-from ecq.broker.amqtt_hooks.seam import replace, step
+from ecq.broker.amqtt_hooks.seam import Result, replace, step
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.throttle import LogThrottle
 from ecq.queue.topics import is_ecq_topic
@@ -237,20 +237,17 @@ def check_fixed_headers() -> None:
     Now a packet announcing a remaining length above ``max_packet_bytes`` closes the connection before its
     body is read (MQTT 3.1.1 has no other answer), and so does a PUBLISH with QoS 3 (section 3.3.1.2).
     """
-    original = MQTTFixedHeader.from_stream.__func__
 
-    async def from_stream(cls: type[MQTTFixedHeader], reader: Any) -> MQTTFixedHeader | None:
-        header = await original(cls, reader)
+    def check(header: MQTTFixedHeader | None, cls: type[MQTTFixedHeader], reader: Any) -> None:
         connection = _connections.get(reader)
         if header is None or connection is None:
-            return header
+            return
         reason = fixed_header_violation(header.packet_type, header.flags, header.remaining_length,
                                         connection.max_packet_bytes)
         if reason is not None:
             raise violation(reader, reason)
-        return header
 
-    replace(MQTTFixedHeader, "from_stream", classmethod(from_stream))
+    step(MQTTFixedHeader, "from_stream", after=check)
 
 
 async def _read_utf8(reader: Any, what: str) -> str:
@@ -349,17 +346,16 @@ def keep_serving_after_reserved_topics() -> None:
     PINGREQ: the client's later SUBSCRIBEs were never answered. MQTT 3.1.1 section 4.7.2
     only keeps such topics for the server, so the message is dropped with a log line and the loop goes on.
     """
-    original = Broker._handle_message_delivery
 
-    async def handle_message_delivery(broker: Broker, session: Any, handler: Any, wait_deliver: Any) -> bool:
+    def drop_reserved_topics(broker: Broker, session: Any, handler: Any, wait_deliver: Any) -> Result | None:
         message = wait_deliver.result()
         if message is not None and message.topic.startswith("$") and find_target(broker.plugins_manager):
             log.warning("ECQ dropped a PUBLISH of %r to %r: topics starting with $ are the broker's "
                         "(MQTT 3.1.1 section 4.7.2)", session.client_id, message.topic)
-            return True
-        return await original(broker, session, handler, wait_deliver)
+            return Result(True)  # the message loop goes on
+        return None
 
-    replace(Broker, "_handle_message_delivery", handle_message_delivery)
+    step(Broker, "_handle_message_delivery", before=drop_reserved_topics)
 
 
 class _AcceptErrorLogLimit(logging.Filter):

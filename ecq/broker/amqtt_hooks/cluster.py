@@ -65,16 +65,13 @@ _FROM_CLUSTER: contextvars.ContextVar[bool] = contextvars.ContextVar("ecq_from_c
 def forward_broadcasts_to_the_cluster() -> None:
     """After amqtt's ``Broker._broadcast_message`` (client PUBLISHes, Wills, plugins' broadcasts) of a topic
     not starting with ``$``, hand the message to the plugin for the other brokers, unless it came from one."""
-    original = Broker._broadcast_message
 
-    async def broadcast_message(broker: Broker, session: Any, topic: str | None, data: Any,
-                                force_qos: int | None = None) -> None:
-        await original(broker, session, topic, data, force_qos)
+    def forward(_: None, broker: Broker, session: Any, topic: str | None, data: Any, force_qos: int | None) -> None:
         plugin = find_target(broker.plugins_manager)
         if plugin is not None and topic and not topic.startswith("$") and not _FROM_CLUSTER.get():
             plugin.forward_to_cluster(topic, bytes(data or b""), 2 if force_qos is None else force_qos)
 
-    replace(Broker, "_broadcast_message", broadcast_message)
+    step(Broker, "_broadcast_message", after=forward)
 
 
 async def broadcast_from_cluster(context: BrokerContext, topic: str, data: bytes, qos: int) -> None:
@@ -92,16 +89,14 @@ def replicate_retained_messages() -> None:
     not starting with ``$``, hand the message to the plugin for the cluster (an empty payload clears it, MQTT 3.1.1
     section 3.3.1.3). amqtt 0.12.1 keeps it only in its own ``_retained_messages``, so a SUBSCRIBE on another broker
     did not get it."""
-    original = Broker.retain_message
 
-    async def retain_message(broker: Broker, source_session: Any, topic_name: str | None, data: Any,
-                             qos: int | None = None) -> None:
-        await original(broker, source_session, topic_name, data, qos)
+    def replicate(_: None, broker: Broker, source_session: Any, topic_name: str | None, data: Any,
+                  qos: int | None) -> None:
         plugin = find_target(broker.plugins_manager)
         if plugin is not None and topic_name and not topic_name.startswith("$"):
             plugin.retained_changed(topic_name, bytes(data or b""), qos)
 
-    replace(Broker, "retain_message", retain_message)
+    step(Broker, "retain_message", after=replicate)
 
 
 def set_retained_from_cluster(context: BrokerContext, topic: str, data: bytes | None, qos: int | None) -> None:
@@ -281,7 +276,6 @@ def store_offline_queues_in_the_cluster() -> None:
     (:meth:`EcqHooksTarget.session_message_queued`), and the stored copy is dropped when the queue is taken for
     sending (:meth:`EcqHooksTarget.session_queue_taken`)."""
     original_queue = Broker._retain_broadcast_message
-    original_send = Broker._publish_session_retained_messages
 
     async def retain_broadcast_message(broker: Broker, broadcast: dict[str, Any], qos: int,
                                        target_session: Any) -> None:
@@ -291,11 +285,10 @@ def store_offline_queues_in_the_cluster() -> None:
             plugin.session_message_queued(target_session.client_id, broadcast["topic"], qos,
                                           bytes(broadcast["data"] or b""))
 
-    async def publish_session_retained_messages(broker: Broker, session: Any) -> None:
+    def drop_the_stored_queue(broker: Broker, session: Any) -> None:
         plugin = find_target(broker.plugins_manager)
         if plugin is not None and not session.retained_messages.empty():
             plugin.session_queue_taken(session.client_id)
-        await original_send(broker, session)
 
     replace(Broker, "_retain_broadcast_message", retain_broadcast_message)
-    replace(Broker, "_publish_session_retained_messages", publish_session_retained_messages)
+    step(Broker, "_publish_session_retained_messages", before=drop_the_stored_queue)

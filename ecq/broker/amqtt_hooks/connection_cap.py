@@ -88,7 +88,7 @@ def cap_connections() -> None:
 
     ``Broker._client_connected`` (one task per connection, from its accept to its end) holds an :class:`_Admission`;
     ``BrokerProtocolHandler.init_from_connect``, once the CONNECT was read and authenticated (installed right outside
-    ``authentication.authenticate_before_the_session``: inside every wrapper that touches a session), counts the
+    ``authentication.authenticate_before_the_session``: inside every step that touches a session), counts the
     connection or refuses it (``authentication.refuse_connect``: CONNACK, close, nothing of a session touched); the
     connection's end, on every path, releases what was counted.
     """

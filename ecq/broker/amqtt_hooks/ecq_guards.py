@@ -6,7 +6,6 @@ delivery). Each function below closes one of these paths on a broker that runs t
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -14,7 +13,7 @@ from amqtt.broker import Broker
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker.amqtt_hooks.authentication import refuse_connect
-from ecq.broker.amqtt_hooks.seam import replace, step
+from ecq.broker.amqtt_hooks.seam import Result, step
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic
 
@@ -32,7 +31,7 @@ def refuse_forbidden_wills() -> None:
     """
 
     async def refuse_a_forbidden_will(connected: tuple[BrokerProtocolHandler, Any], cls: type, reader: Any,
-                                      writer: Any, plugins_manager: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+                                      writer: Any, plugins_manager: Any, loop: Any) -> None:
         _, session = connected
         plugin = find_target(plugins_manager)
         reason = plugin.will_refusal(session) if plugin is not None and session.will_flag else None
@@ -50,17 +49,16 @@ def keep_ecq_out_of_broadcasts() -> None:
     subscription ``$ECQ/<clientid>/#`` as if ECQ delivered it (or wait in an offline session's queue).
     ECQ's delivery does not go through it (see ``ecq_paths.publish_qos1``).
     """
-    original = Broker._broadcast_message
 
-    async def broadcast_message(broker: Broker, session: Any, topic: str | None, data: Any,
-                                force_qos: int | None = None) -> None:
+    def drop_ecq_topics(broker: Broker, session: Any, topic: str | None, data: Any,
+                        force_qos: int | None) -> Result | None:
         if topic is not None and is_ecq_topic(topic) and find_target(broker.plugins_manager) is not None:
             log.warning("ECQ dropped an amqtt broadcast to %r from %s: only ECQ delivers under $ECQ/",
                         topic, session.client_id if session else "the broker")
-            return
-        await original(broker, session, topic, data, force_qos)
+            return Result(None)
+        return None
 
-    replace(Broker, "_broadcast_message", broadcast_message)
+    step(Broker, "_broadcast_message", before=drop_ecq_topics)
 
 
 def keep_ecq_out_of_retained_store() -> None:
@@ -71,14 +69,12 @@ def keep_ecq_out_of_retained_store() -> None:
     retained ``$ECQ/<clientid>/<key>`` would come back on each re-subscribe to the queue. ECQ writes with
     RETAIN are stored as ordinary writes by ECQ and never reach this method.
     """
-    original = Broker.retain_message
 
-    async def retain_message(broker: Broker, source_session: Any, topic_name: str, data: Any,
-                             qos: int | None = None) -> None:
+    def keep_ecq_out(broker: Broker, source_session: Any, topic_name: str, data: Any, qos: int | None) -> Result | None:
         if is_ecq_topic(topic_name) and find_target(broker.plugins_manager) is not None:
             log.warning("ECQ did not retain a message on %r from %s: amqtt never retains under $ECQ/",
                         topic_name, source_session.client_id if source_session else "the broker")
-            return
-        await original(broker, source_session, topic_name, data, qos)
+            return Result(None)
+        return None
 
-    replace(Broker, "retain_message", retain_message)
+    step(Broker, "retain_message", before=keep_ecq_out)

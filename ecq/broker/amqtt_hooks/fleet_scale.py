@@ -143,7 +143,7 @@ def index_subscriptions_by_client() -> None:
     original_del = Broker._del_subscription
     original_del_all = Broker._del_all_subscriptions
 
-    async def add_subscription(broker: Broker, subscription: tuple[str, int], session: Any) -> int:
+    async def add_subscription(broker: Broker, subscription: tuple[str, int], session: Any) -> int:  # the body
         if find_target(broker.plugins_manager) is None:
             return await original_add(broker, subscription, session)
         return await _add_subscription(broker, subscription, session)
@@ -165,7 +165,7 @@ def index_subscriptions_by_client() -> None:
             if topic_filter in broker._subscriptions and not broker._subscriptions[topic_filter]:
                 del broker._subscriptions[topic_filter]
 
-    replace(Broker, "add_subscription", add_subscription)
+    step(Broker, "add_subscription", body=add_subscription)
     replace(Broker, "_del_subscription", del_subscription)
     replace(Broker, "_del_all_subscriptions", del_all_subscriptions)
 

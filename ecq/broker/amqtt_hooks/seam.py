@@ -1,17 +1,24 @@
-"""The one seam between ECQ and amqtt: every amqtt method ECQ replaces goes through :func:`replace`, every private amqtt
-name it reads is declared in :data:`PRIVATE_READS`, and both were written against :data:`AMQTT_VERSION`.
+"""The one seam between ECQ and amqtt: every amqtt method ECQ replaces goes through :func:`replace` or :func:`step`,
+every private amqtt name it reads is declared in :data:`PRIVATE_READS`, and both were written against
+:data:`AMQTT_VERSION`.
 
 Modelled on gevent's ``monkey.patch_item``: the first replacement of ``(owner, name)`` keeps amqtt's own attribute in
 :data:`saved` (:func:`get_original`), and each replacement records the ECQ correction that made it, so
 :func:`corrections` and :func:`describe` answer at run time "what does ECQ replace in amqtt, and with which corrections
-in which order". A correction replaces a method by a wrapper of the one it finds there (its ``original``), so the
-corrections of one method form a chain: the first listed is innermost, the last one runs first.
+in which order" (issue 32's one table).
 
-Each wrapper of such a chain is a coroutine frame, and a method that runs for a connection's whole life (amqtt's
-``Broker._client_connected`` and ``_handle_client_session``) keeps every one of them suspended per connected client. So
-the corrections of such a method give :func:`step` their parts instead (what runs before the call, what runs after it
-as a ``finally``, at most one replacement of amqtt's body), and the seam installs ONE wrapper running them in the
-order of that same chain: the frames of a connection hold one ECQ wrapper per method, not one per correction.
+A method only one correction replaces gets that correction's wrapper (:func:`replace`). A method several corrections
+correct is installed as ONE wrapper (:func:`step`): each correction gives its parts, plain or coroutine functions
+named for what they do before amqtt's call (``before``: change its arguments, or answer in its place with a
+:class:`Result`, or have another coroutine awaited :class:`Instead`), after it (``after``: look at the result or
+replace it), however it ended (``always``, a ``finally``), or as amqtt's body (the first correction's ``body``, which
+may call amqtt's own), and the wrapper runs them in the order of the chain of wrappers they stand for: the first
+correction of :data:`amqtt_hooks.CORRECTIONS` innermost, the last one's ``before`` first. A chain would be a frame
+per correction in every call, and a method a connection stays in for its whole life (``Broker._client_connected``,
+``_handle_client_session``, ``ProtocolHandler._reader_loop``) would keep each of them suspended per connected client.
+Every method corrected more than once is so corrected; ``tests/test_seam.py`` fails on a chain (there is no
+correction a step could not express: those that wrap amqtt's call in ``asyncio.wait_for`` or decide whether to call
+it give the ``body``, a ``with`` around the call is a ``before`` and an ``always``).
 
 :func:`apply` runs a table of corrections (``amqtt_hooks.CORRECTIONS``) after :func:`check_amqtt_version`; a
 replacement outside it, or of a name its owner lacks, raises :class:`AmqttSeamError` instead of being made, and the
@@ -118,12 +125,21 @@ class Result:
 
 
 @dataclass(frozen=True, slots=True)
+class Instead:
+    """Given by a ``before`` of a coroutine method: the call awaits ``awaitable`` in place of the inner steps and
+    amqtt's method, with no frame of that step's kept while it runs (a reader that serves a connection's whole life)."""
+
+    awaitable: Any
+
+
+@dataclass(frozen=True, slots=True)
 class Step:
     """One correction's part of the one wrapper :func:`step` installs, each part a function called with the method's
     arguments, all positional as amqtt's signature names them (``self`` or ``cls`` first, defaults filled in):
 
     - ``before(*args)`` runs before the call and returns None (go on), the arguments the call gets from there on
-      (the inner steps, amqtt), or a :class:`Result` (the call returns it; the inner steps and amqtt are skipped);
+      (the inner steps, amqtt), a :class:`Result` (the call returns it; the inner steps and amqtt are skipped) or,
+      for a coroutine method, :class:`Instead` (what the call awaits in their place);
     - ``after(result, *args)`` runs once the call returned (not when it raised) and returns None (the result stays)
       or a :class:`Result` replacing it;
     - ``always(*args)``, plain, runs once the call ended, however it ended (a ``finally``);
@@ -145,13 +161,13 @@ def step(owner: type, name: str, *, before: Callable[..., Any] | None = None, af
     and install one wrapper running all of its steps as the chain of wrappers :func:`replace` would make runs them:
     the befores of the later corrections first, then the body (amqtt's own, or the first step's ``body``), then the
     afters of the earlier ones first, and the ``always`` of each step whose ``before`` ran, innermost first, each
-    whatever the one before it raised, as nested ``finally`` clauses do. A before returning a :class:`Result` ends
-    the way in: the call returns it through the afters of the steps outside that one. One difference from that
-    chain, so that a call allocates nothing but its frame: every ``after`` and ``always`` is given the arguments as
-    the befores left them, also those an inner correction's ``before`` replaced. The wrapper is a coroutine function
-    when the body is one. Raises :class:`AmqttSeamError` as :func:`replace` does, and when ``owner.name`` is replaced
-    through :func:`replace` too, has its body replaced by a step other than its first, or is a plain method given a
-    coroutine function (or an ``always`` that is one)."""
+    whatever the one before it raised, as nested ``finally`` clauses do. A before returning a :class:`Result` (or
+    :class:`Instead`) ends the way in: the call returns it through the afters of the steps outside that one. One
+    difference from that chain, so that a call allocates nothing but its frame: every ``after`` and ``always`` is
+    given the arguments as the befores left them, also those an inner correction's ``before`` replaced. The wrapper
+    is a coroutine function when the body is one. Raises :class:`AmqttSeamError` as :func:`replace` does, and when
+    ``owner.name`` is replaced through :func:`replace` too, has its body replaced by a step other than its first,
+    or is a plain method given a coroutine function (or an ``always`` that is one)."""
     key = _record(owner, name)
     steps = _steps.setdefault(key, [])
     if len(_corrections[key]) > len(steps):
@@ -183,6 +199,7 @@ def _one_wrapper(owner: type, name: str, original: Callable[..., Any], steps: tu
 
     async def corrected(*args: Any, **kwargs: Any) -> Any:
         args = positional(args, kwargs)
+        del kwargs  # a frame kept for a connection's life (_reader_loop) holds no empty dict
         ran = 0  # the steps of outermost_first whose before ran: their always is due
         try:
             decided = None
@@ -191,14 +208,17 @@ def _one_wrapper(owner: type, name: str, original: Callable[..., Any], steps: tu
                     given = each.before(*args)
                     if each.before_awaits:
                         given = await given
-                    if type(given) is Result:
+                    if type(given) is Result or type(given) is Instead:
                         decided = given
                     elif given is not None:
                         args = given
                 ran += 1
                 if decided is not None:
                     break
-            result = decided.value if decided is not None else await body(*args)
+            if decided is None:
+                result = await body(*args)
+            else:
+                result = decided.value if type(decided) is Result else await decided.awaitable
             for index in range(ran - 1 if decided is not None else ran, 0, -1):
                 each = outermost_first[index - 1]
                 if each.after is not None:
@@ -245,15 +265,20 @@ def _one_wrapper(owner: type, name: str, original: Callable[..., Any], steps: tu
 def _positional_arguments(function: Callable[..., Any]) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, ...]]:
     """``complete(args, kwargs)``: the arguments of a call of amqtt's ``function`` as one tuple, in the order of its
     parameters (keywords placed, defaults filled in); ``args`` itself when the call gave them all by position."""
-    parameters = list(inspect.signature(function).parameters.values())
+    signature = inspect.signature(function)
+    parameters = list(signature.parameters.values())
     if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters):
         raise AmqttSeamError(f"seam.step() corrects methods of plain parameters only, not {function.__qualname__}")
     count = len(parameters)
+    defaults = tuple(p.default for p in parameters)
 
     def complete(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        if len(args) == count and not kwargs:
-            return args
-        bound = inspect.signature(function).bind(*args, **kwargs)
+        if not kwargs:
+            if len(args) == count:
+                return args
+            if inspect.Parameter.empty not in defaults[len(args):]:  # amqtt's defaults left out (force_qos)
+                return args + defaults[len(args):]
+        bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         return bound.args
 
