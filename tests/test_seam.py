@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import inspect
 import os
 import pathlib
 import re
@@ -126,7 +127,7 @@ def test_steps_run_as_the_chain_of_wrappers_would_in_one_wrapper():
                 raise KeyError(label)
 
         def install() -> None:
-            seam.step(Owner, "method", before=before, after=after)
+            seam.step(Owner, "method", before=before, always=after)
         install.__qualname__ = label
         return install
 
@@ -158,6 +159,101 @@ def test_steps_run_as_the_chain_of_wrappers_would_in_one_wrapper():
 
 async def _run(coroutine: Any) -> Any:
     return await coroutine
+
+
+def test_a_step_answers_in_amqtts_place_replaces_the_result_and_fills_in_amqtts_defaults():
+    """A before's ``Result`` skips the inner steps and amqtt (the outer afters still see it), an after's replaces the
+    result, a before's ``Instead`` is awaited in their place; befores and afters may be coroutine functions; the
+    steps get the arguments all positional (keywords placed, amqtt's defaults filled in)."""
+    seen: list[tuple[Any, ...]] = []
+
+    class Owner:
+        async def method(self, value: int, qos: int | None = None) -> str:
+            seen.append(("amqtt", value, qos))
+            return f"amqtt {value}"
+
+    async def answer_negatives(owner: Owner, value: int, qos: int | None) -> seam.Result | seam.Instead | None:
+        await asyncio.sleep(0)
+        if value == 0:
+            return seam.Instead(_run(owner.other_answer()))
+        return seam.Result("answered") if value < 0 else None
+
+    def note(result: str, owner: Owner, value: int, qos: int | None) -> None:
+        seen.append(("inner after", result, qos))
+
+    async def shout(result: str, owner: Owner, value: int, qos: int | None) -> seam.Result:
+        return seam.Result(result.upper())
+
+    async def other_answer() -> str:
+        return "instead"
+
+    Owner.other_answer = staticmethod(other_answer)
+
+    def inner() -> None:
+        seam.step(Owner, "method", after=note)
+
+    def middle() -> None:
+        seam.step(Owner, "method", before=answer_negatives)
+
+    def outer() -> None:
+        seam.step(Owner, "method", after=shout)
+
+    seam.apply([inner, middle, outer])
+    assert asyncio.run(Owner().method(1)) == "AMQTT 1"
+    assert seen == [("amqtt", 1, None), ("inner after", "amqtt 1", None)]
+    seen.clear()
+    assert asyncio.run(Owner().method(-1, qos=1)) == "ANSWERED"
+    assert asyncio.run(Owner().method(0)) == "INSTEAD"
+    assert seen == []  # neither amqtt nor the step inside the answering one
+
+
+def test_a_plain_method_and_a_classmethod_are_corrected_by_one_wrapper_of_their_kind():
+    class Owner:
+        def plain(self, value: int) -> list[str]:
+            return [f"amqtt {value}"]
+
+        @classmethod
+        async def made(cls, value: int) -> str:
+            return f"{cls.__name__} {value}"
+
+    def body(owner: Owner, value: int) -> list[str]:
+        return [f"body {value}"]
+
+    def double(owner: Owner, value: int) -> tuple[Owner, int]:
+        return owner, value * 2
+
+    async def awaited(owner: Owner, value: int) -> None:
+        return None
+
+    def correct() -> None:
+        seam.step(Owner, "plain", body=body)
+        seam.step(Owner, "plain", before=double)
+        seam.step(Owner, "made", before=lambda cls, value: (cls, value + 1))
+        seam.step(Owner, "made", after=lambda result, cls, value: seam.Result(f"{result}!"))
+
+    def await_in_a_plain_method() -> None:
+        seam.step(Owner, "plain", before=awaited)
+
+    seam.apply([correct])
+    assert Owner().plain(2) == ["body 4"]
+    assert asyncio.run(Owner.made(1)) == "Owner 2!"
+    assert isinstance(inspect.getattr_static(Owner, "made"), classmethod)
+    with pytest.raises(seam.AmqttSeamError, match="given a coroutine function where it calls a plain one"):
+        seam.apply([await_in_a_plain_method])
+
+
+def test_every_amqtt_method_corrected_more_than_once_is_one_wrapper():
+    """issue 32's one table: each amqtt method ECQ corrects several times is installed as ONE wrapper of the seam
+    running those corrections in order (``seam.step``), never as a chain of wrappers, one frame per correction."""
+    amqtt_hooks.install(EcqPlugin)
+    chains = sorted(target for target, names in seam.corrections().items()
+                    if len(names) > 1 and not target.startswith("Owner."))
+    one_wrapper = {f"{owner.__name__}.{name}": (owner, name) for owner, name in seam._steps}
+    assert [target for target in chains if target not in one_wrapper] == []
+    for target in chains:
+        installed = inspect.getattr_static(*one_wrapper[target])
+        assert getattr(installed, "__func__", installed).__code__.co_filename == seam.__file__, target
+        assert f"{target} (one wrapper)" in seam.describe()
 
 
 def test_a_body_replaces_amqtts_method_only_as_the_first_step_and_a_method_has_one_kind_of_correction():
@@ -197,12 +293,12 @@ def test_a_body_replaces_amqtts_method_only_as_the_first_step_and_a_method_has_o
 
 @pytest.mark.timeout(30)
 async def test_a_connection_holds_one_ecq_frame_for_each_method_it_stays_in(tmp_path):
-    """amqtt's ``_client_connected`` and ``_handle_client_session`` stay suspended for a connection's whole life, so
-    each wrapper of theirs is a coroutine frame per connected client (8 of them, about 3 KB, with one wrapper per
-    correction): a persistent client's connection, in an in-process ECQ broker, holds one ECQ frame above each
-    (and fleet_scale's body in place of amqtt's ``_handle_client_session``)."""
+    """amqtt's ``_client_connected``, ``_handle_client_session`` and ``_reader_loop`` stay suspended for a connection's
+    whole life, so each wrapper of theirs is a coroutine frame per connected client (8 of them, about 3 KB, with one
+    wrapper per correction for the first two): a persistent client's connection, in an in-process ECQ broker, holds
+    one ECQ frame above each (and fleet_scale's and the framer's bodies in place of amqtt's)."""
     port = free_port()
-    broker = Broker(prepare(None, bind=f"127.0.0.1:{port}", data_dir=tmp_path))
+    broker = Broker(prepare(None, bind=f"127.0.0.1:{port}", data_dir=tmp_path, admin_bind=f"127.0.0.1:{free_port()}"))
     await broker.start()
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -220,6 +316,10 @@ async def test_a_connection_holds_one_ecq_frame_for_each_method_it_stays_in(tmp_
         assert above_client_connected == ["seam Broker._client_connected"], chain
         assert above_the_loop == ["seam Broker._handle_client_session", "fleet_scale "
                                   "connect_without_walking_every_filter.<locals>.handle_client_session"], chain
+        reader = next(_awaited(task.get_coro()) for task in asyncio.all_tasks()
+                      if task.get_coro().cr_code.co_qualname.endswith("_reader_loop"))
+        assert reader[:3] == ["seam BrokerProtocolHandler._reader_loop",  # one wrapper, then the framer's body
+                              "framer read_with_the_framer.<locals>.reader_loop", "framer Framer.run"], reader
         writer.close()
     finally:
         await broker.shutdown()

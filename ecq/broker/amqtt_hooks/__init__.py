@@ -3,12 +3,12 @@ only code that touches amqtt internals (private attributes, replaced methods); t
 public plugin API and the functions exported here.
 
 Every correction replaces amqtt methods only through :mod:`.seam` (``replace(Owner, "name", replacement)``, gevent's
-``patch_item``), which keeps amqtt's original, records the corrections of each method in order and, with
-:data:`.seam.PRIVATE_READS`, declares every private amqtt name ECQ reads; :func:`install` applies the table
-:data:`CORRECTIONS` once per process, after checking that amqtt is the version they were written against
-(:data:`.seam.AMQTT_VERSION`). ``seam.describe()`` prints what ECQ replaces, with its corrections in order. Each wrapper
-finds the ECQ plugin in the broker's or handler's own PluginManager (:mod:`.target`), so several brokers in one
-process work independently and a broker without the ECQ plugin behaves exactly as stock amqtt. The plugin is seen
+``patch_item``, or ``step(Owner, "name", ...)``), which keeps amqtt's original, records the corrections of each method
+in order and, with :data:`.seam.PRIVATE_READS`, declares every private amqtt name ECQ reads; :func:`install` applies
+the table :data:`CORRECTIONS` once per process, after checking that amqtt is the version they were written against
+(:data:`.seam.AMQTT_VERSION`). ``seam.describe()`` prints what ECQ replaces, with its corrections in order. Each
+correction finds the ECQ plugin in the broker's or handler's own PluginManager (:mod:`.target`), so several brokers in
+one process work independently and a broker without the ECQ plugin behaves exactly as stock amqtt. The plugin is seen
 only through the :class:`EcqHooksTarget` protocol and a session the cluster hands over through
 :class:`.target.HandedOverSession`, so nothing here imports ``ecq.broker``'s modules above it (it may import amqtt,
 ``ecq.queue``, ``ecq.store.protocol``, ``ecq.config`` and ``ecq.broker.acl``). Each correction's docstring names the
@@ -59,15 +59,15 @@ amqtt behaviour it replaces. One module per concern:
   options, the v5 PUBLISH ECQ sends; :mod:`.mqtt5_routing`: deliveries on ordinary topics as a v5 client's
   subscriptions and CONNECT ask (expiry, No Local, Retain As Published and Handling, identifiers, size, window).
 
-Several corrections wrap the same amqtt method (``init_from_connect`` seven deep, ``_handle_disconnect`` seven): a
-correction wraps what it finds, so the order of :data:`CORRECTIONS` is the order of wrapping (the later one runs
-first), and a comment beside an entry says where that order matters. The two methods a connection stays in for its
-whole life, ``Broker._client_connected`` (3 corrections) and ``_handle_client_session`` (5), are corrected through
-``seam.step`` instead: each correction gives what it does before the call and after it (a ``finally``), or amqtt's
-body replaced (``fleet_scale``), and the seam runs them in that same order from one wrapper per method, so a
-connection holds one ECQ coroutine frame above each instead of one per correction (per connected consumer,
-``scripts/benchlib/heapprobe.py`` at 2,000: see docs/benchmarks.md). A new correction is a function that calls
-``seam.replace`` (or ``seam.step`` for those two methods) and an entry in :data:`CORRECTIONS`.
+Several corrections correct the same amqtt method (``init_from_connect`` eight, ``_handle_disconnect`` seven): each
+gives ``seam.step`` its parts (what it does before amqtt's call, with its result after it, in a ``finally``, or as
+amqtt's body, the first one's) and the seam installs ONE wrapper per method running them in the order of
+:data:`CORRECTIONS`, as a chain of wrappers would (the earlier correction inside, the later one's ``before`` first);
+a comment beside an entry says where that order matters. A method a connection stays in for its whole life
+(``Broker._client_connected``, ``_handle_client_session``) so holds one ECQ coroutine frame per connected client, not
+one per correction (``scripts/benchlib/heapprobe.py`` at 2,000: see docs/benchmarks.md). A new
+correction is a function that calls ``seam.replace`` (a method no other correction touches) or ``seam.step``, and an
+entry in :data:`CORRECTIONS`; ``tests/test_seam.py`` fails on a method installed as a chain.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ __all__ = ["AmqttSeamError", "CORRECTIONS", "EcqHooksTarget", "HeldSession", "Pe
            "set_retained_from_cluster", "set_session_expiry", "shorten_subscriptions_repr", "stop_reading"]
 
 
-# Every correction of amqtt, in the order of wrapping: where two replace the same method, the later one wraps the
-# earlier one's replacement (the comments say where that order matters).
+# Every correction of amqtt, in the order of wrapping: where two correct the same method, the later one's steps run
+# outside the earlier one's, in that method's one wrapper (the comments say where that order matters).
 CORRECTIONS: tuple[Callable[[], None], ...] = (
     session_memory.light_session_state,
     session_memory.small_session_queues,
@@ -140,14 +140,14 @@ CORRECTIONS: tuple[Callable[[], None], ...] = (
     ecq_guards.refuse_forbidden_wills,
     ecq_guards.keep_ecq_out_of_broadcasts,
     ecq_guards.keep_ecq_out_of_retained_store,
-    cluster.forward_broadcasts_to_the_cluster,  # inside conformant_fan_out's wrapper: gets the PUBLISH's QoS
+    cluster.forward_broadcasts_to_the_cluster,  # inside conformant_fan_out's step: gets the PUBLISH's QoS
     authentication.authenticate_before_the_session,  # inside adopt_sessions: a refused CONNECT reaches no session;
     connection_cap.cap_connections,  # right outside it: counts authenticated CONNECTs, refuses before any session
     conformance.keep_persistent_sessions,  # ...outside its _authenticate: judges the session amqtt resumes or creates
     conformance.release_handlers_of_offline_sessions,
     conformance.retained_only_for_new_subscriptions,
     conformance.offline_messages_not_retained,
-    conformance.offline_queue_first_on_reconnect,  # wraps offline_messages_not_retained's replacement
+    conformance.offline_queue_first_on_reconnect,  # outside offline_messages_not_retained's body
     conformance.route_what_was_read_before_the_disconnect,  # outside keep_the_new_connection's: on takeovers too
     conformance.end_clean_sessions_with_their_connection,
     conformance.conformant_fan_out,
@@ -160,7 +160,7 @@ CORRECTIONS: tuple[Callable[[], None], ...] = (
     cluster.adopt_sessions_from_the_cluster,  # outside authenticate_before_the_session's: refused, claims nothing
     session_owners.resume_sessions_only_for_their_owner,  # outside adopt_sessions: judges a handed-over session too
     cluster.store_offline_queues_in_the_cluster,  # outermost: sees the queue before it is taken
-    mqtt5_edge.translate_level_5_connects,  # outside adopt_sessions: every CONNECT wrapper sees a 3.1.1 CONNECT
+    mqtt5_edge.translate_level_5_connects,  # outside adopt_sessions: every CONNECT step sees a 3.1.1 CONNECT
     mqtt5_edge.send_mqtt5_packets,  # what amqtt sends (CONNACK, SUBACK, UNSUBACK, PUBLISH) encoded as v5
     mqtt5_routing.deliver_as_mqtt5_clients_ask,  # expiry, No Local, Retain As Published, ids, size, window
     authentication.warn_when_no_authentication_plugin,  # inside raise_pre_start_failure: a failed start warns not

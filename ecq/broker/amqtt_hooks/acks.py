@@ -19,15 +19,16 @@ from amqtt.mqtt.puback import PubackPacket
 from amqtt.session import Session
 
 from ecq.broker.amqtt_hooks.ecq_paths import client_id, no_op
-from ecq.broker.amqtt_hooks.seam import replace, step
+from ecq.broker.amqtt_hooks.seam import Result, replace, step
 from ecq.broker.amqtt_hooks.target import find_target
 
 log = logging.getLogger(__name__)
 
 
 def resolve_pubacks_at_once() -> None:
-    """Install :func:`handle_puback_at_once` as amqtt's ``BrokerProtocolHandler.handle_puback``."""
-    replace(BrokerProtocolHandler, "handle_puback", handle_puback_at_once)
+    """Install :func:`handle_puback_at_once` as amqtt's ``BrokerProtocolHandler.handle_puback`` (the body of its one
+    wrapper, a plain function as this one)."""
+    step(BrokerProtocolHandler, "handle_puback", body=handle_puback_at_once)
 
 
 def handle_puback_at_once(handler: BrokerProtocolHandler, puback: PubackPacket) -> Coroutine[Any, Any, None]:
@@ -109,7 +110,6 @@ def keep_the_new_connection_on_persistent_takeover() -> None:
     client saw EOF 0.7 s after its takeover). MQTT 3.1.1 section 3.1.4 closes only the existing connection. So the
     handler being replaced is noted before amqtt's takeover starts, and its end only stops that handler.
     """
-    original_disconnect = Broker._handle_disconnect
     taken_over: weakref.WeakSet[BrokerProtocolHandler] = weakref.WeakSet()
 
     def note_the_handler_taken_over(broker: Broker, reader: Any, writer: Any, session: Session,
@@ -118,13 +118,13 @@ def keep_the_new_connection_on_persistent_takeover() -> None:
         if previous is not None and previous is not handler and previous.session is session:
             taken_over.add(previous)
 
-    async def handle_disconnect(broker: Broker, session: Session, handler: BrokerProtocolHandler,
-                                disconnect_waiter: asyncio.Future) -> None:
-        if handler in taken_over:
-            await broker._stop_handler(handler)
-            return
-        await original_disconnect(broker, session, handler, disconnect_waiter)
+    async def only_stop_the_old_handler(broker: Broker, session: Session, handler: BrokerProtocolHandler,
+                                        disconnect_waiter: asyncio.Future) -> Result | None:
+        if handler not in taken_over:
+            return None
+        await broker._stop_handler(handler)
+        return Result(None)  # amqtt's disconnect, and what the corrections inside this one add to it, skipped
 
     step(Broker, "_handle_client_session", before=note_the_handler_taken_over)
-    replace(Broker, "_handle_disconnect", handle_disconnect)
+    step(Broker, "_handle_disconnect", before=only_stop_the_old_handler)
 

@@ -17,7 +17,7 @@ from amqtt.mqtt.connack import NOT_AUTHORIZED, ConnackPacket
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.plugins.manager import PluginManager
 
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import Result, replace, step
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.throttle import LogThrottle
 
@@ -72,46 +72,42 @@ def authenticate_before_the_session() -> None:
 
     MQTT 3.1.1 section 3.1.4 (MQTT 5.0 the same): the server authenticates first and, on refusal, sends a CONNACK
     with a non-zero return code and closes the connection; EMQX and Mosquitto authenticate before any session
-    takeover. So right after amqtt read the CONNECT, before any wrapper looks the session up, amqtt's
+    takeover. So right after amqtt read the CONNECT, before any step looks the session up, amqtt's
     ``Broker._authenticate`` judges the CONNECT's own session (amqtt's rule and the plugins' answers, logged by
     :func:`log_refused_connects`); a refusal is answered as amqtt refuses a bad protocol level: CONNACK 0x05 with
     session present 0 (MQTT-3.2.2-4), close (:func:`refuse_connect`), which ends the connection with nothing changed. An allowed CONNECT is not judged again: amqtt's
     later ``_authenticate`` of the session it resumes or creates answers True with the ``is_anonymous`` the
-    plugins gave, so no plugin is asked twice, and wrappers outside this one (``conformance.keep_persistent_sessions``)
+    plugins gave, so no plugin is asked twice, and steps outside this one (``conformance.keep_persistent_sessions``)
     still judge that final session.
     """
-    original_init = BrokerProtocolHandler.init_from_connect
-    original_initialize = Broker._initialize_client_session
     original_authenticate = Broker._authenticate
     allowed: weakref.WeakKeyDictionary[BrokerProtocolHandler, bool] = weakref.WeakKeyDictionary()  # -> is_anonymous
 
-    async def init_from_connect(cls: type, reader: Any, writer: Any, plugins_manager: Any,
-                                loop: Any = None) -> tuple[BrokerProtocolHandler, Any]:
-        handler, session = await original_init(reader, writer, plugins_manager, loop)
+    async def authenticate_the_connect(connected: tuple[BrokerProtocolHandler, Any], cls: type, reader: Any,
+                                       writer: Any, plugins_manager: Any, loop: Any) -> None:
+        handler, session = connected
         plugin = find_target(plugins_manager)
         if plugin is None:
-            return handler, session
+            return
         if not await original_authenticate(plugin.context._broker_instance, session, None):
             await refuse_connect(plugins_manager, writer, f"client id {session.client_id!r} not authorized")
         allowed[handler] = session.is_anonymous
-        return handler, session
 
-    async def initialize_client_session(broker: Broker, *args: Any) -> tuple[BrokerProtocolHandler, Any]:
-        handler, session = await original_initialize(broker, *args)
+    def mark_the_session_allowed(connected: tuple[BrokerProtocolHandler, Any], broker: Broker, *args: Any) -> None:
+        handler, session = connected
         if (anonymous := allowed.pop(handler, None)) is not None:
             session.attributes[_AUTHENTICATED] = anonymous
-        return handler, session
 
-    async def authenticate(broker: Broker, session: Any, listener: Any) -> bool:
+    def allow_what_was_allowed(broker: Broker, session: Any, listener: Any) -> Result | None:
         anonymous = session.attributes.pop(_AUTHENTICATED, None)
         if anonymous is None:
-            return await original_authenticate(broker, session, listener)
+            return None
         session.is_anonymous = anonymous
-        return True
+        return Result(True)
 
-    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
-    replace(Broker, "_initialize_client_session", initialize_client_session)
-    replace(Broker, "_authenticate", authenticate)
+    step(BrokerProtocolHandler, "init_from_connect", after=authenticate_the_connect)
+    step(Broker, "_initialize_client_session", after=mark_the_session_allowed)
+    step(Broker, "_authenticate", before=allow_what_was_allowed)
     logging.getLogger("amqtt.broker").addFilter(_RefusalAlreadyLogged())
 
 
@@ -122,16 +118,14 @@ def warn_when_no_authentication_plugin() -> None:
     ``PluginManager._auth_plugins`` (the listed plugins that are a ``BaseAuthPlugin``) answered True and none
     False: with none listed, every client is refused, while the broker starts and logs as if it would serve.
     """
-    original_start_listeners = Broker._start_listeners
 
-    async def start_listeners(broker: Broker) -> None:
+    def warn_of_no_authentication_plugin(broker: Broker) -> None:
         if find_target(broker.plugins_manager) is not None and not broker.plugins_manager._auth_plugins:
             log.warning("ECQ: the broker config lists no authentication plugin, so every client will be refused "
                         "(CONNACK 0x05, MQTT 5 0x87); list one under plugins, e.g. %s with allow_anonymous, or "
                         "amqtt.plugins.authentication.FileAuthPlugin (see docs/listeners.md)", ANONYMOUS_PLUGIN)
-        await original_start_listeners(broker)
 
-    replace(Broker, "_start_listeners", start_listeners)
+    step(Broker, "_start_listeners", before=warn_of_no_authentication_plugin)
 
 
 def log_refused_connects() -> None:

@@ -28,7 +28,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.mqtt.publish import PublishVariableHeader
 from amqtt.mqtt.subscribe import SubscribePayload
 
-from ecq.broker.amqtt_hooks.seam import replace, step
+from ecq.broker.amqtt_hooks.seam import Result, replace, step
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.throttle import LogThrottle
 from ecq.queue.topics import is_ecq_topic
@@ -93,11 +93,21 @@ def checked_connection(reader: Any) -> _Connection | None:
 def checks_shared_with(reader: Any, alias: Any) -> Iterator[None]:
     """While in the block, packets decoded from ``alias`` (e.g. a buffer holding bytes read from ``reader``)
     get the checks of ``reader``'s connection, and their violations name it."""
-    _connections[alias] = _connections[reader]
+    share_checks(reader, alias)
     try:
         yield
     finally:
-        _connections.pop(alias, None)
+        stop_sharing_checks(alias)
+
+
+def share_checks(reader: Any, alias: Any) -> None:
+    """Until :func:`stop_sharing_checks`, packets decoded from ``alias`` get the checks of ``reader``'s connection."""
+    _connections[alias] = _connections[reader]
+
+
+def stop_sharing_checks(alias: Any) -> None:
+    """The end of :func:`share_checks` (nothing when ``alias`` shares none)."""
+    _connections.pop(alias, None)
 
 
 def fixed_header_violation(packet_type: int, flags: int, remaining_length: int, max_packet_bytes: int) -> str | None:
@@ -187,7 +197,7 @@ def close_abandoned_connections() -> None:
             del _connections[reader]
             _abort(writer)
 
-    step(Broker, "_client_connected", before=register, after=close)
+    step(Broker, "_client_connected", before=register, always=close)
 
 
 def time_limit_connect() -> None:
@@ -195,17 +205,18 @@ def time_limit_connect() -> None:
     forever: a socket that never sends a whole CONNECT held its file descriptor. Now it
     is closed after ``connect_timeout`` (EMQX does the same after its ``idle_timeout``). An unexpected
     exception while reading the CONNECT becomes an ``AMQTTError``, so amqtt logs it and releases the
-    listener's slot instead of ending the connection's task with it.
+    listener's slot instead of ending the connection's task with it. The body of the method's one wrapper
+    (``seam.step``): amqtt's own, under that time limit.
     """
     original = BrokerProtocolHandler.init_from_connect.__func__
 
-    async def init_from_connect(cls: type[BrokerProtocolHandler], reader: Any, writer: Any, *args: Any,
-                                **kwargs: Any) -> tuple[BrokerProtocolHandler, Any]:
+    async def init_from_connect(cls: type[BrokerProtocolHandler], reader: Any, writer: Any, plugins_manager: Any,
+                                loop: Any) -> tuple[BrokerProtocolHandler, Any]:
         connection = _connections.get(reader)
         if connection is None:
-            return await original(cls, reader, writer, *args, **kwargs)
+            return await original(cls, reader, writer, plugins_manager, loop)
         try:
-            handler, session = await asyncio.wait_for(original(cls, reader, writer, *args, **kwargs),
+            handler, session = await asyncio.wait_for(original(cls, reader, writer, plugins_manager, loop),
                                                       connection.connect_timeout_s)
         except TimeoutError:
             raise AMQTTError(f"no CONNECT from {connection.peer} within {connection.connect_timeout_s:g} s: "
@@ -217,7 +228,7 @@ def time_limit_connect() -> None:
         connection.client_id = session.client_id
         return handler, session
 
-    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
+    step(BrokerProtocolHandler, "init_from_connect", body=init_from_connect)
 
 
 def check_fixed_headers() -> None:
@@ -226,20 +237,17 @@ def check_fixed_headers() -> None:
     Now a packet announcing a remaining length above ``max_packet_bytes`` closes the connection before its
     body is read (MQTT 3.1.1 has no other answer), and so does a PUBLISH with QoS 3 (section 3.3.1.2).
     """
-    original = MQTTFixedHeader.from_stream.__func__
 
-    async def from_stream(cls: type[MQTTFixedHeader], reader: Any) -> MQTTFixedHeader | None:
-        header = await original(cls, reader)
+    def check(header: MQTTFixedHeader | None, cls: type[MQTTFixedHeader], reader: Any) -> None:
         connection = _connections.get(reader)
         if header is None or connection is None:
-            return header
+            return
         reason = fixed_header_violation(header.packet_type, header.flags, header.remaining_length,
                                         connection.max_packet_bytes)
         if reason is not None:
             raise violation(reader, reason)
-        return header
 
-    replace(MQTTFixedHeader, "from_stream", classmethod(from_stream))
+    step(MQTTFixedHeader, "from_stream", after=check)
 
 
 async def _read_utf8(reader: Any, what: str) -> str:
@@ -338,17 +346,16 @@ def keep_serving_after_reserved_topics() -> None:
     PINGREQ: the client's later SUBSCRIBEs were never answered. MQTT 3.1.1 section 4.7.2
     only keeps such topics for the server, so the message is dropped with a log line and the loop goes on.
     """
-    original = Broker._handle_message_delivery
 
-    async def handle_message_delivery(broker: Broker, session: Any, handler: Any, wait_deliver: Any) -> bool:
+    def drop_reserved_topics(broker: Broker, session: Any, handler: Any, wait_deliver: Any) -> Result | None:
         message = wait_deliver.result()
         if message is not None and message.topic.startswith("$") and find_target(broker.plugins_manager):
             log.warning("ECQ dropped a PUBLISH of %r to %r: topics starting with $ are the broker's "
                         "(MQTT 3.1.1 section 4.7.2)", session.client_id, message.topic)
-            return True
-        return await original(broker, session, handler, wait_deliver)
+            return Result(True)  # the message loop goes on
+        return None
 
-    replace(Broker, "_handle_message_delivery", handle_message_delivery)
+    step(Broker, "_handle_message_delivery", before=drop_reserved_topics)
 
 
 class _AcceptErrorLogLimit(logging.Filter):

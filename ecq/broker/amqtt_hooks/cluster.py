@@ -30,7 +30,7 @@ from ecq.broker.amqtt_hooks.ecq_paths import holds_packet_ids
 from ecq.broker.amqtt_hooks.fleet_scale import filters_of, granted_of, note_subscription
 from ecq.broker.amqtt_hooks.mqtt5_messages import Subscription, subscriptions_of
 from ecq.broker.amqtt_hooks.mqtt5_sessions import expiry_of, will_pending
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import replace, step
 from ecq.broker.amqtt_hooks.session_owners import mark_owner_unknown
 from ecq.broker.amqtt_hooks.shared_subscriptions import is_shared
 from ecq.broker.amqtt_hooks.target import HandedOverSession, find_target
@@ -66,16 +66,13 @@ _FROM_CLUSTER: contextvars.ContextVar[bool] = contextvars.ContextVar("ecq_from_c
 def forward_broadcasts_to_the_cluster() -> None:
     """After amqtt's ``Broker._broadcast_message`` (client PUBLISHes, Wills, plugins' broadcasts) of a topic
     not starting with ``$``, hand the message to the plugin for the other brokers, unless it came from one."""
-    original = Broker._broadcast_message
 
-    async def broadcast_message(broker: Broker, session: Any, topic: str | None, data: Any,
-                                force_qos: int | None = None) -> None:
-        await original(broker, session, topic, data, force_qos)
+    def forward(_: None, broker: Broker, session: Any, topic: str | None, data: Any, force_qos: int | None) -> None:
         plugin = find_target(broker.plugins_manager)
         if plugin is not None and topic and not topic.startswith("$") and not _FROM_CLUSTER.get():
             plugin.forward_to_cluster(topic, bytes(data or b""), 2 if force_qos is None else force_qos)
 
-    replace(Broker, "_broadcast_message", broadcast_message)
+    step(Broker, "_broadcast_message", after=forward)
 
 
 async def broadcast_from_cluster(context: BrokerContext, topic: str, data: bytes, qos: int) -> None:
@@ -93,16 +90,14 @@ def replicate_retained_messages() -> None:
     not starting with ``$``, hand the message to the plugin for the cluster (an empty payload clears it, MQTT 3.1.1
     section 3.3.1.3). amqtt 0.12.1 keeps it only in its own ``_retained_messages``, so a SUBSCRIBE on another broker
     did not get it."""
-    original = Broker.retain_message
 
-    async def retain_message(broker: Broker, source_session: Any, topic_name: str | None, data: Any,
-                             qos: int | None = None) -> None:
-        await original(broker, source_session, topic_name, data, qos)
+    def replicate(_: None, broker: Broker, source_session: Any, topic_name: str | None, data: Any,
+                  qos: int | None) -> None:
         plugin = find_target(broker.plugins_manager)
         if plugin is not None and topic_name and not topic_name.startswith("$"):
             plugin.retained_changed(topic_name, bytes(data or b""), qos)
 
-    replace(Broker, "retain_message", retain_message)
+    step(Broker, "retain_message", after=replicate)
 
 
 def set_retained_from_cluster(context: BrokerContext, topic: str, data: bytes | None, qos: int | None) -> None:
@@ -124,19 +119,17 @@ def adopt_sessions_from_the_cluster() -> None:
     amqtt alone found only sessions of its own process: a client reconnecting to another broker lost its
     session, and on one broker every restart lost them all (the claim now restores the one the embedded store
     kept)."""
-    original = BrokerProtocolHandler.init_from_connect
 
-    async def init_from_connect(cls: type, reader: Any, writer: Any, plugins_manager: Any,
-                                loop: Any = None) -> tuple[BrokerProtocolHandler, Any]:
-        handler, session = await original(reader, writer, plugins_manager, loop)
+    async def claim_the_session(connected: tuple[BrokerProtocolHandler, Any], cls: type, reader: Any, writer: Any,
+                                plugins_manager: Any, loop: Any) -> None:
+        _, session = connected
         plugin = find_target(plugins_manager)
         if plugin is not None and session.client_id:
             state = await plugin.claim_session(session.client_id, bool(session.clean_session))
             if state is not None and state.present and not session.clean_session:
                 _install_session(plugin.context._broker_instance, session.client_id, state)
-        return handler, session
 
-    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
+    step(BrokerProtocolHandler, "init_from_connect", after=claim_the_session)
 
 
 def _install_session(broker: Broker, clientid: str, state: HandedOverSession) -> None:
@@ -248,11 +241,9 @@ def hand_offline_sessions_to_the_store() -> None:
     shared subscription group (``$share/``), which gets the group's messages while no member is connected
     (``shared_subscriptions``; the stored sessions' index queues nothing for a group).
     """
-    original = Broker._handle_disconnect
 
-    async def handle_disconnect(broker: Broker, session: Any, handler: BrokerProtocolHandler,
-                                disconnect_waiter: Any) -> None:
-        await original(broker, session, handler, disconnect_waiter)
+    async def hand_the_session_to_the_store(_: None, broker: Broker, session: Any, handler: BrokerProtocolHandler,
+                                            disconnect_waiter: Any) -> None:
         plugin = find_target(broker.plugins_manager)
         if plugin is None or not _evictable(broker, session):
             return
@@ -260,7 +251,7 @@ def hand_offline_sessions_to_the_store() -> None:
         if held is not None and plugin.session_evicted(session.client_id, held, _unreceived(session)):
             await broker._cleanup_session(session.client_id)
 
-    replace(Broker, "_handle_disconnect", handle_disconnect)
+    step(Broker, "_handle_disconnect", after=hand_the_session_to_the_store)
 
 
 def _evictable(broker: Broker, session: Any) -> bool:
@@ -288,7 +279,6 @@ def store_offline_queues_in_the_cluster() -> None:
     acknowledged, each message until its acknowledgement (``stored_sends``: a broker killed meanwhile sends them
     again after its restart); the cluster's copy is dropped."""
     original_queue = Broker._retain_broadcast_message
-    original_send = Broker._publish_session_retained_messages
 
     async def retain_broadcast_message(broker: Broker, broadcast: dict[str, Any], qos: int,
                                        target_session: Any) -> None:
@@ -298,13 +288,12 @@ def store_offline_queues_in_the_cluster() -> None:
             plugin.session_message_queued(target_session.client_id, broadcast["topic"], qos,
                                           bytes(broadcast["data"] or b""))
 
-    async def publish_session_retained_messages(broker: Broker, session: Any) -> None:
+    def keep_the_taken_queue_until_acknowledged(broker: Broker, session: Any) -> None:
         plugin = find_target(broker.plugins_manager)
         if plugin is not None and not session.retained_messages.empty():
             messages = [(m.topic, m.qos, bytes(m.data)) for m in session.retained_messages.items()]
             stored_sends.queue_taken(session, plugin.session_queue_taken(session.client_id, messages,
                                                                           stored_sends.held_keys(session)))
-        await original_send(broker, session)
 
     replace(Broker, "_retain_broadcast_message", retain_broadcast_message)
-    replace(Broker, "_publish_session_retained_messages", publish_session_retained_messages)
+    step(Broker, "_publish_session_retained_messages", before=keep_the_taken_queue_until_acknowledged)

@@ -15,7 +15,6 @@ import asyncio
 import contextvars
 import logging
 import math
-from collections.abc import Coroutine
 from typing import Any
 
 from amqtt.broker import Broker, BrokerContext
@@ -30,7 +29,7 @@ from ecq.broker.amqtt_hooks import flow, stored_sends
 from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE, client_id, close_connection, no_op
 from ecq.broker.amqtt_hooks.fleet_scale import retained_matching
 from ecq.broker.amqtt_hooks.mqtt5_routing import sends_retained
-from ecq.broker.amqtt_hooks.seam import replace, step
+from ecq.broker.amqtt_hooks.seam import Result, replace, step
 from ecq.broker.amqtt_hooks.shared_subscriptions import receivers
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
 from ecq.queue.topics import is_ecq_topic
@@ -51,15 +50,12 @@ def keep_persistent_sessions() -> None:
     MQTT 3.1.1 section 3.1.2.4 keeps the session whatever the authentication, so a persistent session is
     not marked anonymous (amqtt uses the mark only for those two decisions and its contrib persistence).
     How long it is kept is ``session_expiry`` (:func:`set_session_expiry`)."""
-    original = Broker._authenticate
 
-    async def authenticate(broker: Broker, session: Any, listener: Any) -> bool:
-        authenticated = await original(broker, session, listener)
+    def keep_it_when_persistent(authenticated: bool, broker: Broker, session: Any, listener: Any) -> None:
         if find_target(broker.plugins_manager) is not None and session.clean_session is False:
             session.is_anonymous = False
-        return authenticated
 
-    replace(Broker, "_authenticate", authenticate)
+    step(Broker, "_authenticate", after=keep_it_when_persistent)
 
 
 def release_handlers_of_offline_sessions() -> None:
@@ -80,7 +76,7 @@ def release_handlers_of_offline_sessions() -> None:
                 and session.transitions.state == "disconnected"):
             broker._sessions[session.client_id] = (session, None)
 
-    step(Broker, "_handle_client_session", after=release_the_handler)
+    step(Broker, "_handle_client_session", always=release_the_handler)
 
 
 def set_session_expiry(context: BrokerContext, seconds: float) -> None:
@@ -171,7 +167,7 @@ def offline_messages_not_retained() -> None:
     copy in the session store until acknowledged (``stored_sends``: the keys its take returned)."""
     original = Broker._publish_session_retained_messages
 
-    async def publish_queued(broker: Broker, session: Any) -> None:
+    async def publish_queued(broker: Broker, session: Any) -> None:  # the body of the method's one wrapper
         if find_target(broker.plugins_manager) is None:
             return await original(broker, session)
         handler = broker._get_handler(session)
@@ -183,7 +179,7 @@ def offline_messages_not_retained() -> None:
             sends.append(send if key is None else stored_sends.send_stored(handler, key, send))
         await asyncio.gather(*sends, return_exceptions=True)
 
-    replace(Broker, "_publish_session_retained_messages", publish_queued)
+    step(Broker, "_publish_session_retained_messages", body=publish_queued)
 
 
 def offline_queue_first_on_reconnect() -> None:
@@ -194,7 +190,6 @@ def offline_queue_first_on_reconnect() -> None:
     ordered topics) and outside ``session_max_queued``. So from the CONNECT of a CleanSession=0 client until its
     queue is taken for sending, its QoS 1 and 2 messages join that queue (see :func:`_fan_out`), within the bound;
     later ones are sent after the queue's."""
-    original_queued = Broker._publish_session_retained_messages
 
     def mark_resuming(broker: Broker, reader: Any, writer: Any, session: Any, handler: BrokerProtocolHandler,
                       *args: Any) -> None:
@@ -206,12 +201,11 @@ def offline_queue_first_on_reconnect() -> None:
         if _resuming.get(id(session)) is handler:  # not a newer connection's (a takeover) mark
             del _resuming[id(session)]
 
-    async def publish_queued(broker: Broker, session: Any) -> None:
-        _resuming.pop(id(session), None)  # the queue is taken before this coroutine first yields: nothing comes between
-        await original_queued(broker, session)
+    def unmark_as_the_queue_is_taken(broker: Broker, session: Any) -> None:
+        _resuming.pop(id(session), None)  # the queue is taken before the call first yields: nothing comes between
 
-    step(Broker, "_handle_client_session", before=mark_resuming, after=unmark_resuming)
-    replace(Broker, "_publish_session_retained_messages", publish_queued)
+    step(Broker, "_handle_client_session", before=mark_resuming, always=unmark_resuming)
+    step(Broker, "_publish_session_retained_messages", before=unmark_as_the_queue_is_taken)
 
 
 def route_what_was_read_before_the_disconnect() -> None:
@@ -223,19 +217,17 @@ def route_what_was_read_before_the_disconnect() -> None:
     MQTT 3.1.1 sections 4.3.2 and 3.14.4: a PUBACKed message is the server's to deliver, and what was read
     before DISCONNECT is processed. So ``Broker._handle_disconnect`` first handles what is queued, as the loop
     would have: subscriptions, unsubscriptions, then messages in arrival order (a Will, if due, comes after)."""
-    original = Broker._handle_disconnect
 
-    async def handle_disconnect(broker: Broker, session: Any, handler: BrokerProtocolHandler,
-                                disconnect_waiter: asyncio.Future) -> None:
+    async def handle_what_was_read(broker: Broker, session: Any, handler: BrokerProtocolHandler,
+                                   disconnect_waiter: asyncio.Future) -> None:
         if find_target(broker.plugins_manager) is not None:
             for queue, handle in ((handler._pending_subscriptions, broker._handle_subscription),
                                   (handler._pending_unsubscriptions, broker._handle_unsubscription),
                                   (session.delivered_message_queue, broker._handle_message_delivery)):
                 while not queue.empty():
                     await handle(session, handler, _resolved(queue.get_nowait()))
-        await original(broker, session, handler, disconnect_waiter)
 
-    replace(Broker, "_handle_disconnect", handle_disconnect)
+    step(Broker, "_handle_disconnect", before=handle_what_was_read)
 
 
 def end_clean_sessions_with_their_connection() -> None:
@@ -243,17 +235,15 @@ def end_clean_sessions_with_their_connection() -> None:
     CleanSession=0 CONNECT of the same clientid within that second was given the clean session (session present
     1, its subscriptions, which then persisted). MQTT 3.1.1 section 3.1.2.4: a clean session lasts as long as
     its network connection. So ``Broker._handle_disconnect`` ends it at once."""
-    original = Broker._handle_disconnect
 
-    async def handle_disconnect(broker: Broker, session: Any, handler: BrokerProtocolHandler,
-                                disconnect_waiter: asyncio.Future) -> None:
-        await original(broker, session, handler, disconnect_waiter)
+    async def end_a_clean_session(_: None, broker: Broker, session: Any, handler: BrokerProtocolHandler,
+                                  disconnect_waiter: asyncio.Future) -> None:
         stored, _ = broker._sessions.get(session.client_id, (None, None))
         if (find_target(broker.plugins_manager) is not None and session.clean_session and stored is session
                 and session.transitions.state == "disconnected"):
             await broker._cleanup_session(session.client_id)
 
-    replace(Broker, "_handle_disconnect", handle_disconnect)
+    step(Broker, "_handle_disconnect", after=end_a_clean_session)
 
 
 def _resolved(value: Any) -> asyncio.Future:
@@ -278,25 +268,22 @@ def conformant_fan_out() -> None:
     ``_broadcast_message`` (same task) in a context variable. A broadcast with a QoS (the Will, a plugin's)
     is capped at that QoS; without one at QoS 2, i.e. by the subscription only.
     """
-    original_delivery = Broker._handle_message_delivery
-    original_broadcast = Broker._broadcast_message
     original_run = Broker._run_broadcast
 
-    async def handle_message_delivery(broker: Broker, session: Any, handler: Any, waiter: asyncio.Future) -> bool:
+    def note_the_publish(broker: Broker, session: Any, handler: Any, waiter: asyncio.Future) -> None:
         message = waiter.result()
-        token = _PUBLISH_QOS.set(message.qos if message is not None else None)
-        routing = flow.delivering(flow.routing_of(message))
-        try:
-            return await original_delivery(broker, session, handler, waiter)
-        finally:
-            flow.delivered(routing)
-            _PUBLISH_QOS.reset(token)
+        _PUBLISH_QOS.set(message.qos if message is not None else None)
+        flow.delivering(flow.routing_of(message))
 
-    async def broadcast_message(broker: Broker, session: Any, topic: str | None, data: Any,
-                                force_qos: int | None = None) -> None:
+    def forget_the_publish(broker: Broker, session: Any, handler: Any, waiter: asyncio.Future) -> None:
+        flow.delivered()
+        _PUBLISH_QOS.set(None)
+
+    def cap_at_the_publish_qos(broker: Broker, session: Any, topic: str | None, data: Any,
+                               force_qos: int | None) -> tuple[Any, ...] | None:
         if force_qos is None and find_target(broker.plugins_manager) is not None:
-            force_qos = _PUBLISH_QOS.get()
-        await original_broadcast(broker, session, topic, data, force_qos)
+            return broker, session, topic, data, _PUBLISH_QOS.get()
+        return None
 
     async def run_broadcast(broker: Broker, running_tasks: Any) -> None:
         plugin = find_target(broker.plugins_manager)
@@ -308,8 +295,8 @@ def conformant_fan_out() -> None:
         finally:
             flow.fanned_out(broadcast)
 
-    replace(Broker, "_handle_message_delivery", handle_message_delivery)
-    replace(Broker, "_broadcast_message", broadcast_message)
+    step(Broker, "_handle_message_delivery", before=note_the_publish, always=forget_the_publish)
+    step(Broker, "_broadcast_message", before=cap_at_the_publish_qos)
     replace(Broker, "_run_broadcast", run_broadcast)
 
 
@@ -370,7 +357,6 @@ def resend_unacked_on_reconnect() -> None:
     store is noted under its packet id as its flow starts, and deleted when it is dropped here (``stored_sends``)."""
     original_flow = BrokerProtocolHandler._handle_message_flow
     original_retry = BrokerProtocolHandler._retry_deliveries
-    original_puback = BrokerProtocolHandler.handle_puback
 
     async def handle_message_flow(handler: BrokerProtocolHandler, message: Any) -> None:
         stored_sends.note(handler, message)
@@ -389,20 +375,20 @@ def resend_unacked_on_reconnect() -> None:
         await asyncio.gather(*(asyncio.wait_for(handler._handle_message_flow(m), _RESEND_TIMEOUT_S) for m in messages),
                              return_exceptions=True)
 
-    def handle_puback(handler: BrokerProtocolHandler, puback: PubackPacket) -> Coroutine[Any, Any, None]:
-        # not a coroutine function: like acks.handle_puback_at_once, it acts while the reader loop decodes the PUBACK
+    def settle_a_late_puback(handler: BrokerProtocolHandler, puback: PubackPacket) -> Result | None:
+        # plain: like acks.handle_puback_at_once, it acts while the reader loop decodes the PUBACK
         packet_id = puback.variable_header.packet_id if puback.variable_header else None
         late = handler.session.inflight_out.get(packet_id) if handler.session else None
         if (packet_id in handler._puback_waiters or late is None or late.qos != QOS_1 or is_ecq_topic(late.topic)
                 or find_target(handler.plugins_manager) is None):
-            return original_puback(handler, puback)
+            return None
         late.puback_packet = puback
         del handler.session.inflight_out[packet_id]
-        return no_op()
+        return Result(no_op())  # what amqtt's reader schedules: a finished no-op
 
     replace(BrokerProtocolHandler, "_handle_message_flow", handle_message_flow)
     replace(BrokerProtocolHandler, "_retry_deliveries", retry_deliveries)
-    replace(BrokerProtocolHandler, "handle_puback", handle_puback)
+    step(BrokerProtocolHandler, "handle_puback", before=settle_a_late_puback)
 
 
 _RESEND_TIMEOUT_S = 10  # amqtt's own bound on one resend at connect (its _retry_deliveries)
@@ -430,17 +416,15 @@ def enforce_keepalive() -> None:
     for any close without DISCONNECT, publishes the Will, section 3.1.2.5). The reader's timeout is
     ``session.keep_alive`` (amqtt adds its ``timeout-disconnect-delay`` to it), so that becomes 1.5 x the
     CONNECT's keepalive, and the timeout closes the connection."""
-    original_init = BrokerProtocolHandler.init_from_connect
     original_timeout = BrokerProtocolHandler.handle_read_timeout
 
-    async def init_from_connect(cls: type, reader: Any, writer: Any, plugins_manager: Any,
-                                loop: Any = None) -> tuple[BrokerProtocolHandler, Any]:
-        handler, session = await original_init(reader, writer, plugins_manager, loop)
+    def stretch_the_keepalive(connected: tuple[BrokerProtocolHandler, Any], cls: type, reader: Any, writer: Any,
+                              plugins_manager: Any, loop: Any) -> None:
+        _, session = connected
         if find_target(plugins_manager) is not None:
             session.keep_alive = session.keep_alive * 1.5
-        return handler, session
 
-    def handle_read_timeout(handler: BrokerProtocolHandler) -> None:
+    def handle_read_timeout(handler: BrokerProtocolHandler) -> None:  # the body of the method's one wrapper
         if find_target(handler.plugins_manager) is None:
             return original_timeout(handler)
         log.info("closing %s: no packet within 1.5 x its keepalive", client_id(handler))
@@ -448,5 +432,5 @@ def enforce_keepalive() -> None:
         _closing.add(task)
         task.add_done_callback(_closing.discard)
 
-    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
-    replace(BrokerProtocolHandler, "handle_read_timeout", handle_read_timeout)
+    step(BrokerProtocolHandler, "init_from_connect", after=stretch_the_keepalive)
+    step(BrokerProtocolHandler, "handle_read_timeout", body=handle_read_timeout)

@@ -23,7 +23,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker.amqtt_hooks.authentication import refuse_connect
 from ecq.broker.amqtt_hooks.mqtt5_edge import refuse_v5_with
-from ecq.broker.amqtt_hooks.seam import replace, step
+from ecq.broker.amqtt_hooks.seam import step
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.throttle import LogThrottle
 
@@ -88,12 +88,10 @@ def cap_connections() -> None:
 
     ``Broker._client_connected`` (one task per connection, from its accept to its end) holds an :class:`_Admission`;
     ``BrokerProtocolHandler.init_from_connect``, once the CONNECT was read and authenticated (installed right outside
-    ``authentication.authenticate_before_the_session``: inside every wrapper that touches a session), counts the
+    ``authentication.authenticate_before_the_session``: inside every step that touches a session), counts the
     connection or refuses it (``authentication.refuse_connect``: CONNACK, close, nothing of a session touched); the
     connection's end, on every path, releases what was counted.
     """
-    original_init = BrokerProtocolHandler.init_from_connect
-
     def admit(broker: Broker, listener_name: str, reader: Any, writer: Any) -> None:
         _admission.set(_Admission())
 
@@ -102,21 +100,20 @@ def cap_connections() -> None:
         if admission is not None and admission.client_id is not None:
             _counts[broker].release(admission.client_id)
 
-    async def init_from_connect(cls: type, reader: Any, writer: Any, plugins_manager: Any,
-                                loop: Any = None) -> tuple[BrokerProtocolHandler, Any]:
-        handler, session = await original_init(reader, writer, plugins_manager, loop)
+    async def count_the_connect(connected: tuple[BrokerProtocolHandler, Any], cls: type, reader: Any, writer: Any,
+                                plugins_manager: Any, loop: Any) -> None:
+        _, session = connected
         plugin = find_target(plugins_manager)
         admission = _admission.get()
         if plugin is None or admission is None:
-            return handler, session
+            return
         count = _counts.setdefault(plugin.context._broker_instance, ConnectionCount())
         if not count.admit(session.client_id, plugin.settings.max_connections):
             await _refuse(plugin, count, session, plugins_manager, writer)
         admission.client_id = session.client_id
-        return handler, session
 
-    step(Broker, "_client_connected", before=admit, after=release)
-    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
+    step(Broker, "_client_connected", before=admit, always=release)
+    step(BrokerProtocolHandler, "init_from_connect", after=count_the_connect)
 
 
 async def _refuse(plugin: Any, count: ConnectionCount, session: Any, plugins_manager: Any, writer: Any) -> None:

@@ -6,7 +6,6 @@ delivery). Each function below closes one of these paths on a broker that runs t
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -14,7 +13,7 @@ from amqtt.broker import Broker
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker.amqtt_hooks.authentication import refuse_connect
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import Result, step
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic
 
@@ -30,18 +29,16 @@ def refuse_forbidden_wills() -> None:
     touches any existing session of that clientid (:func:`authentication.refuse_connect`: CONNACK, close, an
     error that ends the connection); the refusal is logged by ``AccessControl.will_refusal``, rate-limited.
     """
-    original = BrokerProtocolHandler.init_from_connect.__func__
 
-    async def init_from_connect(cls: type[BrokerProtocolHandler], reader: Any, writer: Any, plugins_manager: Any,
-                                loop: asyncio.AbstractEventLoop | None = None) -> tuple[BrokerProtocolHandler, Any]:
-        handler, session = await original(cls, reader, writer, plugins_manager, loop)
+    async def refuse_a_forbidden_will(connected: tuple[BrokerProtocolHandler, Any], cls: type, reader: Any,
+                                      writer: Any, plugins_manager: Any, loop: Any) -> None:
+        _, session = connected
         plugin = find_target(plugins_manager)
         reason = plugin.will_refusal(session) if plugin is not None and session.will_flag else None
         if reason is not None:
             await refuse_connect(plugins_manager, writer, reason)
-        return handler, session
 
-    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
+    step(BrokerProtocolHandler, "init_from_connect", after=refuse_a_forbidden_will)
 
 
 def keep_ecq_out_of_broadcasts() -> None:
@@ -52,17 +49,16 @@ def keep_ecq_out_of_broadcasts() -> None:
     subscription ``$ECQ/<clientid>/#`` as if ECQ delivered it (or wait in an offline session's queue).
     ECQ's delivery does not go through it (see ``ecq_paths.publish_qos1``).
     """
-    original = Broker._broadcast_message
 
-    async def broadcast_message(broker: Broker, session: Any, topic: str | None, data: Any,
-                                force_qos: int | None = None) -> None:
+    def drop_ecq_topics(broker: Broker, session: Any, topic: str | None, data: Any,
+                        force_qos: int | None) -> Result | None:
         if topic is not None and is_ecq_topic(topic) and find_target(broker.plugins_manager) is not None:
             log.warning("ECQ dropped an amqtt broadcast to %r from %s: only ECQ delivers under $ECQ/",
                         topic, session.client_id if session else "the broker")
-            return
-        await original(broker, session, topic, data, force_qos)
+            return Result(None)
+        return None
 
-    replace(Broker, "_broadcast_message", broadcast_message)
+    step(Broker, "_broadcast_message", before=drop_ecq_topics)
 
 
 def keep_ecq_out_of_retained_store() -> None:
@@ -73,14 +69,12 @@ def keep_ecq_out_of_retained_store() -> None:
     retained ``$ECQ/<clientid>/<key>`` would come back on each re-subscribe to the queue. ECQ writes with
     RETAIN are stored as ordinary writes by ECQ and never reach this method.
     """
-    original = Broker.retain_message
 
-    async def retain_message(broker: Broker, source_session: Any, topic_name: str, data: Any,
-                             qos: int | None = None) -> None:
+    def keep_ecq_out(broker: Broker, source_session: Any, topic_name: str, data: Any, qos: int | None) -> Result | None:
         if is_ecq_topic(topic_name) and find_target(broker.plugins_manager) is not None:
             log.warning("ECQ did not retain a message on %r from %s: amqtt never retains under $ECQ/",
                         topic_name, source_session.client_id if source_session else "the broker")
-            return
-        await original(broker, source_session, topic_name, data, qos)
+            return Result(None)
+        return None
 
-    replace(Broker, "retain_message", retain_message)
+    step(Broker, "retain_message", before=keep_ecq_out)

@@ -38,7 +38,7 @@ from amqtt.session import IncomingApplicationMessage, OutgoingApplicationMessage
 
 from ecq.broker.amqtt_hooks.mqtt5_messages import subscriptions_of
 from ecq.broker.amqtt_hooks.mqtt5_packets import context_of, delivery, publish_acknowledgement, release_inbound
-from ecq.broker.amqtt_hooks.seam import kept_on, replace
+from ecq.broker.amqtt_hooks.seam import Result, kept_on, replace, step
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic, reading_filter
 from ecq.store.protocol import Message
@@ -59,7 +59,8 @@ def take_ecq_publishes() -> None:
 
     Like ``acks.handle_puback_at_once`` this is not a coroutine function: it acts while the reader decodes the
     packet. amqtt's reader runs ``handle_publish`` in a task and cancels every pending one when the stream ends,
-    so a QoS 0 write sent with DISCONNECT (``mosquitto_pub``'s default) was lost before its task ever ran.
+    so a QoS 0 write sent with DISCONNECT (``mosquitto_pub``'s default) was lost before its task ever ran. The
+    body of the method's one wrapper (``seam.step``).
     """
     original = BrokerProtocolHandler.handle_publish
 
@@ -77,7 +78,7 @@ def take_ecq_publishes() -> None:
             return _route_qos2(handler, packet, plugin.hold_acknowledgement(handler))
         return original(handler, packet)
 
-    replace(BrokerProtocolHandler, "handle_publish", handle_publish)
+    step(BrokerProtocolHandler, "handle_publish", body=handle_publish)
 
 
 async def _route_qos1(handler: BrokerProtocolHandler, packet: PublishPacket,
@@ -169,19 +170,16 @@ def holds_packet_ids(session: Any) -> bool:
 def grant_ecq_subscriptions() -> None:
     """Let the plugin's ``grant_subscription`` choose the QoS of a SUBSCRIBE to an ``$ECQ/`` filter, or refuse
     it with SUBACK 0x80, before amqtt's ``Broker.add_subscription`` records it."""
-    original = Broker.add_subscription
 
-    async def add_subscription(broker: Broker, subscription: tuple[str, int], session: Any) -> int:
+    def grant(broker: Broker, subscription: tuple[str, int], session: Any) -> tuple[Any, ...] | Result | None:
         plugin = find_target(broker.plugins_manager)
         topic_filter, qos = subscription
-        if plugin is not None and is_ecq_topic(topic_filter):
-            granted = plugin.grant_subscription(session.client_id, topic_filter, qos)
-            if granted is None:
-                return SUBACK_FAILURE
-            subscription = (topic_filter, granted)
-        return await original(broker, subscription, session)
+        if plugin is None or not is_ecq_topic(topic_filter):
+            return None
+        granted = plugin.grant_subscription(session.client_id, topic_filter, qos)
+        return Result(SUBACK_FAILURE) if granted is None else (broker, (topic_filter, granted), session)
 
-    replace(Broker, "add_subscription", add_subscription)
+    step(Broker, "add_subscription", before=grant)
 
 
 def accept_ecq_wildcards() -> None:

@@ -143,7 +143,7 @@ def index_subscriptions_by_client() -> None:
     original_del = Broker._del_subscription
     original_del_all = Broker._del_all_subscriptions
 
-    async def add_subscription(broker: Broker, subscription: tuple[str, int], session: Any) -> int:
+    async def add_subscription(broker: Broker, subscription: tuple[str, int], session: Any) -> int:  # the body
         if find_target(broker.plugins_manager) is None:
             return await original_add(broker, subscription, session)
         return await _add_subscription(broker, subscription, session)
@@ -165,7 +165,7 @@ def index_subscriptions_by_client() -> None:
             if topic_filter in broker._subscriptions and not broker._subscriptions[topic_filter]:
                 del broker._subscriptions[topic_filter]
 
-    replace(Broker, "add_subscription", add_subscription)
+    step(Broker, "add_subscription", body=add_subscription)
     replace(Broker, "_del_subscription", del_subscription)
     replace(Broker, "_del_all_subscriptions", del_all_subscriptions)
 
@@ -287,7 +287,6 @@ def expire_sessions_from_their_deadlines() -> None:
     is the one of all offline sessions (:func:`session_deadlines`): a session handed to the session store replaces
     its deadline there with the store's, and the monitor ends it as the store says."""
     original_monitor = Broker._session_monitor
-    original_disconnect = Broker._handle_disconnect
     original_offline = Broker.create_offline_session
 
     async def session_monitor(broker: Broker) -> None:
@@ -295,9 +294,8 @@ def expire_sessions_from_their_deadlines() -> None:
             return await original_monitor(broker)
         await _expiries(broker).run()
 
-    async def handle_disconnect(broker: Broker, session: Any, handler: BrokerProtocolHandler,
-                                disconnect_waiter: asyncio.Future) -> None:
-        await original_disconnect(broker, session, handler, disconnect_waiter)
+    def watch_the_offline_session(_: None, broker: Broker, session: Any, handler: BrokerProtocolHandler,
+                                  disconnect_waiter: asyncio.Future) -> None:
         if find_target(broker.plugins_manager) is not None:
             _watch(broker, session)
 
@@ -308,7 +306,7 @@ def expire_sessions_from_their_deadlines() -> None:
         return handler, session
 
     replace(Broker, "_session_monitor", session_monitor)
-    replace(Broker, "_handle_disconnect", handle_disconnect)
+    step(Broker, "_handle_disconnect", after=watch_the_offline_session)
     replace(Broker, "create_offline_session", create_offline_session)
 
 

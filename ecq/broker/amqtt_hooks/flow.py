@@ -45,7 +45,7 @@ from amqtt.mqtt.publish import PublishPacket
 from ecq.broker.amqtt_hooks import stored_sends
 from ecq.broker.amqtt_hooks.ecq_paths import client_id
 from ecq.broker.amqtt_hooks.mqtt5_sessions import tell
-from ecq.broker.amqtt_hooks.seam import kept_on, replace
+from ecq.broker.amqtt_hooks.seam import kept_on, replace, step
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
 from ecq.queue.throttle import LogThrottle
 from ecq.queue.topics import is_ecq_topic
@@ -264,19 +264,18 @@ def count_publishes_read() -> None:
     """Count each PUBLISH of an ordinary topic as amqtt's ``BrokerProtocolHandler.handle_publish`` is called for it
     (every reader calls it as it reads the packet), if amqtt will route it: QoS 0 (not DUP, which amqtt drops,
     MQTT-3.3.1-2) and QoS 1. A QoS 2 message is routed at its PUBREL, which the reader must be free to read.
-    Not a coroutine function, as ``ecq_paths.take_ecq_publishes``' replacement, which it wraps."""
-    original = BrokerProtocolHandler.handle_publish
+    A plain function, as the method's body it runs before (``ecq_paths.take_ecq_publishes``): it counts the PUBLISH
+    as the reader reads it."""
 
-    def handle_publish(handler: BrokerProtocolHandler, packet: PublishPacket) -> Coroutine[Any, Any, None]:
+    def count_the_publish(handler: BrokerProtocolHandler, packet: PublishPacket) -> None:
         plugin = find_target(handler.plugins_manager)
         topic, data = packet.topic_name, packet.data
         if (plugin is not None and topic is not None and data is not None and not is_ecq_topic(topic)
                 and (packet.qos == QOS_1 or (packet.qos == QOS_0 and not packet.dup_flag))):
             inbound = _inbound(handler.reader, plugin)
             packet._ecq_routing = _Routing(inbound, inbound.read(len(topic) + len(data)))
-        return original(handler, packet)
 
-    replace(BrokerProtocolHandler, "handle_publish", handle_publish)
+    step(BrokerProtocolHandler, "handle_publish", before=count_the_publish)
 
 
 async def room_to_read(reader: Any) -> None:
@@ -290,15 +289,15 @@ def routing_of(message: Any) -> _Routing | None:
     return getattr(message.publish_packet, "_ecq_routing", None) if message is not None else None
 
 
-def delivering(routing: _Routing | None) -> contextvars.Token:
+def delivering(routing: _Routing | None) -> None:
     """Mark the PUBLISH that ``Broker._handle_message_delivery`` handles (in this task) until :func:`delivered`."""
-    return _ROUTING.set(routing)
+    _ROUTING.set(routing)
 
 
-def delivered(token: contextvars.Token) -> None:
+def delivered() -> None:
     """``Broker._handle_message_delivery`` is done: a PUBLISH it did not broadcast (refused, dropped) is routed."""
     routing = _ROUTING.get()
-    _ROUTING.reset(token)
+    _ROUTING.set(None)
     if routing is not None and not routing.queued:
         routing.inbound.routed(routing.seq)
 
@@ -328,13 +327,11 @@ def count_routed_publishes(context: BrokerContext) -> None:
 def pace_amqtt_readers() -> None:
     """amqtt 0.12.1's ``ProtocolHandler._reader_loop`` (``fast_path: false``, WebSocket 3.1.1) reads each packet's
     fixed header with ``MQTTFixedHeader.from_stream``: before it, the reader waits for room (``Inbound.room``)."""
-    original = MQTTFixedHeader.from_stream.__func__
 
-    async def from_stream(cls: type[MQTTFixedHeader], reader: Any) -> MQTTFixedHeader | None:
+    async def wait_for_room(cls: type[MQTTFixedHeader], reader: Any) -> None:
         await room_to_read(reader)
-        return await original(cls, reader)
 
-    replace(MQTTFixedHeader, "from_stream", classmethod(from_stream))
+    step(MQTTFixedHeader, "from_stream", before=wait_for_room)
 
 
 def answer_pings_after_routing() -> None:

@@ -57,7 +57,7 @@ from ecq.broker.amqtt_hooks.bad_clients import (PACKET_NAMES, ProtocolViolation,
                                                 publish_violation, utf8_or_violation, violation)
 from ecq.broker.amqtt_hooks.ecq_paths import client_id, send_soon
 from ecq.broker.amqtt_hooks.flow import all_routed, room_to_read
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import step
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
 from ecq.queue.lean_event import LeanEvent
 from ecq.queue.topics import PREFIX, SCQ_PREFIX, is_ecq_topic
@@ -89,7 +89,7 @@ def read_with_the_framer() -> None:
             return await original(handler)
         await Framer(handler, plugin).run()
 
-    replace(BrokerProtocolHandler, "_reader_loop", reader_loop)
+    step(BrokerProtocolHandler, "_reader_loop", body=reader_loop)
 
 
 def _lean_events(handler: BrokerProtocolHandler) -> None:

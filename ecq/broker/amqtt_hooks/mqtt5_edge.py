@@ -33,14 +33,15 @@ from amqtt.mqtt.pubcomp import PubcompPacket
 from amqtt.mqtt.suback import SubackPacket
 from amqtt.mqtt.unsuback import UnsubackPacket
 
-from ecq.broker.amqtt_hooks.bad_clients import checked_connection, checks_shared_with, fixed_header_violation, violation
+from ecq.broker.amqtt_hooks.bad_clients import (checked_connection, fixed_header_violation, share_checks,
+                                               stop_sharing_checks, violation)
 from ecq.broker.amqtt_hooks.mqtt5_messages import publish_bytes
 from ecq.broker.amqtt_hooks.mqtt5_packets import (BAD_AUTHENTICATION_METHOD, MALFORMED_PACKET, PACKET_TOO_LARGE,
                                                   MalformedPacket, Mqtt5Context, context_of, decode, remaining_length,
                                                   set_context)
 from ecq.broker.amqtt_hooks.mqtt5_properties import PropertyBounds
 from ecq.broker.amqtt_hooks.mqtt5_sessions import connack_properties, session_options
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import replace, step
 from ecq.broker.amqtt_hooks.target import find_target
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,9 @@ class _ConnackWriter(WriterAdapter):
     """The writer amqtt's CONNECT handling sees on a v5 connection: a 3.1.1 CONNACK refusal it writes (amqtt's,
     ``ecq_guards.refuse_forbidden_wills``') leaves as the MQTT 5.0 CONNACK of the same refusal."""
 
-    def __init__(self, writer: WriterAdapter) -> None:
+    def __init__(self, writer: WriterAdapter, context: Mqtt5Context) -> None:
         self._writer = writer
+        self.context = context  # the connection's, given to its handler once amqtt made it
         self.refusal_code: int | None = None  # the v5 code of a refusal, when not its 3.1.1 code's (refuse_v5_with)
 
     def write(self, data: bytes) -> None:
@@ -118,14 +120,14 @@ def translate_level_5_connects() -> None:
     refuses every level but 4 (CONNACK 0x01), as the equivalent 3.1.1 CONNECT, on brokers that run the ECQ
     plugin (MQTT 5.0 section 3.1). The peek at the protocol level, and the reading of a whole v5 CONNECT, run
     within ``connect_timeout`` (then amqtt's read of the CONNECT it is given gets ``time_limit_connect``'s); a
-    level 4 CONNECT, and anything else, reaches amqtt unchanged."""
-    original = BrokerProtocolHandler.init_from_connect
+    level 4 CONNECT, and anything else, reaches amqtt unchanged. The bytes read are replayed to amqtt from a
+    :class:`_Replay` sharing the connection's packet checks until the CONNECT is handled."""
 
-    async def init_from_connect(cls: type, reader: Any, writer: Any, plugins_manager: Any,
-                                loop: Any = None) -> tuple[BrokerProtocolHandler, Any]:
+    async def read_a_level_5_connect(cls: type, reader: Any, writer: Any, plugins_manager: Any,
+                                     loop: Any) -> tuple[Any, ...] | None:
         connection = checked_connection(reader)
         if connection is None:
-            return await original(reader, writer, plugins_manager, loop)
+            return None
         settings = find_target(plugins_manager).settings
         context = Mqtt5Context(server_receive_maximum=settings.receive_maximum,
                                server_topic_alias_maximum=settings.topic_alias_maximum,
@@ -140,15 +142,23 @@ def translate_level_5_connects() -> None:
                              "connection closed") from None
         if connect is None:
             replay = _Replay(peeked, reader)
-            with checks_shared_with(reader, replay):
-                return await original(replay, writer, plugins_manager, loop)
+            share_checks(reader, replay)
+            return cls, replay, writer, plugins_manager, loop
         translated = _Replay(_connect_as_3_1_1(connect, context, plugins_manager), reader)
-        with checks_shared_with(reader, translated):
-            handler, session = await original(translated, _ConnackWriter(writer), plugins_manager, loop)
-        set_context(handler, context)
-        return handler, session
+        share_checks(reader, translated)
+        return cls, translated, _ConnackWriter(writer, context), plugins_manager, loop
 
-    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
+    def mark_the_connection_mqtt5(connected: tuple[BrokerProtocolHandler, Any], cls: type, reader: Any, writer: Any,
+                                  plugins_manager: Any, loop: Any) -> None:
+        if isinstance(writer, _ConnackWriter):
+            set_context(connected[0], writer.context)
+
+    def end_the_replay(cls: type, reader: Any, writer: Any, plugins_manager: Any, loop: Any) -> None:
+        if isinstance(reader, _Replay):
+            stop_sharing_checks(reader)
+
+    step(BrokerProtocolHandler, "init_from_connect", before=read_a_level_5_connect, after=mark_the_connection_mqtt5,
+         always=end_the_replay)
 
 
 async def _peek_level(reader: ReaderAdapter) -> tuple[bytes, int | None]:

@@ -51,7 +51,7 @@ from ecq.broker.amqtt_hooks.mqtt5_packets import (MALFORMED_PACKET, PACKET_TOO_L
                                                   context_of, decode, remaining_length)
 from ecq.broker.amqtt_hooks.mqtt5_routing import subscribed, unsubscribed
 from ecq.broker.amqtt_hooks.mqtt5_sessions import take_disconnect_expiry, tell
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import Instead, step
 from ecq.broker.amqtt_hooks.shared_subscriptions import share_target, v5_refusal
 from ecq.queue.groups import parse_group_filter
 from ecq.broker.amqtt_hooks.target import find_target
@@ -69,15 +69,14 @@ def read_mqtt5_with_the_framer() -> None:
     """Read v5 connections with :class:`Mqtt5Framer` in place of amqtt 0.12.1's
     ``BrokerProtocolHandler._reader_loop`` (which decodes 3.1.1 only), on TCP and WebSocket listeners of brokers
     that run the ECQ plugin; every other connection keeps the reader it had."""
-    original = BrokerProtocolHandler._reader_loop
 
-    async def reader_loop(handler: BrokerProtocolHandler) -> None:
+    def read_a_v5_connection(handler: BrokerProtocolHandler) -> Instead | None:
         plugin = find_target(handler.plugins_manager)
         if plugin is None or context_of(handler) is None or checked_connection(handler.reader) is None:
-            return await original(handler)
-        await Mqtt5Framer(handler, plugin).run()
+            return None
+        return Instead(Mqtt5Framer(handler, plugin).run())
 
-    replace(BrokerProtocolHandler, "_reader_loop", reader_loop)
+    step(BrokerProtocolHandler, "_reader_loop", before=read_a_v5_connection)
 
 
 def mqtt5_header_violation(packet_type: int, flags: int, remaining_length: int, max_packet_bytes: int) -> str | None:

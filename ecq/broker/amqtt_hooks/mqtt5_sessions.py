@@ -172,12 +172,10 @@ def expire_sessions_one_by_one() -> None:
     ``conformance`` then end it with its connection), a resumed session's pending expiry is cancelled, and at the
     end of the connection (``_handle_disconnect``, outermost) a session with an interval, which a DISCONNECT may
     have changed, is forgotten after it (at most ``session_expiry``, amqtt's monitor's bound), at once for 0."""
-    original_initialize = Broker._initialize_client_session
-    original_disconnect = Broker._handle_disconnect
     original_cleanup = Broker._cleanup_session
 
-    async def initialize_client_session(broker: Broker, *args: Any) -> tuple[BrokerProtocolHandler, Any]:
-        handler, session = await original_initialize(broker, *args)
+    def resume_or_mark(connected: tuple[BrokerProtocolHandler, Any], broker: Broker, *args: Any) -> None:
+        handler, session = connected
         if (offline := session.attributes.pop(_PENDING, None)) is not None:
             offline.cancel()  # resumed: its Will is not published (section 3.1.3.2.2), its expiry is off
         if (options := _options(handler)) is not None:
@@ -185,11 +183,9 @@ def expire_sessions_one_by_one() -> None:
             session.attributes[_EXPIRY] = options.expiry_s
         else:
             session.attributes.pop(_EXPIRY, None)
-        return handler, session
 
-    async def handle_disconnect(broker: Broker, session: Any, handler: BrokerProtocolHandler,
-                                disconnect_waiter: asyncio.Future) -> None:
-        await original_disconnect(broker, session, handler, disconnect_waiter)
+    async def expire_the_offline_session(_: None, broker: Broker, session: Any, handler: BrokerProtocolHandler,
+                                         disconnect_waiter: asyncio.Future) -> None:
         options = _options(handler)
         if options is None or _end_of_connection(broker, session) != _OFFLINE:
             return  # 3.1.1, or the session ended or went to a newer connection: nothing left to expire
@@ -206,8 +202,8 @@ def expire_sessions_one_by_one() -> None:
             offline.cancel()  # ended otherwise (amqtt's monitor, handed over to another broker): nothing pending
         await original_cleanup(broker, client_id)
 
-    replace(Broker, "_initialize_client_session", initialize_client_session)
-    replace(Broker, "_handle_disconnect", handle_disconnect)
+    step(Broker, "_initialize_client_session", after=resume_or_mark)
+    step(Broker, "_handle_disconnect", after=expire_the_offline_session)
     replace(Broker, "_cleanup_session", cleanup_session)
 
 
@@ -235,19 +231,14 @@ def publish_wills_after_their_delay() -> None:
     ended with it (interval 0, Clean Start elsewhere) or the delay is 0, else when the first of the delay and the
     session's expiry runs out. A Clean Start CONNECT that discards an offline session publishes its pending
     Will (``Broker._delete_session``)."""
-    original_initialize = Broker._initialize_client_session
-    original_disconnect = Broker._handle_disconnect
-    original_delete = Broker._delete_session
 
-    async def initialize_client_session(broker: Broker, *args: Any) -> tuple[BrokerProtocolHandler, Any]:
-        handler, session = await original_initialize(broker, *args)
+    def keep_the_will_from_amqtt(connected: tuple[BrokerProtocolHandler, Any], broker: Broker, *args: Any) -> None:
+        handler, session = connected
         if _options(handler) is not None:
             session.will_flag = False
-        return handler, session
 
-    async def handle_disconnect(broker: Broker, session: Any, handler: BrokerProtocolHandler,
-                                disconnect_waiter: asyncio.Future) -> None:
-        await original_disconnect(broker, session, handler, disconnect_waiter)
+    async def publish_the_will(_: None, broker: Broker, session: Any, handler: BrokerProtocolHandler,
+                               disconnect_waiter: asyncio.Future) -> None:
         options = _options(handler)
         if options is None or options.will is None or isinstance(disconnect_waiter.result(), DisconnectPacket):
             return  # 3.1.1, no Will, or a DISCONNECT other than 0x04 (which mqtt5_framer hands over as none)
@@ -262,18 +253,17 @@ def publish_wills_after_their_delay() -> None:
         offline.will = options.will
         offline.timers.append(_later(delay, _will_due, broker, session, offline))
 
-    async def delete_session(broker: Broker, client_id: str) -> None:
+    async def publish_a_pending_will(broker: Broker, client_id: str) -> None:
         session, _ = broker._sessions.get(client_id, (None, None))
         offline = session.attributes.pop(_PENDING, None) if session is not None else None
         if offline is not None:
             offline.cancel()
             if offline.will is not None:
                 await _publish_will(broker, session, offline.will)
-        await original_delete(broker, client_id)
 
-    replace(Broker, "_initialize_client_session", initialize_client_session)
-    replace(Broker, "_handle_disconnect", handle_disconnect)
-    replace(Broker, "_delete_session", delete_session)
+    step(Broker, "_initialize_client_session", after=keep_the_will_from_amqtt)
+    step(Broker, "_handle_disconnect", after=publish_the_will)
+    step(Broker, "_delete_session", before=publish_a_pending_will)
 
 
 async def _will_due(broker: Broker, session: Any, offline: _Offline) -> None:
@@ -289,8 +279,6 @@ def tell_v5_clients_why_they_are_closed() -> None:
     a keepalive timeout (``handle_read_timeout``, see ``conformance.enforce_keepalive``) and when the broker stops
     (``Broker.shutdown``). MQTT 5.0 section 3.14.2.1: the server may send DISCONNECT with the reason before it
     closes; a v5 connection is sent 0x8E Session taken over, 0x8D Keep Alive timeout, 0x8B Server shutting down."""
-    original_delete = Broker._delete_session
-    original_timeout = BrokerProtocolHandler.handle_read_timeout
     original_shutdown = Broker.shutdown
 
     def tell_the_connection_taken_over(broker: Broker, reader: Any, writer: Any, session: Any,
@@ -299,16 +287,14 @@ def tell_v5_clients_why_they_are_closed() -> None:
         if previous is not None and previous is not handler:
             tell(previous, SESSION_TAKEN_OVER)
 
-    async def delete_session(broker: Broker, client_id: str) -> None:
+    def tell_the_connection_of_a_discarded_session(broker: Broker, client_id: str) -> None:
         _, previous = broker._sessions.get(client_id, (None, None))
         if previous is not None:
             tell(previous, SESSION_TAKEN_OVER)
-        await original_delete(broker, client_id)
 
-    def handle_read_timeout(handler: BrokerProtocolHandler) -> None:
+    def tell_of_the_timeout(handler: BrokerProtocolHandler) -> None:
         if find_target(handler.plugins_manager) is not None:
             tell(handler, KEEP_ALIVE_TIMEOUT)
-        return original_timeout(handler)
 
     async def shutdown(broker: Broker) -> None:
         if find_target(broker.plugins_manager) is not None:
@@ -318,6 +304,6 @@ def tell_v5_clients_why_they_are_closed() -> None:
         await original_shutdown(broker)
 
     step(Broker, "_handle_client_session", before=tell_the_connection_taken_over)
-    replace(Broker, "_delete_session", delete_session)
-    replace(BrokerProtocolHandler, "handle_read_timeout", handle_read_timeout)
+    step(Broker, "_delete_session", before=tell_the_connection_of_a_discarded_session)
+    step(BrokerProtocolHandler, "handle_read_timeout", before=tell_of_the_timeout)
     replace(Broker, "shutdown", shutdown)

@@ -1,17 +1,24 @@
-"""The one seam between ECQ and amqtt: every amqtt method ECQ replaces goes through :func:`replace`, every private amqtt
-name it reads is declared in :data:`PRIVATE_READS`, and both were written against :data:`AMQTT_VERSION`.
+"""The one seam between ECQ and amqtt: every amqtt method ECQ replaces goes through :func:`replace` or :func:`step`,
+every private amqtt name it reads is declared in :data:`PRIVATE_READS`, and both were written against
+:data:`AMQTT_VERSION`.
 
 Modelled on gevent's ``monkey.patch_item``: the first replacement of ``(owner, name)`` keeps amqtt's own attribute in
 :data:`saved` (:func:`get_original`), and each replacement records the ECQ correction that made it, so
 :func:`corrections` and :func:`describe` answer at run time "what does ECQ replace in amqtt, and with which corrections
-in which order". A correction replaces a method by a wrapper of the one it finds there (its ``original``), so the
-corrections of one method form a chain: the first listed is innermost, the last one runs first.
+in which order" (issue 32's one table).
 
-Each wrapper of such a chain is a coroutine frame, and a method that runs for a connection's whole life (amqtt's
-``Broker._client_connected`` and ``_handle_client_session``) keeps every one of them suspended per connected client. So
-the corrections of such a method give :func:`step` their parts instead (what runs before the call, what runs after it
-as a ``finally``, at most one replacement of amqtt's body), and the seam installs ONE wrapper running them in the
-order of that same chain: the frames of a connection hold one ECQ wrapper per method, not one per correction.
+A method only one correction replaces gets that correction's wrapper (:func:`replace`). A method several corrections
+correct is installed as ONE wrapper (:func:`step`): each correction gives its parts, plain or coroutine functions
+named for what they do before amqtt's call (``before``: change its arguments, or answer in its place with a
+:class:`Result`, or have another coroutine awaited :class:`Instead`), after it (``after``: look at the result or
+replace it), however it ended (``always``, a ``finally``), or as amqtt's body (the first correction's ``body``, which
+may call amqtt's own), and the wrapper runs them in the order of the chain of wrappers they stand for: the first
+correction of :data:`amqtt_hooks.CORRECTIONS` innermost, the last one's ``before`` first. A chain would be a frame
+per correction in every call, and a method a connection stays in for its whole life (``Broker._client_connected``,
+``_handle_client_session``, ``ProtocolHandler._reader_loop``) would keep each of them suspended per connected client.
+Every method corrected more than once is so corrected; ``tests/test_seam.py`` fails on a chain (there is no
+correction a step could not express: those that wrap amqtt's call in ``asyncio.wait_for`` or decide whether to call
+it give the ``body``, a ``with`` around the call is a ``before`` and an ``always``).
 
 :func:`apply` runs a table of corrections (``amqtt_hooks.CORRECTIONS``) after :func:`check_amqtt_version`; a
 replacement outside it, or of a name its owner lacks, raises :class:`AmqttSeamError` instead of being made, and the
@@ -109,80 +116,185 @@ def replace(owner: Owner, name: str, replacement: Any) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class Result:
+    """What a step decides the corrected call returns: given by a ``before``, the call returns ``value`` without the
+    inner steps and amqtt's method being called (a correction that answers in amqtt's place); given by an ``after``,
+    ``value`` replaces the result the call had."""
+
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Instead:
+    """Given by a ``before`` of a coroutine method: the call awaits ``awaitable`` in place of the inner steps and
+    amqtt's method, with no frame of that step's kept while it runs (a reader that serves a connection's whole life)."""
+
+    awaitable: Any
+
+
+@dataclass(frozen=True, slots=True)
 class Step:
-    """One correction's part of the one wrapper :func:`step` installs: plain functions called with the method's
-    positional arguments (``self`` first), so nothing is awaited between two corrections' parts.
+    """One correction's part of the one wrapper :func:`step` installs, each part a function called with the method's
+    arguments, all positional as amqtt's signature names them (``self`` or ``cls`` first, defaults filled in):
 
-    ``before(*args)`` runs before the call and returns the arguments the call gets from there on (the inner steps,
-    amqtt), or None to keep them; ``after(*args)`` runs once the call ended, however it ended (a ``finally``), given
-    the arguments the call was made with; ``body``, a coroutine function, replaces amqtt's own method."""
+    - ``before(*args)`` runs before the call and returns None (go on), the arguments the call gets from there on
+      (the inner steps, amqtt), a :class:`Result` (the call returns it; the inner steps and amqtt are skipped) or,
+      for a coroutine method, :class:`Instead` (what the call awaits in their place);
+    - ``after(result, *args)`` runs once the call returned (not when it raised) and returns None (the result stays)
+      or a :class:`Result` replacing it;
+    - ``always(*args)``, plain, runs once the call ended, however it ended (a ``finally``);
+    - ``body`` replaces amqtt's own method (it may call amqtt's, kept by its correction).
 
-    before: Callable[..., tuple[Any, ...] | None] | None = None
-    after: Callable[..., None] | None = None
+    ``before`` and ``after`` of a coroutine method may be coroutine functions (awaited); a plain method's are plain."""
+
+    before: Callable[..., Any] | None = None
+    after: Callable[..., Any] | None = None
+    always: Callable[..., None] | None = None
     body: Callable[..., Any] | None = None
+    before_awaits: bool = False
+    after_awaits: bool = False
 
 
-def step(owner: type, name: str, *, before: Callable[..., tuple[Any, ...] | None] | None = None,
-         after: Callable[..., None] | None = None, body: Callable[..., Any] | None = None) -> None:
-    """Correct the amqtt coroutine method ``owner.name`` by a :class:`Step` of the correction being applied, and
-    install one wrapper running all of its steps as the chain of wrappers :func:`replace` would make runs them: the
-    befores of the later corrections first, then the body (amqtt's own, or the first step's ``body``), then the afters
-    of the earlier ones first, each after running whatever the one before it raised, as nested ``finally`` clauses
-    do; a ``before`` that raises is not followed by its own ``after``. One difference from that chain, so that a call
-    allocates nothing but its frame: every ``after`` is given the arguments as the befores left them, also those an
-    inner correction's ``before`` replaced (``websocket``'s, the one that replaces any, is outermost). amqtt calls both
-    such methods with positional arguments only. Raises :class:`AmqttSeamError` as :func:`replace` does, and when
-    ``owner.name`` is not a coroutine method, is replaced through :func:`replace` too, or has its body replaced by
-    a step other than its first."""
+def step(owner: type, name: str, *, before: Callable[..., Any] | None = None, after: Callable[..., Any] | None = None,
+         always: Callable[..., None] | None = None, body: Callable[..., Any] | None = None) -> None:
+    """Correct the amqtt method (or classmethod) ``owner.name`` by a :class:`Step` of the correction being applied,
+    and install one wrapper running all of its steps as the chain of wrappers :func:`replace` would make runs them:
+    the befores of the later corrections first, then the body (amqtt's own, or the first step's ``body``), then the
+    afters of the earlier ones first, and the ``always`` of each step whose ``before`` ran, innermost first, each
+    whatever the one before it raised, as nested ``finally`` clauses do. A before returning a :class:`Result` (or
+    :class:`Instead`) ends the way in: the call returns it through the afters of the steps outside that one. One
+    difference from that chain, so that a call allocates nothing but its frame: every ``after`` and ``always`` is
+    given the arguments as the befores left them, also those an inner correction's ``before`` replaced. The wrapper
+    is a coroutine function when the body is one. Raises :class:`AmqttSeamError` as :func:`replace` does, and when
+    ``owner.name`` is replaced through :func:`replace` too, has its body replaced by a step other than its first,
+    or is a plain method given a coroutine function (or an ``always`` that is one)."""
     key = _record(owner, name)
     steps = _steps.setdefault(key, [])
-    if not inspect.iscoroutinefunction(saved[key]):
-        _refuse_step(owner, name, "is not a coroutine method")
     if len(_corrections[key]) > len(steps):
         _refuse_step(owner, name, "is replaced through seam.replace() too")
     if body is not None and steps:
         _refuse_step(owner, name, "has its body replaced by an earlier correction's step")
-    steps.append(Step(before, after, body))
+    amqtt_function = getattr(saved[key], "__func__", saved[key])
+    awaits = inspect.iscoroutinefunction(body or (steps[0].body if steps else None) or amqtt_function)
+    if inspect.iscoroutinefunction(always) or (not awaits and any(map(inspect.iscoroutinefunction, (before, after)))):
+        _refuse_step(owner, name, "is given a coroutine function where it calls a plain one")
+    steps.append(Step(before, after, always, body, inspect.iscoroutinefunction(before),
+                      inspect.iscoroutinefunction(after)))
     _corrections[key].append(_applying[-1])
-    setattr(owner, name, _one_wrapper(owner, name, saved[key], tuple(steps)))
+    wrapper = _one_wrapper(owner, name, amqtt_function, tuple(steps), awaits)
+    setattr(owner, name, classmethod(wrapper) if isinstance(saved[key], classmethod) else wrapper)
 
 
 def _refuse_step(owner: type, name: str, problem: str) -> None:
     raise AmqttSeamError(f"{_label(owner)}.{name}, corrected by {_applying[-1]} through seam.step(), {problem}")
 
 
-def _one_wrapper(owner: type, name: str, original: Callable[..., Any], steps: tuple[Step, ...]) -> Callable[..., Any]:
-    """The coroutine function running ``steps`` (innermost first) around ``original`` (see :func:`step`)."""
+def _one_wrapper(owner: type, name: str, original: Callable[..., Any], steps: tuple[Step, ...],
+                 awaits: bool) -> Callable[..., Any]:
+    """The function (a coroutine function when ``awaits``) running ``steps`` (innermost first) around ``original``,
+    amqtt's function (see :func:`step`)."""
     body = steps[0].body or original
     outermost_first = steps[::-1]
+    positional = _positional_arguments(original)
 
-    async def corrected(*args: Any) -> Any:
-        entered = 0  # the steps of outermost_first whose before ran: their afters are due
+    async def corrected(*args: Any, **kwargs: Any) -> Any:
+        args = positional(args, kwargs)
+        del kwargs  # a frame kept for a connection's life (_reader_loop) holds no empty dict
+        ran = 0  # the steps of outermost_first whose before ran: their always is due
         try:
+            decided = None
             for each in outermost_first:
                 if each.before is not None:
-                    args = each.before(*args) or args
-                entered += 1
-            return await body(*args)
+                    given = each.before(*args)
+                    if each.before_awaits:
+                        given = await given
+                    if type(given) is Result or type(given) is Instead:
+                        decided = given
+                    elif given is not None:
+                        args = given
+                ran += 1
+                if decided is not None:
+                    break
+            if decided is None:
+                result = await body(*args)
+            else:
+                result = decided.value if type(decided) is Result else await decided.awaitable
+            for index in range(ran - 1 if decided is not None else ran, 0, -1):
+                each = outermost_first[index - 1]
+                if each.after is not None:
+                    given = each.after(result, *args)
+                    if each.after_awaits:
+                        given = await given
+                    if given is not None:
+                        result = given.value
+            return result
         finally:
-            _leave(outermost_first, entered, args)
+            _leave(outermost_first, ran, args)
 
-    # its frames named as the method they stand for, in tracebacks and profiles (py-spy), not "corrected"
-    corrected.__code__ = corrected.__code__.replace(co_name=name, co_qualname=f"{owner.__qualname__}.{name}")
-    corrected.__name__, corrected.__qualname__ = name, f"{owner.__qualname__}.{name}"
-    return corrected
-
-
-def _leave(outermost_first: tuple[Step, ...], entered: int, args: tuple[Any, ...]) -> None:
-    """Run the afters of the first ``entered`` steps of ``outermost_first`` with ``args``, the innermost first, each
-    one whatever the one before it raised (the last exception raised propagates), as nested ``finally`` clauses run."""
-    if entered:
-        after = outermost_first[entered - 1].after
+    def corrected_plain(*args: Any, **kwargs: Any) -> Any:
+        args = positional(args, kwargs)
+        ran = 0
         try:
-            if after is not None:
-                after(*args)
+            decided = None
+            for each in outermost_first:
+                if each.before is not None:
+                    given = each.before(*args)
+                    if type(given) is Result:
+                        decided = given
+                    elif given is not None:
+                        args = given
+                ran += 1
+                if decided is not None:
+                    break
+            result = decided.value if decided is not None else body(*args)
+            for index in range(ran - 1 if decided is not None else ran, 0, -1):
+                each = outermost_first[index - 1]
+                if each.after is not None and (given := each.after(result, *args)) is not None:
+                    result = given.value
+            return result
         finally:
-            _leave(outermost_first, entered - 1, args)
+            _leave(outermost_first, ran, args)
+
+    wrapper = corrected if awaits else corrected_plain
+    # its frames named as the method they stand for, in tracebacks and profiles (py-spy), not "corrected"
+    wrapper.__code__ = wrapper.__code__.replace(co_name=name, co_qualname=f"{owner.__qualname__}.{name}")
+    wrapper.__name__, wrapper.__qualname__ = name, f"{owner.__qualname__}.{name}"
+    return wrapper
+
+
+def _positional_arguments(function: Callable[..., Any]) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, ...]]:
+    """``complete(args, kwargs)``: the arguments of a call of amqtt's ``function`` as one tuple, in the order of its
+    parameters (keywords placed, defaults filled in); ``args`` itself when the call gave them all by position."""
+    signature = inspect.signature(function)
+    parameters = list(signature.parameters.values())
+    if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters):
+        raise AmqttSeamError(f"seam.step() corrects methods of plain parameters only, not {function.__qualname__}")
+    count = len(parameters)
+    defaults = tuple(p.default for p in parameters)
+
+    def complete(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        if not kwargs:
+            if len(args) == count:
+                return args
+            if inspect.Parameter.empty not in defaults[len(args):]:  # amqtt's defaults left out (force_qos)
+                return args + defaults[len(args):]
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.args
+
+    return complete
+
+
+def _leave(outermost_first: tuple[Step, ...], ran: int, args: tuple[Any, ...]) -> None:
+    """Run the ``always`` of the first ``ran`` steps of ``outermost_first`` with ``args``, the innermost first, each
+    one whatever the one before it raised (the last exception raised propagates), as nested ``finally`` clauses run."""
+    if ran:
+        always = outermost_first[ran - 1].always
+        try:
+            if always is not None:
+                always(*args)
+        finally:
+            _leave(outermost_first, ran - 1, args)
 
 
 def _record(owner: Owner, name: str) -> tuple[Owner, str]:

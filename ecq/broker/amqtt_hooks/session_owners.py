@@ -20,7 +20,7 @@ from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from ecq.broker.acl.rules import filter_covers
 from ecq.broker.amqtt_hooks.fleet_scale import filters_of
 from ecq.broker.amqtt_hooks.mqtt5_messages import subscriptions_of
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import step
 from ecq.broker.amqtt_hooks.shared_subscriptions import is_shared, share_target
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.topics import is_ecq_topic
@@ -55,14 +55,13 @@ def resume_sessions_only_for_their_owner() -> None:
     flight for it that no kept subscription matches (logged; the ECQ queue is then not attached). Installed outside
     ``cluster.adopt_sessions_from_the_cluster``: a session another broker hands over, or the cluster's store holds,
     is judged by the owner it carries."""
-    original = BrokerProtocolHandler.init_from_connect
 
-    async def init_from_connect(cls: type, reader: Any, writer: Any, plugins_manager: Any,
-                                loop: Any = None) -> tuple[BrokerProtocolHandler, Any]:
-        handler, session = await original(reader, writer, plugins_manager, loop)
+    async def judge_the_owner(connected: tuple[BrokerProtocolHandler, Any], cls: type, reader: Any, writer: Any,
+                              plugins_manager: Any, loop: Any) -> None:
+        _, session = connected
         plugin = find_target(plugins_manager)
         if plugin is None or session.clean_session or not session.client_id:
-            return handler, session
+            return
         broker = plugin.context._broker_instance
         stored, _ = broker._sessions.get(session.client_id, (None, None))
         if stored is not None and not owned_by(stored, session.username):
@@ -73,9 +72,8 @@ def resume_sessions_only_for_their_owner() -> None:
             plugin.session_discarded(session.client_id)
         elif stored is not None:
             await _grant_again(broker, stored, session)
-        return handler, session
 
-    replace(BrokerProtocolHandler, "init_from_connect", classmethod(init_from_connect))
+    step(BrokerProtocolHandler, "init_from_connect", after=judge_the_owner)
 
 
 async def _grant_again(broker: Broker, stored: Any, connecting: Any) -> None:

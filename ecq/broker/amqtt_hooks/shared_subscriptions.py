@@ -26,7 +26,7 @@ from amqtt.broker import Broker
 from amqtt.contexts import Action
 
 from ecq.broker.amqtt_hooks.ecq_paths import SUBACK_FAILURE
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import Result, replace, step
 from ecq.broker.amqtt_hooks.target import find_target
 from ecq.queue.groups import parse_group_filter
 from ecq.queue.topics import is_ecq_topic
@@ -100,25 +100,22 @@ def take_shared_subscriptions() -> None:
     0x80 (v5 clients get their codes from ``mqtt5_framer``), logged; an SCQ's shared group
     ``$share/<group>/$SCQ/<queue>/#`` is granted as the plugin grants ``$SCQ/<queue>/#`` (QoS 1; QoS 0 refused). The
     ACL judges a shared subscription by the filter it reads, without ``$share/<group>/`` (as EMQX does)."""
-    original_add = Broker.add_subscription
     original_filtering = Broker._topic_filtering
 
-    async def add_subscription(broker: Broker, subscription: tuple[str, int], session: Any) -> int:
+    def grant_or_refuse(broker: Broker, subscription: tuple[str, int], session: Any) -> tuple[Any, ...] | Result | None:
         topic_filter = subscription[0]
-        if find_target(broker.plugins_manager) is not None and is_shared(topic_filter):
-            target = share_target(topic_filter)
-            if parse_group_filter(topic_filter) is not None:
-                granted = find_target(broker.plugins_manager).grant_subscription(session.client_id, target,
-                                                                                 subscription[1])
-                if granted is None:
-                    return SUBACK_FAILURE
-                subscription = (topic_filter, granted)
-            elif target is None or is_ecq_topic(target):
-                log.warning("ECQ refused SUBSCRIBE of %s to %r: %s", session.client_id, topic_filter,
-                            "a malformed shared subscription" if target is None else
-                            "no shared subscription reads $ECQ/, nor $SCQ/ but as $share/<group>/$SCQ/<queue>/#")
-                return SUBACK_FAILURE
-        return await original_add(broker, subscription, session)
+        if find_target(broker.plugins_manager) is None or not is_shared(topic_filter):
+            return None
+        target = share_target(topic_filter)
+        if parse_group_filter(topic_filter) is not None:
+            granted = find_target(broker.plugins_manager).grant_subscription(session.client_id, target, subscription[1])
+            return Result(SUBACK_FAILURE) if granted is None else (broker, (topic_filter, granted), session)
+        if target is None or is_ecq_topic(target):
+            log.warning("ECQ refused SUBSCRIBE of %s to %r: %s", session.client_id, topic_filter,
+                        "a malformed shared subscription" if target is None else
+                        "no shared subscription reads $ECQ/, nor $SCQ/ but as $share/<group>/$SCQ/<queue>/#")
+            return Result(SUBACK_FAILURE)
+        return None
 
     async def topic_filtering(broker: Broker, session: Any, topic: str, action: Action) -> bool:
         if (action == Action.SUBSCRIBE and is_shared(topic) and find_target(broker.plugins_manager) is not None
@@ -126,5 +123,5 @@ def take_shared_subscriptions() -> None:
             topic = target
         return await original_filtering(broker, session, topic, action)
 
-    replace(Broker, "add_subscription", add_subscription)
+    step(Broker, "add_subscription", before=grant_or_refuse)
     replace(Broker, "_topic_filtering", topic_filtering)

@@ -7,7 +7,7 @@ import logging
 
 from amqtt.broker import Broker
 
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import step
 from ecq.broker.amqtt_hooks.target import find_target
 
 
@@ -22,14 +22,12 @@ def raise_pre_start_failure() -> None:
     raises it instead of opening the listeners (amqtt then marks the start failed and raises BrokerError from
     it).
     """
-    original_start_listeners = Broker._start_listeners
 
-    async def start_listeners(broker: Broker) -> None:
+    def raise_the_plugins_failure(broker: Broker) -> None:
         if (plugin := find_target(broker.plugins_manager)) and plugin.start_error:
             raise plugin.start_error
-        await original_start_listeners(broker)
 
-    replace(Broker, "_start_listeners", start_listeners)
+    step(Broker, "_start_listeners", before=raise_the_plugins_failure)
 
 
 class _NoStartFailureTraceback(logging.Filter):

@@ -28,7 +28,7 @@ from typing import Any
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.session import OUTGOING
 
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import step
 from ecq.broker.amqtt_hooks.target import find_target
 
 SENDING: contextvars.ContextVar[Any] = contextvars.ContextVar("ecq_stored_send", default=None)  # the key of the
@@ -43,19 +43,12 @@ def delete_stored_copies_at_acknowledgement() -> None:
     is settled at once instead, while the reader decodes the packet, as ``acks.handle_puback_at_once`` resolves its
     waiter: its delete is in the store before the answer to a later packet (a PINGRESP) is written, both at the
     event loop's next turn in that order; then amqtt's (or ECQ's) handling goes on."""
-    original_puback = BrokerProtocolHandler.handle_puback
-    original_pubcomp = BrokerProtocolHandler.handle_pubcomp
+    def settle_the_stored_copy(handler: BrokerProtocolHandler, acknowledgement: Any) -> None:
+        header = acknowledgement.variable_header
+        acknowledged(handler, header.packet_id if header else None)
 
-    def handle_puback(handler: BrokerProtocolHandler, puback: Any) -> Coroutine[Any, Any, None]:
-        acknowledged(handler, puback.variable_header.packet_id if puback.variable_header else None)
-        return original_puback(handler, puback)
-
-    def handle_pubcomp(handler: BrokerProtocolHandler, pubcomp: Any) -> Coroutine[Any, Any, None]:
-        acknowledged(handler, pubcomp.variable_header.packet_id if pubcomp.variable_header else None)
-        return original_pubcomp(handler, pubcomp)
-
-    replace(BrokerProtocolHandler, "handle_puback", handle_puback)
-    replace(BrokerProtocolHandler, "handle_pubcomp", handle_pubcomp)
+    step(BrokerProtocolHandler, "handle_puback", before=settle_the_stored_copy)
+    step(BrokerProtocolHandler, "handle_pubcomp", before=settle_the_stored_copy)
 
 
 def sending(key: Any) -> None:
