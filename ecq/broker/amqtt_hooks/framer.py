@@ -57,7 +57,7 @@ from ecq.broker.amqtt_hooks.bad_clients import (PACKET_NAMES, ProtocolViolation,
                                                 publish_violation, utf8_or_violation, violation)
 from ecq.broker.amqtt_hooks.ecq_paths import client_id, send_soon
 from ecq.broker.amqtt_hooks.flow import all_routed, room_to_read
-from ecq.broker.amqtt_hooks.seam import step
+from ecq.broker.amqtt_hooks.seam import Instead, step
 from ecq.broker.amqtt_hooks.target import EcqHooksTarget, find_target
 from ecq.queue.lean_event import LeanEvent
 from ecq.queue.topics import PREFIX, SCQ_PREFIX, is_ecq_topic
@@ -80,16 +80,14 @@ _HANDLERS = {CONNACK: "handle_connack", SUBSCRIBE: "handle_subscribe", UNSUBSCRI
 def read_with_the_framer() -> None:
     """Replace amqtt 0.12.1's ``BrokerProtocolHandler._reader_loop`` with :class:`Framer` on the TCP connections
     of brokers that run the ECQ plugin with ``fast_path`` on; any other connection keeps amqtt's reader."""
-    original = BrokerProtocolHandler._reader_loop
-
-    async def reader_loop(handler: BrokerProtocolHandler) -> None:
+    def read_with_a_framer(handler: BrokerProtocolHandler) -> Instead | None:
         plugin = find_target(handler.plugins_manager)
         if (plugin is None or not plugin.settings.fast_path or not isinstance(handler.reader, StreamReaderAdapter)
                 or checked_connection(handler.reader) is None):
-            return await original(handler)
-        await Framer(handler, plugin).run()
+            return None
+        return Instead(Framer(handler, plugin).run())  # no frame of this step kept for the connection's life
 
-    step(BrokerProtocolHandler, "_reader_loop", body=reader_loop)
+    step(BrokerProtocolHandler, "_reader_loop", before=read_with_a_framer)
 
 
 def _lean_events(handler: BrokerProtocolHandler) -> None:
