@@ -216,8 +216,8 @@ def time_limit_connect() -> None:
         if connection is None:
             return await original(cls, reader, writer, plugins_manager, loop)
         try:
-            handler, session = await asyncio.wait_for(original(cls, reader, writer, plugins_manager, loop),
-                                                      connection.connect_timeout_s)
+            async with asyncio.timeout(connection.connect_timeout_s):  # not wait_for: no task of its own (Python 3.11)
+                handler, session = await original(cls, reader, writer, plugins_manager, loop)
         except TimeoutError:
             raise AMQTTError(f"no CONNECT from {connection.peer} within {connection.connect_timeout_s:g} s: "
                              "connection closed") from None
