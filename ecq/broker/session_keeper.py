@@ -117,8 +117,8 @@ class SessionKeeper:
         (StoredSessions.take_queue); a cluster drops its copy of the queue (Nones returned)."""
         if self.stored is not None:
             return self.stored.take_queue(clientid, messages, kept)
-        if self.store is not None:
-            self.store.drop_queue(clientid)
+        if self._cluster.state is not None:
+            self._cluster.state.drop_queue(clientid)
         return [None] * len(messages)
 
     def sent(self, sends: list[tuple[str, str, int, bytes]]) -> list[Any]:

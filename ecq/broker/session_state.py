@@ -37,9 +37,6 @@ class SessionStore(Protocol):
         """Store a QoS 1/2 message queued for ``clientid``'s offline persistent session (at most
         ``session_max_queued`` kept, the oldest dropped)."""
 
-    def drop_queue(self, clientid: str) -> None:
-        """Delete ``clientid``'s stored queue: it was taken for sending."""
-
 
 @dataclass
 class SessionState:

@@ -152,10 +152,8 @@ class StoredSessions:
         """Store the record of ``clientid``'s session (see the module's docstring) unless the store holds that very
         record already (a SUBSCRIBE of a filter held at the same QoS, an UNSUBSCRIBE of none held, the SUBSCRIBE a
         resumed session's client sends again at each CONNECT): True when it was written."""
-        written: list[bool] = []
-        self._write(f"session of {clientid!r}", lambda: written.append(
-            self._table.put_if_changed(clientid, _record(session, _now_ms()))))
-        return written == [True]
+        return self._write(f"session of {clientid!r}", self._table.put_if_changed, clientid,
+                           _record(session, _now_ms()), failed=False)
 
     def save_at_shutdown(self, sessions: dict[str, HeldSession]) -> None:
         """Store every persistent session the broker holds as offline from now (a stopping broker ends every
@@ -169,7 +167,7 @@ class StoredSessions:
             if not messages and not releases:
                 self.save_session(clientid, offline)
             elif self._write(f"session of {clientid!r}", self._table.put, clientid,
-                             _record(offline, _now_ms(), releases)):
+                             _record(offline, _now_ms(), releases), failed=False) is not False:
                 self._replace_queue(clientid, messages)
 
     def forget_session(self, clientid: str) -> None:
@@ -180,14 +178,9 @@ class StoredSessions:
     def queue_message(self, clientid: str, topic: str, qos: int, payload: bytes) -> list[str]:
         """Store a message queued for ``clientid``'s offline session (at most ``session_max_queued``); returns the
         topics of the oldest messages dropped for it."""
-        dropped: list[bytes] = []
-        self._write(f"message queued for {clientid!r}", lambda: dropped.extend(self._table.queue(
-            clientid, message_value(topic, qos, payload), self._settings.session_max_queued)))
+        dropped = self._write(f"message queued for {clientid!r}", self._table.queue, clientid,
+                              message_value(topic, qos, payload), self._settings.session_max_queued, failed=[])
         return [_topic_of(value) for value in dropped]
-
-    def drop_queue(self, clientid: str) -> None:
-        """Delete ``clientid``'s stored queue (it is being sent)."""
-        self._write(f"sent queue of {clientid!r}", self._table.drop_queue, clientid)
 
     def store_sends(self, sends: list[tuple[str, str, int, bytes]]) -> list[bytes | None]:
         """Store each ``(clientid, topic, QoS, payload)``, a message of an ordinary topic about to be sent to a
@@ -195,11 +188,9 @@ class StoredSessions:
         so before the publisher's PUBACK): returns a key per message, for :meth:`settle_sends` once its client
         acknowledged it, or Nones when the write failed (logged). No bound here: the connection's sends are bounded
         (``max_queued_messages``), each dropped one settled."""
-        keys: list[bytes] = []
-        if self._write(f"messages sent to {len(sends)} sessions", lambda: keys.extend(self._table.put_messages(
-                [(clientid, message_value(topic, qos, payload)) for clientid, topic, qos, payload in sends]))):
-            return list(keys)
-        return [None] * len(sends)
+        return self._write(f"messages sent to {len(sends)} sessions", self._table.put_messages,
+                           [(clientid, message_value(topic, qos, payload)) for clientid, topic, qos, payload in sends],
+                           failed=[None] * len(sends))
 
     def settle_sends(self, keys: list[bytes]) -> None:
         """Delete the stored copies of messages sent (:meth:`store_sends`, :meth:`take_queue`): acknowledged, or
@@ -224,11 +215,9 @@ class StoredSessions:
         """``clientid``'s queued ``messages`` ``[(topic, QoS, payload)]`` are being sent: its stored queue becomes the
         entries of ``kept`` (sends not yet acknowledged) then these, in one write batch; returns their keys for
         :meth:`settle_sends`, or Nones when the write failed (logged)."""
-        keys: list[bytes] = []
-        if self._write(f"sent queue of {clientid!r}", lambda: keys.extend(self._table.replace_queue(
-                clientid, [message_value(topic, qos, payload) for topic, qos, payload in messages], kept))):
-            return list(keys)
-        return [None] * len(messages)
+        return self._write(f"sent queue of {clientid!r}", self._table.replace_queue, clientid,
+                           [message_value(topic, qos, payload) for topic, qos, payload in messages], kept,
+                           failed=[None] * len(messages))
 
     # --- restoring and routing ------------------------------------------------------------------------
 
@@ -261,7 +250,8 @@ class StoredSessions:
         (:meth:`claim`) or its deadline (:meth:`_expire_if_due`). False, and nothing indexed, when the record could
         not be written (amqtt keeps the session then)."""
         offline_ms = _now_ms()
-        if not self._write(f"session of {clientid!r}", self._table.put, clientid, _record(session, offline_ms)):
+        if self._write(f"session of {clientid!r}", self._table.put, clientid, _record(session, offline_ms),
+                       failed=False) is False:
             return False
         self._replace_queue(clientid, messages)
         self._unindex(clientid)
@@ -322,13 +312,13 @@ class StoredSessions:
         return int(offline_ms + interval_s * 1000)
 
     @staticmethod
-    def _write(what: str, write: Any, *args: Any) -> bool:
+    def _write(what: str, write: Callable[..., Any], *args: Any, failed: Any = None) -> Any:
+        """``write(*args)``'s result, or ``failed`` when it raised (logged: a full disk, the store closed at shutdown)."""
         try:
-            write(*args)
-        except Exception as exc:  # disk full, the store closed at shutdown
+            return write(*args)
+        except Exception as exc:
             log.warning("ECQ could not store the %s: %s", what, exc or type(exc).__name__)
-            return False
-        return True
+            return failed
 
 
 def _topic_of(value: bytes) -> str:

@@ -118,14 +118,6 @@ class LevelDbSessions:
         """The messages queued for ``clientid``, oldest first."""
         return self._store.run(lambda: list(self._db.iterator(prefix=self._queue(clientid), include_key=False)))
 
-    def drop_queue(self, clientid: str) -> None:
-        """Delete the messages queued for ``clientid`` (they were taken for sending)."""
-        def drop() -> None:
-            with self._db.write_batch(sync=self._store._sync) as batch:
-                for key in self._db.iterator(prefix=self._queue(clientid), include_value=False):
-                    batch.delete(key)
-        self._store.run(drop)
-
     @property
     def _db(self):  # the store's current database: a reopen after a full disk replaces it
         return self._store._db
