@@ -651,6 +651,17 @@ def _resumed(port: int, clientid: str) -> RawClient:
     return device
 
 
+def _resumed_after_kill9(broker, device: RawClient, connect, clientid: str, qos: int = 1) -> RawClient:
+    """kill -9 of ``broker`` while ``device`` is connected, the restart, ``clientid``'s CleanSession 0 reconnect
+    (session present 1), then a message ``newer`` published to ``cmd/<clientid>`` at ``qos``: the reconnected device."""
+    broker.kill()
+    device.close()
+    broker.start()
+    device = _resumed(broker.port, clientid)
+    connect(broker.port, "backend2").publish(f"cmd/{clientid}", b"newer", qos=qos)
+    return device
+
+
 @pytest.mark.timeout(60)
 def test_messages_sent_and_not_acknowledged_come_again_after_kill9(make_broker, connect):
     """A QoS 1 message of an ordinary topic sent to a connected persistent session is stored before its publisher's
@@ -667,11 +678,7 @@ def test_messages_sent_and_not_acknowledged_come_again_after_kill9(make_broker, 
     assert [payload for _topic, _packet_id, payload in sent] == [b"m%d" % i for i in range(6)]
     device.puback(*(packet_id for _topic, packet_id, _payload in sent[::2]))  # m0, m2, m4
     assert device.ping()  # the PUBACKs were decoded, their stored copies deleted
-    broker.kill()
-    device.close()
-    broker.start()
-    device = _resumed(broker.port, "k1")
-    connect(broker.port, "backend2").publish("cmd/k1", b"newer")
+    device = _resumed_after_kill9(broker, device, connect, "k1")
     again = [device.receive_publish() for _ in range(4)]
     assert [payload for _topic, _packet_id, payload in again] == [b"m1", b"m3", b"m5", b"newer"]
     device.puback(*(packet_id for _topic, packet_id, _payload in again))
@@ -696,11 +703,7 @@ def test_a_resumed_queue_sent_and_not_acknowledged_comes_again_after_kill9(make_
     assert [payload for _topic, _packet_id, payload in sent] == [b"q0", b"q1"]
     device.puback(sent[0][1])
     assert device.ping()
-    broker.kill()
-    device.close()
-    broker.start()
-    device = _resumed(broker.port, "k2")
-    connect(broker.port, "backend2").publish("cmd/k2", b"newer")
+    device = _resumed_after_kill9(broker, device, connect, "k2")
     again = [device.receive_publish() for _ in range(2)]
     assert [payload for _topic, _packet_id, payload in again] == [b"q1", b"newer"]
     device.close()
@@ -725,11 +728,7 @@ def test_a_qos2_message_not_received_comes_again_after_kill9_a_completed_one_nev
     assert [body.endswith(b"not received") for header, body in packets if header & 0xF6 == 0x34] == [True]
     device.send(0x70, packet_id)  # PUBCOMP
     assert device.ping()
-    broker.kill()
-    device.close()
-    broker.start()
-    device = _resumed(broker.port, "k3")
-    connect(broker.port, "backend2").publish("cmd/k3", b"newer", qos=2)
+    device = _resumed_after_kill9(broker, device, connect, "k3", qos=2)
     header, body = device.receive()
     assert header & 0xF6 == 0x34 and body.endswith(b"not received")
     device.close()
