@@ -49,7 +49,6 @@ from ecq.queue import oversize
 from ecq.queue.census import Census
 from ecq.queue.clock import now_ms, retention_cutoff_ms
 from ecq.queue.deadlines import SharedDeadline
-from ecq.queue.lean_event import LeanEvent
 from ecq.queue.resends import Resends
 from ecq.queue.tombstones import delete_acked
 from ecq.store.protocol import AckState, ExpiredRow, Message, QueueStore, SaveAck, StoreReadError
@@ -94,8 +93,8 @@ class Consumer:
                  "_rewinds", "_rewind_waiters", "_store", "_pool", "_publish", "_observer", "_read_store", "resends",
                  "_read_deadline", "_window", "_reach", "_retention_s", "_inflight_max", "_tombstones",
                  "_acked_tombstones",
-                 "_read_cursor", "_ready", "_newest", "_handed", "_told", "_reading", "_deleted_in_read", "_unreadable", "_wake",
-                 "_pump_task", "_fits", "skipped", "_retry_due", "_census", "_reader_saved")  # one per queue: no dict
+                 "_read_cursor", "_ready", "_newest", "_handed", "_told", "_reading", "_deleted_in_read", "_unreadable",
+                 "_pump_due", "_fits", "skipped", "_retry_due", "_census", "_reader_saved")  # one per queue: no dict
 
     def __init__(self, clientid: str, state: AckState, *, store: QueueStore, pool: WriterPool, publish: Publish,
                  observer: DeliveryObserver, read: Read, read_deadline: SharedDeadline, window: int,
@@ -136,8 +135,7 @@ class Consumer:
         self._reading: asyncio.Task | None = None   # the read-ahead in flight
         self._deleted_in_read: set[int] = set()     # seqnos deleted while it was in flight: not to be sent
         self._unreadable = False            # a read found damaged data: delivery stops (StoreReadError)
-        self._wake = LeanEvent()
-        self._pump_task: asyncio.Task | None = None
+        self._pump_due: asyncio.Handle | None = None  # the pump's run at the loop's next turn, once woken
         self._fits: Fits | None = None      # the attached connection's size bound (None: none)
         self.skipped: dict[int, Message] = {}  # seqno -> entries skipped for this connection: gaps in _handed
         self._retry_due = False             # attached again: the skipped entries may fit now
@@ -165,13 +163,13 @@ class Consumer:
         self.detach()
         self.connection, self._sending = connection, True
         self._census.online += 1
-        self._pump_task = asyncio.create_task(self._pump(), name=f"ecq-deliver-{self.clientid}")
         self.wake()
 
     def detach(self) -> None:
         """Stop delivering; unacked inflight messages will be delivered again on the next attach."""
-        if self._pump_task:
-            self._pump_task.cancel()
+        if self._pump_due is not None:
+            self._pump_due.cancel()
+            self._pump_due = None
         self._cancel_read()
         self._cancel_inflight()
         self._handed, self._ready = (), ()
@@ -180,7 +178,6 @@ class Consumer:
         if self.connection is not None:
             self._census.online -= 1
         self.connection, self._sending, self._unreadable = None, False, False
-        self._pump_task = None
         self._census.unsettled.add(self)  # the heartbeat forgets it once nothing of it is left to save
 
     def stop_sending(self) -> None:
@@ -231,8 +228,10 @@ class Consumer:
         return self._newest > self._read_cursor
 
     def wake(self) -> None:
-        """Ask the pump to look for new messages (after an ack or a heartbeat); the next heartbeat looks at it."""
-        self._wake.set()
+        """Ask the pump to look for new messages (after an ack or a heartbeat) at the event loop's next turn, once
+        however often it is woken in this one; the next heartbeat looks at it."""
+        if self._pump_due is None and self.connection is not None:
+            self._pump_due = asyncio.get_running_loop().call_soon(self._pump)
         self._census.unsettled.add(self)
 
     def poll(self) -> None:
@@ -278,19 +277,19 @@ class Consumer:
         since a read starts only behind) and the read-ahead has room."""
         return self.online and self._newest == self._read_cursor < seqno and len(self._ready) < self._reach
 
-    async def _pump(self) -> None:
-        while not self._unreadable:
-            await self._wake.wait()
-            self._wake.clear()
-            if not self._sending:
-                continue
+    def _pump(self) -> None:
+        """One round of delivery, run by :meth:`wake` (a callback, not a task: an attached consumer holds no task
+        and no coroutine frame while its queue is empty): fold the PUBACKs come, save them, then hand out."""
+        self._pump_due = None
+        if self._unreadable or not self._sending:
+            return
+        self._read_ahead()
+        if self._fold_acked():
+            self._save()
+        if not self.saving:  # every PUBACK received so far is stored before anything more is sent
+            self._retry_skipped()
+            self._hand_out_ready()
             self._read_ahead()
-            if self._fold_acked():
-                self._save()
-            if not self.saving:  # every PUBACK received so far is stored before anything more is sent
-                self._retry_skipped()
-                self._hand_out_ready()
-                self._read_ahead()
 
     def _read_ahead(self) -> None:
         """Start a read, up to two windows ahead, when less than one is read ahead and the store may hold more."""
