@@ -7,7 +7,8 @@ counting has not freed: ``"live"``), then after a full garbage collection (what 
 ``Session.__repr__`` ran in the broker process since the plugin started, and ``"matches"``: how many topics amqtt's
 ``Broker._matches`` tested against a filter since then. Tests use it to see what a closed connection leaves behind in
 the broker process, and what work a packet caused; ``"session_deadlines"``: the live deadlines and the entries (stale
-ones too) of the broker's heap of offline sessions' deadlines (``amqtt_hooks.session_deadlines``). At start it retains
+ones too) of the broker's heap of offline sessions' deadlines (``amqtt_hooks.session_deadlines``); ``"timers"``: the event loop's timers
+still to come (not cancelled), by the name of what each calls. At start it retains
 a message on ``$census/retained`` (amqtt's plugin API), a retained ``$`` topic no client may publish (MQTT 3.1.1
 section 4.7.2).
 """
@@ -15,6 +16,7 @@ section 4.7.2).
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import json
 from typing import Any
@@ -66,10 +68,17 @@ class CensusPlugin(BasePlugin[BrokerContext]):
         deadlines = session_deadlines(self.context)
         answer = {"live": live, "referenced": _counts(), "session_reprs": CensusPlugin.session_reprs,
                   "matches": CensusPlugin.matches,
-                  "session_deadlines": {"live": len(deadlines), "entries": deadlines.entries}}
+                  "session_deadlines": {"live": len(deadlines), "entries": deadlines.entries}, "timers": _timers()}
         await self.context.broadcast_message(ANSWER, json.dumps(answer).encode(), qos=1)
 
 
 def _counts() -> dict[str, int]:
     alive = gc.get_objects()
     return {name: sum(1 for o in alive if type(o) is cls) for name, cls in COUNTED.items()}
+
+
+def _timers() -> dict[str, int]:
+    """The running loop's timers not cancelled, by their callback's qualified name (asyncio's own heap of them)."""
+    scheduled = asyncio.get_running_loop()._scheduled
+    return dict(collections.Counter(getattr(timer._callback, "__qualname__", "?") for timer in scheduled
+                                    if not timer.cancelled()))

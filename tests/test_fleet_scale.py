@@ -17,7 +17,7 @@ from ecq.broker.amqtt_hooks import persistent_session
 from ecq.broker.amqtt_hooks.fleet_scale import _add_subscription, note_subscription
 from tests.census_plugin import ANSWER as CENSUS_ANSWER, ASK as CENSUS_ASK, PLUGIN_PATH as CENSUS
 from tests.census_plugin import RETAINED_DOLLAR_TOPIC
-from tests.test_mqtt_conformance import PINGRESP, PUBACK, Mqtt
+from tests.test_mqtt_conformance import PINGRESP, PUBACK, Mqtt, census
 
 
 def test_a_deleted_session_takes_only_its_own_subscriptions(make_broker):
@@ -223,3 +223,23 @@ def test_a_subscribe_tests_no_retained_topic_its_filter_cannot_match(broker_with
     assert {reader.next_publish().topic for _ in range(subscribes)} == wanted
 
     assert _matches_so_far(asker) - before < 10 * (subscribes + 1)
+
+
+def test_a_connection_holds_one_timer_its_keepalive(broker_with_plugin, connect):
+    """Issue 32 point 5: no per-connection timer beyond what the keepalive needs. amqtt 0.12.1 armed one more per
+    connection, re-armed on every packet it sent, whose callback does nothing in a broker
+    (``fleet_scale.no_write_timer_per_connection``)."""
+    connections = 20
+    broker = broker_with_plugin(CENSUS)
+    asker = connect(broker.port, "asker")
+    assert asker.subscribe(CENSUS_ANSWER) == 1
+    before = census(asker, 1)["timers"]
+    clients = [Mqtt(broker.port, f"timed-{n}") for n in range(connections)]
+    for n, client in enumerate(clients):
+        assert client.subscribe(f"fleet/{n}/#", 1) == 1  # a SUBACK: a packet amqtt sends
+    after = census(asker, 1 + connections)["timers"]
+    grown = {name: count - before.get(name, 0) for name, count in after.items()}
+    per_connection = {name: count for name, count in grown.items() if count >= connections}
+    assert per_connection == {"Framer._keepalive_due": connections}, after  # other timers come and go, a few
+    for client in clients:
+        client.disconnect()

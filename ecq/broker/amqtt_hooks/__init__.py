@@ -117,6 +117,7 @@ CORRECTIONS: tuple[Callable[[], None], ...] = (
     fleet_scale.index_subscriptions_by_client,
     fleet_scale.expire_sessions_from_their_deadlines,
     fleet_scale.subscribe_without_walking_every_retained_message,
+    fleet_scale.no_write_timer_per_connection,
     ecq_paths.take_ecq_publishes,
     ecq_paths.release_ecq_qos2_writes,
     ecq_paths.grant_ecq_subscriptions,

@@ -12,7 +12,8 @@ took 24-64 s and an idle broker used a share of a core for nothing (issue 32). H
 - offline sessions are forgotten from a heap of their deadlines, not from a scan each second
   (:func:`expire_sessions_from_their_deadlines`);
 - a SUBSCRIBE reads the retained messages of the topics its filter matches from a tree of the retained topics, not
-  from a test of every retained message (:func:`subscribe_without_walking_every_retained_message`).
+  from a test of every retained message (:func:`subscribe_without_walking_every_retained_message`);
+- a connection holds no write timer that does nothing (:func:`no_write_timer_per_connection`).
 
 Each is installed by one line in ``install`` and leaves a broker without the ECQ plugin as stock amqtt.
 """
@@ -375,3 +376,18 @@ def subscribe_without_walking_every_retained_message() -> None:
         await original(broker)
 
     replace(Broker, "start", start)
+
+
+def no_write_timer_per_connection() -> None:
+    """amqtt 0.12.1's ``ProtocolHandler`` arms a timer of the keepalive for ``handle_write_timeout`` as it starts, and
+    cancels it and arms a new one on every packet ``_send_packet`` sends; ``BrokerProtocolHandler.handle_write_timeout``
+    does nothing (a client pings the server, not the reverse: MQTT 3.1.1 section 3.1.2.10). So each connection held a
+    timer handle for nothing, and each cancelled one stayed in the event loop's heap until its time came: about two
+    per connection (issue 32 point 5, no per-connection timers beyond the keepalive's). A broker handler of a broker
+    with ECQ starts without ``keepalive_timeout``, amqtt's condition for arming it; the reading keepalive is
+    ``session.keep_alive`` (``conformance.enforce_keepalive``, the framer), which this leaves alone."""
+    def without_a_write_timer(handler: BrokerProtocolHandler) -> None:
+        if find_target(handler.plugins_manager) is not None:
+            handler.keepalive_timeout = None
+
+    step(BrokerProtocolHandler, "start", before=without_a_write_timer)
