@@ -431,7 +431,9 @@ async def test_every_declared_read_exists_on_a_real_amqtt_broker():
                      "amqtt.adapters.BufferReader": BufferReader(b""),
                      "amqtt.adapters.WebSocketsReader": WebSocketsReader(None),
                      "amqtt.adapters.WebSocketsWriter": WebSocketsWriter(None),
-                     "asyncio.StreamReader": handler.reader._reader}
+                     "asyncio.StreamReader": handler.reader._reader,
+                     "asyncio.StreamWriter": handler.writer._writer,
+                     "asyncio.StreamReaderProtocol": handler.writer._writer._protocol}
         assert isinstance(handler.reader, StreamReaderAdapter) and isinstance(handler.writer, StreamWriterAdapter)
         missing = [f"{owner}.{name}" for owner, names in seam.PRIVATE_READS.items() for name in names
                    if not hasattr(instances[owner], name)]

@@ -113,6 +113,7 @@ CORRECTIONS: tuple[Callable[[], None], ...] = (
     session_memory.light_session_state,
     session_memory.small_session_queues,
     session_memory.one_waiter_per_connection,
+    session_memory.lean_drain_waiters,
     fleet_scale.connect_without_walking_every_filter,  # first: the body of _handle_client_session's one wrapper
     fleet_scale.index_subscriptions_by_client,
     fleet_scale.expire_sessions_from_their_deadlines,

@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 AMQTT_VERSION = "0.12.1"  # the amqtt every correction and every declared read was written against
 
 # The private names ECQ reads (the ones it replaces among them), by the class that defines them: amqtt's, and the
-# asyncio StreamReader that amqtt's StreamReaderAdapter wraps (what a connection received and has not read).
+# asyncio StreamReader that amqtt's StreamReaderAdapter wraps (what a connection received and has not read), and the
+# StreamWriter's protocol (its drain waiters).
 PRIVATE_READS: dict[str, tuple[str, ...]] = {
     "amqtt.broker.Broker": (
         "_authenticate", "_broadcast_message", "_broadcast_queue", "_cleanup_session", "_client_connected",
@@ -66,6 +67,8 @@ PRIVATE_READS: dict[str, tuple[str, ...]] = {
     "amqtt.adapters.WebSocketsReader": ("_protocol", "_stream"),
     "amqtt.adapters.WebSocketsWriter": ("_protocol",),
     "asyncio.StreamReader": ("_buffer",),
+    "asyncio.StreamWriter": ("_protocol",),
+    "asyncio.StreamReaderProtocol": ("_drain_waiters",),
 }
 
 Owner = type | ModuleType  # a class of amqtt's, or one of its modules (for a name it looks up there, as Queue)

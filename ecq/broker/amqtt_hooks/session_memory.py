@@ -5,7 +5,8 @@ Measured with ``scripts/benchlib/heapprobe.py`` (tracemalloc, 2,000 persistent c
 kept a ``transitions.Machine`` (3 States, 5 Events, 14 Transitions: 15.9 KB), online and offline alike, and
 ``Session`` and ``BrokerProtocolHandler`` four ``asyncio.Queue`` (5 deques and an Event each, 1.5 KB even when
 empty), and ``Broker._client_message_loop`` four tasks per connection. :class:`SessionState` and :class:`SmallQueue`
-offer what amqtt and ECQ call on them and nothing more; the loop waits on one future.
+offer what amqtt and ECQ call on them and nothing more; the loop waits on one future. A TCP connection's asyncio
+protocol keeps its drain waiters in a list, not a deque (:func:`lean_drain_waiters`).
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from types import GenericAlias
 from typing import Any
 
 from amqtt import session as amqtt_session
+from amqtt.adapters import StreamWriterAdapter
 from amqtt.broker import Broker
 from amqtt.mqtt.protocol import broker_handler
 from amqtt.session import Session
 from transitions import MachineError
 
 from ecq.broker.amqtt_hooks.conformance import _resolved
-from ecq.broker.amqtt_hooks.seam import replace
+from ecq.broker.amqtt_hooks.seam import replace, step
+from ecq.broker.amqtt_hooks.target import find_target
 
 CONNECTED, DISCONNECTED, NEW = "connected", "disconnected", "new"
 
@@ -229,3 +232,18 @@ async def _next_round(disconnect: asyncio.Future, queues: tuple[SmallQueue, ...]
         disconnect.remove_done_callback(on_disconnect)
         for queue in queues:
             queue.forget(wake)
+
+
+def lean_drain_waiters() -> None:
+    """amqtt 0.12.1 serves a TCP connection through asyncio's streams, whose protocol (``FlowControlMixin``, Python
+    3.11) makes a ``collections.deque`` for the writers waiting in ``drain()`` as the connection opens: 760 bytes,
+    empty for nearly every connection's whole life (a writer waits only while the client reads slower than it is
+    sent to). As ``Broker._client_connected`` starts serving a connection of a broker with ECQ, that empty deque
+    becomes an empty list (56 bytes), which does all asyncio does with it (append, remove, iterate)."""
+    def with_a_lean_drain_list(broker: Broker, listener_name: str, reader: Any, writer: Any) -> None:
+        if isinstance(writer, StreamWriterAdapter) and find_target(broker.plugins_manager) is not None:
+            protocol = writer._writer._protocol
+            if isinstance(protocol._drain_waiters, deque) and not protocol._drain_waiters:
+                protocol._drain_waiters = []
+
+    step(Broker, "_client_connected", before=with_a_lean_drain_list)
