@@ -10,10 +10,9 @@ registers their connections in ``_connections``, by amqtt reader.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,17 +86,6 @@ def violation(reader: Any, reason: str) -> ProtocolViolation:
 def checked_connection(reader: Any) -> _Connection | None:
     """What the packet checks know about the connection read by ``reader`` (None: not an ECQ broker's)."""
     return _connections.get(reader)
-
-
-@contextlib.contextmanager
-def checks_shared_with(reader: Any, alias: Any) -> Iterator[None]:
-    """While in the block, packets decoded from ``alias`` (e.g. a buffer holding bytes read from ``reader``)
-    get the checks of ``reader``'s connection, and their violations name it."""
-    share_checks(reader, alias)
-    try:
-        yield
-    finally:
-        stop_sharing_checks(alias)
 
 
 def share_checks(reader: Any, alias: Any) -> None:

@@ -53,8 +53,8 @@ from amqtt.mqtt.packet import (CONNACK, CONNECT, DISCONNECT, PINGREQ, PINGRESP, 
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 
 from ecq.broker.amqtt_hooks.bad_clients import (PACKET_NAMES, ProtocolViolation, checked_connection,
-                                                checks_shared_with, fixed_header_violation, publish_overrun,
-                                                publish_violation, utf8_or_violation, violation)
+                                                fixed_header_violation, publish_overrun, publish_violation,
+                                                share_checks, stop_sharing_checks, utf8_or_violation, violation)
 from ecq.broker.amqtt_hooks.ecq_paths import client_id, send_soon
 from ecq.broker.amqtt_hooks.flow import all_routed, room_to_read
 from ecq.broker.amqtt_hooks.seam import Instead, step
@@ -140,22 +140,23 @@ class Framer:
         """Read until the connection ends, then run amqtt's reader exit path (once)."""
         handler, cancelled = self._handler, False
         _lean_events(handler)
-        with checks_shared_with(self._adapter, self._packets):
-            self._arm_keepalive()
-            try:
-                await self._read()
-            except asyncio.CancelledError:
-                log.debug("reader of %s cancelled", client_id(handler))
-                cancelled = True
-            except asyncio.IncompleteReadError:
-                log.debug("%s: end of stream inside a packet", client_id(handler))
-            except ProtocolViolation:
-                pass  # logged with its reason by bad_clients.violation
-            except Exception as exc:
-                log.warning("reader of %s stopped by an unexpected exception: %r", client_id(handler), exc)
-            finally:
-                if self._timer is not None:
-                    self._timer.cancel()
+        share_checks(self._adapter, self._packets)  # not a ``with``: no generator kept for the connection's life
+        self._arm_keepalive()
+        try:
+            await self._read()
+        except asyncio.CancelledError:
+            log.debug("reader of %s cancelled", client_id(handler))
+            cancelled = True
+        except asyncio.IncompleteReadError:
+            log.debug("%s: end of stream inside a packet", client_id(handler))
+        except ProtocolViolation:
+            pass  # logged with its reason by bad_clients.violation
+        except Exception as exc:
+            log.warning("reader of %s stopped by an unexpected exception: %r", client_id(handler), exc)
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+            stop_sharing_checks(self._packets)
         await self._run_out(cancelled)
         await handler.handle_connection_closed()
         handler._reader_stopped.set()
