@@ -215,6 +215,43 @@ def test_a_member_joins_while_the_one_that_left_holds_a_delivery(broker_with_plu
     assert joining.quiet(0.5) == []
 
 
+def test_every_entry_in_flight_to_a_group_at_a_restart_comes_again_with_dup(make_broker, connect):
+    """Three persistent members of a window of 2 each hold 6 entries unacked at SIGTERM: after the restart each of
+    the 6 comes again with DUP=1 (MQTT 3.1.1 section 3.3.1.1: it might have been sent before), not only the first
+    ``reader_batch_size`` of them; the entries stored before the restart that the group never had, and a write after
+    it, come with DUP=0."""
+    broker = make_broker(reader_batch_size=2)
+    producer = connect(broker.port, "producer")
+    write_keys(producer, [f"k{i}" for i in range(8)])
+    members = [connect(broker.port, f"worker-{i}", clean_session=False, manual_ack=True) for i in range(3)]
+    for member in members:
+        assert member.subscribe(GROUP) == 1
+    first = sum((member.expect(2) for member in members), [])
+    assert sorted(keys_of(first)) == [f"k{i}" for i in range(6)] and not any(m.dup for m in first)
+    for member in members:
+        member.close(clean=False)
+    producer.close()
+    assert broker.stop() == 0
+    broker.start()
+
+    members = [connect(broker.port, f"worker-{i}", clean_session=False, manual_ack=True) for i in range(3)]
+    again = [member.expect(2) for member in members]  # each member rejoins at its CONNECT
+    resent = sum(again, [])
+    assert sorted(keys_of(resent)) == [f"k{i}" for i in range(6)]
+    assert all(message.dup for message in resent), [(m.topic, m.dup) for m in resent]
+    for member, messages in zip(members, again):
+        for message in messages:
+            member.ack(message)
+    never_sent = [(member, message) for member in members for message in member.quiet(0.5)]
+    assert sorted(keys_of(m for _member, m in never_sent)) == ["k6", "k7"]
+    assert not any(message.dup for _member, message in never_sent)
+    for member, message in never_sent:
+        member.ack(message)
+    scq_write(connect(broker.port, "producer"), "k8", b"k8")
+    after = sum((member.quiet(0.5) for member in members), [])
+    assert [(m.topic, m.dup) for m in after] == [(f"$SCQ/{Q}/k8", False)]
+
+
 def test_round_robin_alternates_between_equal_members(make_broker, connect):
     broker = make_broker(scq_dispatch="round_robin")
     producer = connect(broker.port, "producer")
