@@ -1,7 +1,8 @@
 """A test-only amqtt plugin that counts the broker's live connection objects through amqtt's own plugin API.
 
 A PUBLISH to ``census/ask`` makes it count the objects alive whose class is amqtt's ``BrokerProtocolHandler``
-(one per connection), asyncio's ``StreamReader`` and amqtt's ``Session``, first as they are (what reference
+(one per connection), asyncio's ``StreamReader``, amqtt's ``Session``, ECQ's ``Consumer`` (one per queue, reader or
+SCQ group in memory) and ``GroupDispatch`` (an SCQ group's members), first as they are (what reference
 counting has not freed: ``"live"``), then after a full garbage collection (what is still referenced:
 ``"referenced"``), and broadcast both as JSON on ``census/answer``, with ``"session_reprs"``: how many times
 ``Session.__repr__`` ran in the broker process since the plugin started, and ``"matches"``: how many topics amqtt's
@@ -27,11 +28,14 @@ from amqtt.plugins.base import BasePlugin
 from amqtt.session import Session
 
 from ecq.broker.amqtt_hooks import session_deadlines
+from ecq.queue.delivery import Consumer
+from ecq.queue.groups import GroupDispatch
 
 PLUGIN_PATH = "tests.census_plugin.CensusPlugin"
 ASK, ANSWER = "census/ask", "census/answer"
 RETAINED_DOLLAR_TOPIC = "$census/retained"
-COUNTED = {"handlers": BrokerProtocolHandler, "stream_readers": asyncio.StreamReader, "sessions": Session}
+COUNTED = {"handlers": BrokerProtocolHandler, "stream_readers": asyncio.StreamReader, "sessions": Session,
+           "consumers": Consumer, "group_dispatches": GroupDispatch}
 
 
 class CensusPlugin(BasePlugin[BrokerContext]):

@@ -5,6 +5,7 @@ Packet Size and Subscription Identifiers."""
 
 from __future__ import annotations
 
+import json
 import queue
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from tests.census_plugin import ANSWER as CENSUS_ANSWER, ASK as CENSUS_ASK, PLUGIN_PATH as CENSUS
 from tests.harness import wait_until
 from tests.test_mqtt5 import V5Client
 from tests.test_operations import scrape
@@ -126,6 +128,128 @@ def test_unsubscribe_leaves_the_group(broker, connect):
     assert leaving.quiet(0.3) == []
     leaving.close(clean=False)
     assert keys_of(joining.expect(1)) == ["a"]
+
+
+def group_of(name: str) -> str:
+    return f"$share/{name}/{FILTER}"
+
+
+def unsubscribe(client, topic_filter: str) -> None:
+    """UNSUBSCRIBE and wait for the UNSUBACK."""
+    unsubscribed = threading.Event()
+    client._c.on_unsubscribe = lambda *_args: unsubscribed.set()
+    client._c.unsubscribe(topic_filter)
+    assert unsubscribed.wait(10)
+
+
+def kept(asker) -> dict[str, int]:
+    """The census plugin's count of the ``Consumer`` and ``GroupDispatch`` objects the broker still references."""
+    asker.publish(CENSUS_ASK, b"")
+    referenced = json.loads(asker.expect(1)[0].payload)["referenced"]
+    return {name: referenced[name] for name in ("consumers", "group_dispatches")}
+
+
+def test_a_group_whose_members_all_left_is_forgotten(broker_with_plugin, connect):
+    """Groups that come and go (one per job): the broker keeps nothing of a group whose members all left, once what
+    was in flight to them ended and their acks are saved. The one member of ``job-done`` acked both entries and
+    unsubscribed (it stays connected): nothing of the group stays. The one of ``job-quit`` acked one and closed: its
+    consumer stays, with the count of its send of ``b`` (for its DUP) and the dispatch it was last attached to. A
+    member joining either group later gets what the group did not ack (``b`` of job-quit, DUP=1) and the later
+    write, nothing acked."""
+    broker = broker_with_plugin(CENSUS)
+    asker = connect(broker.port, "asker")
+    assert asker.subscribe(CENSUS_ANSWER) == 1
+    producer = connect(broker.port, "producer")
+    write_keys(producer, ["a", "b"])
+    done = connect(broker.port, "done")
+    assert done.subscribe(group_of("job-done")) == 1
+    assert keys_of(done.expect(2)) == ["a", "b"]
+    unsubscribe(done, group_of("job-done"))
+    assert wait_until(lambda: kept(asker) == {"consumers": 0, "group_dispatches": 0}, 10), kept(asker)
+    quitting = connect(broker.port, "quitting", manual_ack=True)
+    assert quitting.subscribe(group_of("job-quit")) == 1
+    got = quitting.expect(2)
+    quitting.ack(got[0])
+    quitting.close()  # a clean close sends the PUBACK of "a" before its DISCONNECT
+    assert wait_until(lambda: kept(asker) == {"consumers": 1, "group_dispatches": 1}, 10), kept(asker)
+
+    write_keys(producer, ["c"])
+    later_done = connect(broker.port, "later-done")
+    assert later_done.subscribe(group_of("job-done")) == 1
+    assert keys_of(later_done.expect(1)) == ["c"]
+    later_quit = connect(broker.port, "later-quit")
+    assert later_quit.subscribe(group_of("job-quit")) == 1
+    resent, written = later_quit.expect(2)
+    assert (keys_of([resent, written]), resent.dup, written.dup) == (["b", "c"], True, False)
+    assert later_done.quiet(0.5) == [] and later_quit.quiet(0.1) == [] and done.quiet(0.1) == []
+
+
+@pytest.mark.parametrize("joins", ["before_the_puback", "after_the_puback"])
+def test_a_member_joins_while_the_one_that_left_holds_a_delivery(broker_with_plugin, connect, joins):
+    """The last member unsubscribes holding an unacked entry and acks it after its UNSUBACK (MQTT 3.1.1 section
+    3.10.4: it counts); a member joins before that PUBACK (the group is kept: its deliveries are in flight) or after
+    it, once the group was forgotten: either way it gets the next write only, never the acked entry."""
+    broker = broker_with_plugin(CENSUS)
+    asker = connect(broker.port, "asker")
+    assert asker.subscribe(CENSUS_ANSWER) == 1
+    producer = connect(broker.port, "producer")
+    leaving = connect(broker.port, "leaving", manual_ack=True)
+    assert leaving.subscribe(GROUP) == 1
+    write_keys(producer, ["a"])
+    held = leaving.expect(1)
+    unsubscribe(leaving, GROUP)
+    joining = None
+    if joins == "before_the_puback":
+        joining = connect(broker.port, "joining")
+        assert joining.subscribe(GROUP) == 1
+        assert joining.quiet(0.3) == []  # "a" stays with the member that holds it
+    leaving.ack(held[0])
+    if joins == "after_the_puback":
+        assert wait_until(lambda: kept(asker) == {"consumers": 0, "group_dispatches": 0}, 10), kept(asker)
+        joining = connect(broker.port, "joining")
+        assert joining.subscribe(GROUP) == 1
+    write_keys(producer, ["b"])
+    assert keys_of(joining.expect(1)) == ["b"]
+    assert joining.quiet(0.5) == [] and leaving.quiet(0.1) == []
+    leaving.close()
+    assert joining.quiet(0.5) == []
+
+
+def test_every_entry_in_flight_to_a_group_at_a_restart_comes_again_with_dup(make_broker, connect):
+    """Three persistent members of a window of 2 each hold 6 entries unacked at SIGTERM: after the restart each of
+    the 6 comes again with DUP=1 (MQTT 3.1.1 section 3.3.1.1: it might have been sent before), not only the first
+    ``reader_batch_size`` of them; the entries stored before the restart that the group never had, and a write after
+    it, come with DUP=0."""
+    broker = make_broker(reader_batch_size=2)
+    producer = connect(broker.port, "producer")
+    write_keys(producer, [f"k{i}" for i in range(8)])
+    members = [connect(broker.port, f"worker-{i}", clean_session=False, manual_ack=True) for i in range(3)]
+    for member in members:
+        assert member.subscribe(GROUP) == 1
+    first = sum((member.expect(2) for member in members), [])
+    assert sorted(keys_of(first)) == [f"k{i}" for i in range(6)] and not any(m.dup for m in first)
+    for member in members:
+        member.close(clean=False)
+    producer.close()
+    assert broker.stop() == 0
+    broker.start()
+
+    members = [connect(broker.port, f"worker-{i}", clean_session=False, manual_ack=True) for i in range(3)]
+    again = [member.expect(2) for member in members]  # each member rejoins at its CONNECT
+    resent = sum(again, [])
+    assert sorted(keys_of(resent)) == [f"k{i}" for i in range(6)]
+    assert all(message.dup for message in resent), [(m.topic, m.dup) for m in resent]
+    for member, messages in zip(members, again):
+        for message in messages:
+            member.ack(message)
+    never_sent = [(member, message) for member in members for message in member.quiet(0.5)]
+    assert sorted(keys_of(m for _member, m in never_sent)) == ["k6", "k7"]
+    assert not any(message.dup for _member, message in never_sent)
+    for member, message in never_sent:
+        member.ack(message)
+    scq_write(connect(broker.port, "producer"), "k8", b"k8")
+    after = sum((member.quiet(0.5) for member in members), [])
+    assert [(m.topic, m.dup) for m in after] == [(f"$SCQ/{Q}/k8", False)]
 
 
 def test_round_robin_alternates_between_equal_members(make_broker, connect):

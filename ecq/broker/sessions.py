@@ -41,6 +41,7 @@ class QueueSessions:
         self._reading: dict[str, dict[str, str]] = {}  # clientid -> {position id: SCQ queue id} attached for it
         self._groups: dict[str, GroupDispatch] = {}  # a shared group's position id -> its connected members
         self._memberships: dict[str, set[str]] = {}  # clientid -> the position ids of the groups it is a member of
+        self._forgetting: dict[str, asyncio.Task] = {}  # a group's position id -> forgetting it once it settles
 
     async def connected(self, client_id: str) -> None:
         """Enforce takeover (MQTT 3.1.1 section 3.1.4) and resume a persistent session's queue.
@@ -90,8 +91,7 @@ class QueueSessions:
                 dispatch.leave(client_id)
                 if not dispatch.members:
                     self._engine.stop_sending(position)
-                    if self.leases is not None:
-                        self.leases.members_changed(position)  # handed back once the deliveries in flight ended
+                    self._forget_when_settled(position)
 
     async def disconnected(self, client_id: str, persistent: bool) -> None:
         """Detach a consumer whose connection closed, and forget it if nothing of it must stay in memory
@@ -204,7 +204,7 @@ class QueueSessions:
 
     def _leave_groups(self, clientid: str) -> None:
         """The connection of ``clientid`` closed: it leaves its groups (a newer connection stays or joins again);
-        a group left with no member detaches and keeps its position."""
+        a group left with no member detaches, keeps its position and is forgotten once settled."""
         for position in list(self._memberships.get(clientid, ())):
             if (dispatch := self._groups.get(position)) is None:
                 continue
@@ -212,13 +212,33 @@ class QueueSessions:
                 continue
             dispatch.leave(clientid)
             if not dispatch.members:
-                del self._groups[position]
                 self._engine.detach(position)
+                self._forget_when_settled(position)
+        if (live := hooks.live_connection(self._context, clientid)) is None or not hooks.connection_is_open(live):
+            self._memberships.pop(clientid, None)
+
+    def _forget_when_settled(self, position: str) -> None:
+        """The shared group ``position`` has no member left here: forget it once its deliveries in flight ended and
+        the acks its members sent are saved, unless a member joins first. Its position is stored: a member joining
+        later starts from it, as one joining a group kept in memory would."""
+        if position not in self._forgetting:
+            self._forgetting[position] = asyncio.ensure_future(self._forget_group(position, self._groups[position]))
+
+    async def _forget_group(self, position: str, dispatch: GroupDispatch) -> None:
+        """Drop ``dispatch``, the group's consumer (QueueEngine.forget_if_idle) and, in a cluster, hand its lease back
+        (ecq.broker.group_leases), once settled: a fleet whose groups come and go keeps none of those that went."""
+        try:
+            while await dispatch.settled():
+                await self._engine.release(position)
+                if dispatch.members or dispatch.sending:  # a member joined meanwhile (and may have left again)
+                    continue
+                del self._groups[position]
                 self._engine.forget_if_idle(position)
                 if self.leases is not None:
                     self.leases.members_changed(position)  # no member here: the lease is handed back
-        if (live := hooks.live_connection(self._context, clientid)) is None or not hooks.connection_is_open(live):
-            self._memberships.pop(clientid, None)
+                return
+        finally:
+            del self._forgetting[position]
 
     async def _detach_readers(self, clientid: str) -> None:
         """The connection of ``clientid`` closed: detach its SCQ readers (a newer connection keeps them or gets them

@@ -395,7 +395,7 @@ class Consumer:
 
     async def _deliver(self, topic: str, message: Message) -> None:
         connection = self.connection
-        attempt, dup = self.resends.send(message)
+        attempt, dup = self.resends.send(message, self._reach)
         self._observer.delivered(self.clientid, message, attempt)
         sent = time.monotonic()
         try:

@@ -6,7 +6,9 @@ consumer's connection is a :class:`GroupDispatch`, standing for the group's conn
 to one member, chosen by ``scq_dispatch`` (EMQX's names: ``round_robin``, ``least_inflight``, ``random``), and its
 PUBACK, from that member, acks the group's position. A member whose connection goes away before its PUBACK hands
 the delivery on to another connected member (:meth:`GroupDispatch.publish`); with no member left the consumer
-detaches and the group keeps its position (what was in flight is sent again on the next attach). Each member has a
+detaches and the group keeps its position (what was in flight is sent again on the next attach). A group with no
+member and no delivery in flight (:meth:`GroupDispatch.settled`) is forgotten by the broker (ecq.broker.sessions):
+its position is stored, and the next member starts from it. Each member has a
 window of its own, ``reader_batch_size`` or its MQTT 5 Receive Maximum if lower, as one reader would; the group's
 consumer keeps the sum of its members' windows in flight (:attr:`GroupDispatch.capacity`), so a group of 4 drains
 about as fast as 4 readers rather than as one.
@@ -91,7 +93,8 @@ class GroupDispatch:
             raise ValueError(f"scq_dispatch {strategy!r}: expected one of {', '.join(DISPATCH_STRATEGIES)}")
         self.strategy, self.window, self.topic_filter = strategy, window, topic_filter
         self.members: dict[str, Member] = {}  # in round-robin order: the member chosen moves to the end
-        self._room = asyncio.Event()          # set when a member may take one more delivery
+        self.sending = 0                      # deliveries in flight, to members or to ones that left
+        self._room = asyncio.Event()          # set when a member may take one more delivery, joins, or a send ends
 
     @property
     def capacity(self) -> int:
@@ -123,6 +126,16 @@ class GroupDispatch:
             del self.members[clientid]
             self._room.set()  # a delivery waiting for room finds no member left, or another one
 
+    async def settled(self) -> bool:
+        """Wait until the group has no member and no delivery in flight (each ended with its PUBACK or its
+        connection's close): True then; False once a member is connected."""
+        while not self.members:
+            if not self.sending:
+                return True
+            self._room.clear()
+            await self._room.wait()
+        return False
+
     def holds(self, clientid: str, connection: Any) -> bool:
         """True when ``connection`` is the member connection of ``clientid``."""
         member = self.members.get(clientid)
@@ -139,6 +152,7 @@ class GroupDispatch:
         while True:
             clientid, member = await self._choose(topic, entry)
             member.inflight += 1
+            self.sending += 1
             try:
                 await send(member.connection, topic, payload, seqno, ts_ms, expires_ms, dup,
                            topic_filter=self.topic_filter)
@@ -147,6 +161,7 @@ class GroupDispatch:
                 self.leave(clientid, member.connection)
             finally:
                 member.inflight -= 1
+                self.sending -= 1
                 self._room.set()
 
     async def _choose(self, topic: str, entry: Message) -> tuple[str, Member]:
