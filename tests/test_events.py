@@ -15,10 +15,12 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ecq.events import EventRecorder, LakeExporter
 from ecq.events.recorder import read_stream_id
-from ecq.events.schema import COLUMNS, SCHEMA
+from ecq.events.schema import COLUMNS, EVENT_TYPES, SCHEMA, InvalidEvent, encode_event, encode_events
 
 HOUR_MS = 3_600_000
 T0 = 1_767_225_540_000  # 2025-12-31T23:59:00Z: events run across a date and an hour boundary
@@ -326,3 +328,45 @@ def test_events_buffered_before_kind_and_reader_existed_are_exported_with_them_n
         assert rows[0] == {**dict.fromkeys(COLUMNS), "ts_ms": 1000, "type": "appended", "clientid": "c1", "key": "k",
                            "seqno": 1, "publish_ts_ms": 1000, "payload_bytes": 3}
     assert (rows[1]["kind"], rows[1]["reader"]) == ("scq", "r1")
+
+
+_FIELD_VALUES = {  # per column: values its rule takes, and values it refuses (a wrong type, out of range)
+    **dict.fromkeys(("seqno", "publish_ts_ms", "payload_bytes", "replaced_seqno"),
+                    (st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+                     st.one_of(st.booleans(), st.text(max_size=3), st.floats(), st.integers(min_value=2**63)))),
+    "attempt": (st.one_of(st.none(), st.integers(-(2**31), 2**31 - 1)), st.integers(min_value=2**31)),
+    **dict.fromkeys(("clientid", "key", "reason", "topic", "kind", "reader"),
+                    (st.one_of(st.none(), st.text(max_size=8)), st.one_of(st.integers(), st.just("lone\ud800")))),
+}
+
+
+@st.composite
+def recorded_events(draw, invalid: bool) -> tuple[int, str, dict]:
+    """(ts_ms, type, fields) as `EventRecorder.record` keeps an event; with ``invalid`` one value or name is wrong."""
+    fields = {name: draw(_FIELD_VALUES[name][0]) for name in draw(st.sets(st.sampled_from(sorted(_FIELD_VALUES))))}
+    event = [draw(st.integers(-(2**63), 2**63 - 1)), draw(st.sampled_from(sorted(EVENT_TYPES))), fields]
+    if invalid:
+        wrong = draw(st.sampled_from(["ts_ms", "type", "field", *_FIELD_VALUES]))
+        if wrong == "ts_ms":
+            event[0] = draw(st.one_of(st.none(), st.booleans(), st.integers(min_value=2**63)))
+        elif wrong == "type":
+            event[1] = "published"
+        elif wrong == "field":
+            fields["colour"] = "red"
+        else:
+            fields[wrong] = draw(_FIELD_VALUES[wrong][1])
+    return tuple(event)
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=st.lists(recorded_events(invalid=False), max_size=20),
+       bad=st.lists(recorded_events(invalid=True), max_size=1), at=st.integers(0, 20))
+def test_a_batch_encodes_as_its_events_one_by_one_and_refuses_any_invalid_one(events, bad, at):
+    """The recorder's batch encoding (`encode_events`, column by column) gives each event's `encode_event` bytes, and
+    refuses a batch holding one event `encode_event` refuses, so that the recorder encodes that batch one by one."""
+    assert encode_events(events) == [encode_event(*event) for event in events]
+    if bad:
+        with pytest.raises(InvalidEvent):
+            encode_event(*bad[0])
+        with pytest.raises(InvalidEvent):
+            encode_events([*events[:at], bad[0], *events[at:]])

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 from ecq.events.atomic import write_atomically
 from ecq.events.replayq import ReplayQ, ReplayQConfig
-from ecq.events.schema import InvalidEvent, encode_event
+from ecq.events.schema import InvalidEvent, encode_event, encode_events
 
 log = logging.getLogger(__name__)
 
@@ -167,20 +167,28 @@ class EventRecorder:
         """Move every recorded event into ``queue`` (queue thread only). Invalid events are counted and
         skipped; a failed append drops its events and counts them (the broker must keep running)."""
         while self._pending:
-            items = []
-            for _ in range(min(len(self._pending), _FLUSH_CHUNK)):
-                ts_ms, type_, fields = self._pending.popleft()
-                try:
-                    items.append(encode_event(ts_ms, type_, fields))
-                except InvalidEvent as exc:
-                    self._counters.invalid += 1
-                    self._warn_once(f"invalid:{type_}", "ECQ events: dropped an invalid event: %s", exc)
+            events = [self._pending.popleft() for _ in range(min(len(self._pending), _FLUSH_CHUNK))]
+            try:
+                items = encode_events(events)
+            except InvalidEvent:
+                items = self._encode_each(events)
             try:
                 queue.append(items)
             except OSError as exc:
                 self._counters.failed_items += len(items)
                 self._counters.failed_bytes += sum(map(len, items))
                 log.error("ECQ events: cannot buffer %d events in %s: %s", len(items), self.buffer_dir, exc)
+
+    def _encode_each(self, events: list[tuple[int, str, dict[str, Any]]]) -> list[bytes]:
+        """The valid ones of ``events`` encoded; each invalid one counted and its type's first logged."""
+        items = []
+        for ts_ms, type_, fields in events:
+            try:
+                items.append(encode_event(ts_ms, type_, fields))
+            except InvalidEvent as exc:
+                self._counters.invalid += 1
+                self._warn_once(f"invalid:{type_}", "ECQ events: dropped an invalid event: %s", exc)
+        return items
 
     def _warn_once(self, kind: str, message: str, *args: Any) -> None:
         if kind not in self._warned:

@@ -218,15 +218,16 @@ class ReplayQ:
         if bytes_limit is not None and bytes_limit < 1:
             raise ValueError(f"bytes_limit must be at least 1 or None, not {bytes_limit}")
         items: list[Any] = []
-        total = 0
-        while count_limit is None or len(items) < count_limit:
-            seg = self._reader_segment()
-            if seg is None or (items and bytes_limit is not None and total + seg.unread[0][2] > bytes_limit):
+        count_left = count_limit if count_limit is not None else self._count
+        bytes_left = bytes_limit
+        while count_left and (seg := self._reader_segment()) is not None:
+            taken, nbytes, taken_last = self._take_run(seg, count_left, bytes_left, one_at_least=not items)
+            if not taken:
                 break
-            last_id, item, size = self._take(seg, keep=seg.keep_popped)
-            last_segno = seg.segno
-            items.append(item)
-            total += size
+            items += taken
+            count_left -= len(taken)
+            bytes_left = None if bytes_left is None else bytes_left - nbytes
+            last_segno, last_id = seg.segno, taken_last
         self._settle()
         if not items:
             return self._acked, []
@@ -251,9 +252,31 @@ class ReplayQ:
             self._popped_segs.append(segs.popleft())
 
     def _load(self, seg: Segment) -> None:
-        for payload in self._files.read(seg):
-            seg.unread.append((seg.next_id, *self._codec.item(payload)))
-            seg.next_id += 1
+        payloads = self._files.read(seg)
+        first = seg.next_id
+        seg.next_id += len(payloads)
+        seg.unread.extend((id_, *item) for id_, item in zip(range(first, seg.next_id), self._codec.items(payloads)))
+
+    def _take_run(self, seg: Segment, count: int, bytes_limit: int | None,
+                  one_at_least: bool) -> tuple[list[Any], int, int]:
+        """Pop up to ``count`` of the loaded items of ``seg``, oldest first, while their sizes add up to at most
+        ``bytes_limit`` (None: no limit), the first one whatever its size when ``one_at_least``; returns (items,
+        their size, the id of the last one). One loop over the segment's items, not a call per item: the lake
+        exporter pops every event the broker records."""
+        unread, items, nbytes, last_id = seg.unread, [], 0, 0
+        keep = seg.unacked.append if seg.keep_popped else None
+        while unread and len(items) < count:
+            size = unread[0][2]
+            if bytes_limit is not None and nbytes + size > bytes_limit and (items or not one_at_least):
+                break
+            last_id, item, _ = unread.popleft()
+            items.append(item)
+            nbytes += size
+            if keep is not None:
+                keep((last_id, item))
+        self._count -= len(items)
+        self._bytes -= nbytes
+        return items, nbytes, last_id
 
     def _take(self, seg: Segment, keep: bool) -> tuple[int, Any, int]:
         id_, item, size = entry = seg.unread.popleft()

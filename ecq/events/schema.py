@@ -40,7 +40,10 @@ latency (sent to ack) is the ack time minus the last ``delivered`` event of that
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Sequence
+from functools import partial
+from itertools import chain, repeat
 from typing import Any
 
 import pyarrow as pa
@@ -69,6 +72,17 @@ _FIELD_RULES = {field.name: {pa.int64(): _INT64, pa.int32(): _INT32}.get(field.t
                 for field in SCHEMA if field.name in _OPTIONAL}  # None for a string column
 _UNKNOWN = object()  # _FIELD_RULES.get() of a field not in SCHEMA
 _encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # json.dumps builds one per call
+# What _encode_json does, without the encoder object that JSONEncoder.encode builds on each call (for a row, more time
+# than the encoding): a row's JSON as a list of chunks to join. Its arguments as JSONEncoder.iterencode passes them:
+# markers (None: no circular check, a row is flat), default, encoder, indent, key_separator, item_separator,
+# sort_keys, skipkeys, allow_nan.
+_row_chunks = json.encoder.c_make_encoder(None, None, json.encoder.encode_basestring, None, ":", ",", False, False,
+                                          True)
+_COLUMN_RULES = (_INT64, None, *map(_FIELD_RULES.get, _OPTIONAL))  # each column's, in COLUMNS order
+_COLUMN_TYPES = tuple(str if rule is None else int for rule in _COLUMN_RULES)
+_OPTIONAL_NAMES = frozenset(_OPTIONAL)
+_NONE = type(None)
+_not_none = partial(operator.is_not, None)
 _type_of = type  # encode_event's parameter ``type`` shadows the builtin
 _TABLE_CHUNK = 500  # events per JSON parse and per Arrow conversion when exporting
 
@@ -101,6 +115,38 @@ def encode_event(ts_ms: int, type: str, fields: dict[str, Any]) -> bytes:
         return _encode_json(row).encode()
     except UnicodeEncodeError as exc:
         raise InvalidEvent(f"{type!r} event has a string that is not valid Unicode: {exc}") from None
+
+
+def encode_events(events: Sequence[tuple[int, str, dict[str, Any]]]) -> list[bytes]:
+    """`encode_event` of each of ``events`` (ts_ms, type, fields), in order, checked column by column: a few C calls
+    per column of the batch instead of Python work per value (the recorder encodes every event of the broker).
+
+    Raises InvalidEvent when any event of the batch is invalid, without saying which: `encode_event` each of them
+    then.
+    """
+    if not events:
+        return []
+    ts_ms, types, fields = zip(*events)
+    if not EVENT_TYPES.issuperset(types) or not _OPTIONAL_NAMES.issuperset(chain.from_iterable(fields)):
+        raise InvalidEvent("an event of the batch has an unknown type or field")
+    columns = [ts_ms, types, *([values.get(name) for values in fields] for name in _OPTIONAL)]
+    if _NONE in set(map(type, ts_ms)) or not all(map(_column_fits, columns, _COLUMN_TYPES, _COLUMN_RULES)):
+        raise InvalidEvent("an event of the batch has a value its column does not take")
+    try:
+        return list(map(str.encode, map("".join, map(_row_chunks, zip(*columns), repeat(0)))))
+    except UnicodeEncodeError:
+        raise InvalidEvent("an event of the batch has a string that is not valid Unicode") from None
+
+
+def _column_fits(values: Sequence[Any], column_type: type, rule: tuple[int, int] | None) -> bool:
+    """Whether every value of one column is None or of ``column_type`` exactly (a subclass, as bool of int, goes to
+    `encode_event`'s checks) and, for an int column, within ``rule``."""
+    if not {column_type, _NONE}.issuperset(map(type, values)):
+        return False
+    if rule is None:
+        return True
+    ints = list(filter(_not_none, values))
+    return not ints or rule[0] <= min(ints) and max(ints) <= rule[1]
 
 
 def _check_value(name: str, value: Any, rule: tuple[int, int] | None) -> None:
