@@ -333,7 +333,7 @@ async def _fan_out(broker: Broker, plugin: EcqHooksTarget, broadcast: dict[str, 
         else:
             flow.send_or_drop(handler, plugin, topic, broadcast["data"], qos)
     if persistent:
-        keys = plugin.session_sends.sent([(session.client_id, topic, qos, broadcast["data"])
+        keys = await plugin.session_sends.sent([(session.client_id, topic, qos, broadcast["data"])
                                           for _handler, session, qos in persistent])
         for (handler, _session, qos), key in zip(persistent, keys, strict=True):
             flow.send_or_drop(handler, plugin, topic, broadcast["data"], qos, key)
