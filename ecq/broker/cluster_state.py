@@ -101,9 +101,9 @@ class ClusterState:
         self._retained = await _bucket(js, f"{namespace}_retained", replicas, None)
         self._sessions = await _bucket(js, f"{namespace}_sessions", replicas, self._settings.session_expiry)
         await _stream(js, StreamConfig(
-            name=self._queues, subjects=[f"{namespace}.sq.>", f"{namespace}.ss.>"], max_msgs_per_subject=self._settings.session_max_queued,
-            max_age=self._settings.session_expiry, num_replicas=replicas, allow_direct=True,
-            storage=StorageType.FILE, discard=DiscardPolicy.OLD))
+            name=self._queues, subjects=[f"{namespace}.sq.>", f"{namespace}.ss.>"],
+            max_msgs_per_subject=self._settings.session_max_queued, max_age=self._settings.session_expiry,
+            num_replicas=replicas, allow_direct=True, storage=StorageType.FILE, discard=DiscardPolicy.OLD))
         self._js = js
         watcher = await self._retained.watch(">")
         loaded = asyncio.get_running_loop().create_future()
@@ -227,16 +227,20 @@ class ClusterState:
 
     def _delete_settled(self) -> None:
         keys, self._settling = self._settling, []
-        self._enqueue(self._delete_sends, f"{len(keys)} acknowledged messages", keys)
+        self._enqueue(self._delete_sends, f"the deletes of {len(keys)} acknowledged messages", keys)
 
     async def _delete_sends(self, _what: str, keys: list[int]) -> None:
         path = f"STREAM.MSG.DELETE.{self._queues}"
-        answers = await asyncio.gather(*(self._api.api(path, {"seq": key, "no_erase": True}) for key in keys))
-        errors = [a["error"] for a in answers if "error" in a and a["error"].get("err_code") != NO_MESSAGE]
+        answers = await asyncio.gather(*(self._api.api(path, {"seq": key, "no_erase": True}) for key in keys),
+                                       return_exceptions=True)
+        errors = [answer if isinstance(answer, BaseException) else answer["error"].get("description")
+                  for answer in answers if isinstance(answer, BaseException)
+                  or answer.get("error", {}).get("err_code", NO_MESSAGE) != NO_MESSAGE]
         if errors:
-            raise StoreError(f"{len(errors)} deletes refused: {errors[0].get('description')}")
+            raise StoreError(f"{len(errors)} of them failed: {errors[0] or type(errors[0]).__name__}")
 
-    async def take_queue(self, clientid: str, messages: list[tuple[str, int, bytes]], kept: frozenset[int]) -> list[Any]:
+    async def take_queue(self, clientid: str, messages: list[tuple[str, int, bytes]],
+                         kept: frozenset[int]) -> list[int | None]:
         """``clientid``'s queued ``messages`` ``[(topic, QoS, payload)]`` are being sent (run on the broker's loop):
         they are stored as its sends, then its queue is purged and, unless it holds sends of ``kept`` sequences
         (not yet acknowledged), its older sends too (those a broker that died or handed it over stored), all in
