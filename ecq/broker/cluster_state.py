@@ -41,9 +41,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import itertools
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +56,7 @@ from ecq.broker.amqtt_hooks import PersistentSession, cluster_form, from_cluster
 from ecq.broker.session_state import (SessionState, retained_message, retained_value,  # noqa: F401 (bus, tests)
                                       subscriptions_value)
 from ecq.config import EcqSettings
+from ecq.store.jetstream_publish import BatchPublisher, Publish
 from ecq.store.jsapi import REQUEST_TIMEOUT_S, JetStreamApi, Retry, token, until, untoken
 from ecq.store.link import NatsLink
 from ecq.store.protocol import StoreError
@@ -89,6 +92,9 @@ class ClusterState:
         self._queues = f"{settings.jetstream_namespace}_SESSIONS"  # the stream of offline sessions' queues
         self._writes: asyncio.Queue | None = None  # (coroutine function, args) run in order on the link's loop
         self._settling: list[int] = []  # sequences of settled sends, deleted at the broker loop's next turn
+        self._publisher = BatchPublisher(link, observe=lambda _seconds: None)  # the sends to connected sessions
+        self._ids, self._sent = uuid.uuid4().hex, itertools.count()  # their Nats-Msg-Id: a retry is stored once
+        self._delete_replies: str | None = None  # the subject of the answers to deletes of settled sends
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -197,26 +203,30 @@ class ClusterState:
     async def store_sends(self, sends: list[tuple[str, str, int, bytes]]) -> list[int | None]:
         """Store each ``(clientid, topic, QoS, payload)``, a message of an ordinary topic about to be sent to a
         connected persistent session (run on the link's loop, by the fan-out, before the publisher's PUBACK): all
-        published at once, their acks awaited together, each at most ``REQUEST_TIMEOUT_S``. Returns the stream
-        sequence of each, for :meth:`settle_sends`, or None for one not stored (logged): NATS unreachable (at once,
-        its outage logged) or the publish failed."""
+        pipelined on one reply subscription (``jetstream_publish.BatchPublisher``, each with a ``Nats-Msg-Id``), their
+        acks awaited together, at most ``REQUEST_TIMEOUT_S``. Returns the stream sequence of each, for
+        :meth:`settle_sends`, or Nones when they are not all stored (logged): NATS unreachable (at once, its outage
+        logged) or the publishes not acknowledged in time."""
         if not self._link.connected:
             self._link.note_outage()
             return [None] * len(sends)
-        acks = await asyncio.gather(*(self._js.publish(self._sends_subject(clientid), payload,
-                                                       timeout=REQUEST_TIMEOUT_S, headers=_headers(topic, qos, payload))
-                                      for clientid, topic, qos, payload in sends), return_exceptions=True)
-        if failed := [ack for ack in acks if isinstance(ack, BaseException)]:
-            log.warning("ECQ could not store %d of %d messages sent to persistent sessions in the cluster (a crash "
-                        "of this broker before their acknowledgement loses them): %s", len(failed), len(sends),
-                        failed[0] or type(failed[0]).__name__)
-        return [None if isinstance(ack, BaseException) else ack.seq for ack in acks]
+        messages = [Publish(self._sends_subject(clientid), payload,
+                            {**_headers(topic, qos, payload), "Nats-Msg-Id": f"{self._ids}.{next(self._sent)}"})
+                    for clientid, topic, qos, payload in sends]
+        try:
+            acks = await self._publisher.publish(messages, time.monotonic() + REQUEST_TIMEOUT_S)
+        except Exception as exc:  # some not stored in time: those stored are purged at the session's next take
+            log.warning("ECQ could not store %d messages sent to persistent sessions in the cluster (a crash of this "
+                        "broker before their acknowledgement loses them): %s", len(sends), exc or type(exc).__name__)
+            return [None] * len(sends)
+        return [ack["seq"] for ack in acks]
 
     def settle_sends(self, keys: list[int]) -> None:
         """Delete the stored copies of messages sent (sequences from :meth:`store_sends` or :meth:`take_queue`):
         acknowledged, or dropped from the session's memory. Those settled in one turn of the broker's loop are
-        deleted in one ordered write (returns at once); one JetStream dropped already (``session_max_queued``) is no
-        error. A broker killed before the write sends them once more (QoS 1 allows it)."""
+        deleted together, in call order with the other writes (returns at once); one JetStream dropped already
+        (``session_max_queued``) is no error, another refusal is logged. A broker killed before the deletes landed
+        sends them once more (QoS 1 allows it)."""
         self._settling += keys
         if len(self._settling) > len(keys):
             return
@@ -230,14 +240,21 @@ class ClusterState:
         self._enqueue(self._delete_sends, f"the deletes of {len(keys)} acknowledged messages", keys)
 
     async def _delete_sends(self, _what: str, keys: list[int]) -> None:
-        path = f"STREAM.MSG.DELETE.{self._queues}"
-        answers = await asyncio.gather(*(self._api.api(path, {"seq": key, "no_erase": True}) for key in keys),
-                                       return_exceptions=True)
-        errors = [answer if isinstance(answer, BaseException) else answer["error"].get("description")
-                  for answer in answers if isinstance(answer, BaseException)
-                  or answer.get("error", {}).get("err_code", NO_MESSAGE) != NO_MESSAGE]
-        if errors:
-            raise StoreError(f"{len(errors)} of them failed: {errors[0] or type(errors[0]).__name__}")
+        """Ask JetStream to delete the messages of ``keys``, pipelined, their answers to one subscription
+        (:meth:`_delete_answered`): a request and a future each cost the node more than the delete itself."""
+        nc = self._link.nc
+        if self._delete_replies is None:
+            self._delete_replies = nc.new_inbox()
+            await nc.subscribe(self._delete_replies, cb=self._delete_answered)
+        subject = f"$JS.API.STREAM.MSG.DELETE.{self._queues}"
+        for key in keys:
+            await nc.publish(subject, b'{"seq":%d,"no_erase":true}' % key, reply=self._delete_replies)
+
+    async def _delete_answered(self, msg: Any) -> None:
+        error = json.loads(msg.data or b"{}").get("error")
+        if error is not None and error.get("err_code") != NO_MESSAGE:
+            log.warning("ECQ could not delete the stored copy of an acknowledged message in the cluster (a crash of "
+                        "this broker sends it once more): %s", error.get("description"))
 
     async def take_queue(self, clientid: str, messages: list[tuple[str, int, bytes]],
                          kept: frozenset[int]) -> list[int | None]:
