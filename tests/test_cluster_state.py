@@ -291,3 +291,19 @@ def test_a_resumed_queue_sent_and_not_acknowledged_outlives_a_kill9_of_its_node(
     assert back.receive_publish()[2] == b"q1"
     assert back.ping()
     back.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_clean_connect_deletes_the_stored_sends_of_the_session_it_ends(cluster_nodes, connect, jetstream_options,
+                                                                         nats_cluster):
+    """A CleanSession 1 CONNECT on another node ends the session (MQTT 3.1.1 section 3.1.2.4): its sends not
+    acknowledged are purged from JetStream with its queue (``ClusterState.drop_queue``), none left to a later crash."""
+    node1, node2 = started(cluster_nodes())
+    device = RawClient(node1.port, "ended", clean_session=False)
+    assert device.subscribe(b"cmd/#")[0] == 0x90
+    connect(node1.port, "backend").publish("cmd/ended", b"never acknowledged")
+    assert device.receive_publish()[2] == b"never acknowledged"
+    assert wait_until(lambda: stored_copies(nats_cluster, jetstream_options) == 1, PROPAGATION_BOUND_S, 0.1)
+    connect(node2.port, "ended", clean_session=True).close()
+    assert wait_until(lambda: stored_copies(nats_cluster, jetstream_options) == 0, PROPAGATION_BOUND_S, 0.1)
+    device.close()

@@ -188,9 +188,9 @@ class ClusterState:
                       payload, _headers(topic, qos, payload))
 
     def drop_queue(self, clientid: str) -> None:
-        """Delete the stored queue and sends of ``clientid`` (returns at once; call order)."""
-        self._enqueue(self._purge_queue, f"queue of {clientid!r}", self._queue_subject(clientid))
-        self._enqueue(self._purge_queue, f"sends to {clientid!r}", self._sends_subject(clientid))
+        """Delete the stored queue and sends of ``clientid``, in one purge (returns at once; call order)."""
+        self._enqueue(self._purge_queue, f"cleared queue of {clientid!r}",
+                      f"{self._settings.jetstream_namespace}.*.{token(clientid)}")
 
     async def _publish_queued(self, _what: str, subject: str, payload: bytes, headers: dict[str, str]) -> None:
         await self._js.publish(subject, payload, headers=headers)
