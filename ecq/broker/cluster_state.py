@@ -189,8 +189,7 @@ class ClusterState:
 
     def drop_queue(self, clientid: str) -> None:
         """Delete the stored queue and sends of ``clientid``, in one purge (returns at once; call order)."""
-        self._enqueue(self._purge_queue, f"cleared queue of {clientid!r}",
-                      f"{self._settings.jetstream_namespace}.*.{token(clientid)}")
+        self._enqueue(self._purge_queue, f"cleared queue of {clientid!r}", self._session_subjects(clientid))
 
     async def _publish_queued(self, _what: str, subject: str, payload: bytes, headers: dict[str, str]) -> None:
         await self._js.publish(subject, payload, headers=headers)
@@ -280,10 +279,12 @@ class ClusterState:
         keys: list[int | None] = [None] * len(messages)
         try:
             keys = await self.store_sends([(clientid, topic, qos, payload) for topic, qos, payload in messages])
-            if None not in keys:
+            if None in keys:
+                return
+            if kept:  # sends not acknowledged, kept: the queue alone
                 await self._purge_queue(what, self._queue_subject(clientid))
-                if not kept and keys:
-                    await self._purge_queue(what, self._sends_subject(clientid), min(keys))
+            else:  # the queue and the older sends, in one purge
+                await self._purge_queue(what, self._session_subjects(clientid), min(keys, default=None))
         finally:
             taken.set_result(keys)
 
@@ -320,6 +321,10 @@ class ClusterState:
 
     def _sends_subject(self, clientid: str) -> str:
         return f"{self._settings.jetstream_namespace}.ss.{token(clientid)}"
+
+    def _session_subjects(self, clientid: str) -> str:
+        """The filter of both subjects of ``clientid``'s session, its queue's and its sends'."""
+        return f"{self._settings.jetstream_namespace}.*.{token(clientid)}"
 
     async def _put_session(self, _what: str, key: str, value: bytes) -> None:
         await self._sessions.put(key, value)
