@@ -12,6 +12,7 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from ecq.queue.writer import FAILURE_LOG_INTERVAL_S
+from ecq.store.jsapi import REQUEST_TIMEOUT_S
 from ecq.store.link import OUTAGE_LOG_INTERVAL_S
 from ecq.testing.nats import LocalNatsCluster
 from tests.harness import RawClient, drain, lines_let_through, topics_payloads, wait_until, write
@@ -264,6 +265,8 @@ def test_without_nats_writes_get_no_puback_the_node_serves_mqtt_and_recovers(own
     [node] = [n.start() for n in cluster_nodes(1, nats=own_nats, write_timeout=f"{WRITE_TIMEOUT_S}s",
                                                writer_pool_size=WRITER_AGENTS)]
     write(connect(node.port, "before"), "out", "before", "b")
+    persistent = connect(node.port, "plain-persistent", clean_session=False)  # its sends are stored in JetStream
+    assert persistent.subscribe("plain/#", 1) == 1
     outage_started = time.monotonic()
     own_nats.kill_all()
 
@@ -283,8 +286,12 @@ def test_without_nats_writes_get_no_puback_the_node_serves_mqtt_and_recovers(own
     assert node.proc.poll() is None, "the node went down with NATS"
     subscriber = connect(node.port, "plain-sub")
     assert subscriber.subscribe("plain/#", 1) == 1
-    connect(node.port, "plain-pub").publish("plain/x", b"still here", qos=1)
+    publisher = connect(node.port, "plain-pub")
+    publishing = time.monotonic()
+    publisher.publish("plain/x", b"still here", qos=1)
+    assert time.monotonic() - publishing < REQUEST_TIMEOUT_S, "the PUBACK waited for the persistent session's store"
     assert topics_payloads(subscriber.expect(1)) == [("plain/x", b"still here")]
+    assert topics_payloads(persistent.expect(1)) == [("plain/x", b"still here")]  # sent unstored
     log = node.log()
     outage_s = time.monotonic() - outage_started
     assert 1 <= log.count("NATS unreachable") <= 2 * lines_let_through(outage_s, OUTAGE_LOG_INTERVAL_S), log

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from ecq.store.jsapi import token
 from tests.harness import BrokerProcess, RawClient, wait_until, write
 
@@ -212,3 +214,96 @@ def test_a_qos2_message_the_client_received_is_released_not_sent_again_on_the_ot
     moved.send(0x70, packet_id)  # PUBCOMP
     assert moved.ping()  # nothing else came before the PINGRESP: the message was not sent again
     moved.close()
+
+
+# --- sends not acknowledged when their node dies ----------------------------------------------------
+
+
+def stored_copies(nats_cluster, jetstream_options) -> int | None:
+    """How many messages the stream of persistent sessions' queues and sends holds now."""
+    stream = f"{jetstream_options['jetstream_namespace']}_SESSIONS"
+    return asyncio.run(stored_count(nats_cluster.urls, stream))
+
+
+def reconnected_after_kill9(node1: BrokerProcess, node2: BrokerProcess, device: RawClient, clientid: str,
+                            back_on: str) -> RawClient:
+    """kill -9 of ``node1`` while ``device`` is connected to it, then ``clientid``'s CleanSession 0 reconnect, without
+    a SUBSCRIBE, to ``node1`` restarted or to ``node2`` (``back_on``): session present 1."""
+    node1.kill()
+    device.close()
+    back = RawClient((node1.start() if back_on == "the restarted node" else node2).port, clientid, clean_session=False)
+    assert back.session_present
+    return back
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("back_on", ["the restarted node", "the other node"])
+def test_a_message_sent_and_not_acknowledged_outlives_a_kill9_of_its_node(cluster_nodes, connect, jetstream_options,
+                                                                         nats_cluster, back_on):
+    """A QoS 1 message of an ordinary topic sent to a connected persistent session is in JetStream before its
+    publisher's PUBACK and deleted at its subscriber's PUBACK (``ClusterState.store_sends``, ``settle_sends``): after
+    a kill -9 of the node, the CleanSession 0 CONNECT gets session present 1 and the message not acknowledged, not
+    the one acknowledged (MQTT 3.1.1 sections 4.4, 3.1.2.4), on the restarted node and on the other node alike."""
+    node1, node2 = started(cluster_nodes())
+    device = RawClient(node1.port, "inflight", clean_session=False)  # raw: it acknowledges only what it is told to
+    assert device.subscribe(b"cmd/#")[0] == 0x90
+    producer = connect(node1.port, "backend")
+    producer.publish("cmd/inflight", b"acknowledged")
+    _topic, packet_id, payload = device.receive_publish()
+    assert payload == b"acknowledged"
+    device.puback(packet_id)
+    assert device.ping()
+    producer.publish("cmd/inflight", b"not acknowledged")  # PUBACKed: stored by then
+    assert device.receive_publish()[2] == b"not acknowledged"
+    assert wait_until(lambda: stored_copies(nats_cluster, jetstream_options) == 1, PROPAGATION_BOUND_S, 0.1)
+    back = reconnected_after_kill9(node1, node2, device, "inflight", back_on)
+    _topic, packet_id, payload = back.receive_publish()
+    assert payload == b"not acknowledged"
+    back.puback(packet_id)
+    assert back.ping()  # nothing else came before the PINGRESP: the acknowledged one did not come again
+    assert wait_until(lambda: stored_copies(nats_cluster, jetstream_options) == 0, PROPAGATION_BOUND_S, 0.1)
+    back.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("back_on", ["the restarted node", "the other node"])
+def test_a_resumed_queue_sent_and_not_acknowledged_outlives_a_kill9_of_its_node(cluster_nodes, connect,
+                                                                               jetstream_options, nats_cluster,
+                                                                               back_on):
+    """The messages queued for an offline session stay in JetStream while its reconnect sends them, each until its
+    PUBACK (``ClusterState.take_queue``): after a kill -9 of the node, the next reconnect gets the one not
+    acknowledged, not the one acknowledged."""
+    node1, node2 = started(cluster_nodes())
+    device = RawClient(node1.port, "resumed", clean_session=False)
+    assert device.subscribe(b"cmd/#")[0] == 0x90
+    device.close()
+    producer = connect(node1.port, "backend")
+    producer.publish("cmd/resumed", b"q0")
+    producer.publish("cmd/resumed", b"q1")
+    device = RawClient(node1.port, "resumed", clean_session=False)
+    assert device.session_present
+    sent = [device.receive_publish() for _ in range(2)]
+    assert [payload for _topic, _packet_id, payload in sent] == [b"q0", b"q1"]
+    device.puback(sent[0][1])
+    assert device.ping()
+    assert wait_until(lambda: stored_copies(nats_cluster, jetstream_options) == 1, PROPAGATION_BOUND_S, 0.1)
+    back = reconnected_after_kill9(node1, node2, device, "resumed", back_on)
+    assert back.receive_publish()[2] == b"q1"
+    assert back.ping()
+    back.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_clean_connect_deletes_the_stored_sends_of_the_session_it_ends(cluster_nodes, connect, jetstream_options,
+                                                                         nats_cluster):
+    """A CleanSession 1 CONNECT on another node ends the session (MQTT 3.1.1 section 3.1.2.4): its sends not
+    acknowledged are purged from JetStream with its queue (``ClusterState.drop_queue``), none left to a later crash."""
+    node1, node2 = started(cluster_nodes())
+    device = RawClient(node1.port, "ended", clean_session=False)
+    assert device.subscribe(b"cmd/#")[0] == 0x90
+    connect(node1.port, "backend").publish("cmd/ended", b"never acknowledged")
+    assert device.receive_publish()[2] == b"never acknowledged"
+    assert wait_until(lambda: stored_copies(nats_cluster, jetstream_options) == 1, PROPAGATION_BOUND_S, 0.1)
+    connect(node2.port, "ended", clean_session=True).close()
+    assert wait_until(lambda: stored_copies(nats_cluster, jetstream_options) == 0, PROPAGATION_BOUND_S, 0.1)
+    device.close()

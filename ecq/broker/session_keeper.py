@@ -111,23 +111,28 @@ class SessionKeeper:
         the messages that dropped from full queues."""
         return self.stored.queue_for_stored(topic, data, qos) if self.stored is not None else []
 
-    def queue_taken(self, clientid: str, messages: list[tuple[str, int, bytes]], kept: frozenset[Any]) -> list[Any]:
-        """A persistent session's queued ``messages`` are being sent: on LevelDB its stored queue becomes the sends of
-        ``kept`` keys and these, whose keys are returned, to :meth:`settled` each at its acknowledgement
-        (StoredSessions.take_queue); a cluster drops its copy of the queue (Nones returned)."""
+    async def queue_taken(self, clientid: str, messages: list[tuple[str, int, bytes]],
+                          kept: frozenset[Any]) -> list[Any]:
+        """A persistent session's queued ``messages`` are being sent: its stored queue becomes the sends of ``kept``
+        keys and these, whose keys are returned, to :meth:`settled` each at its acknowledgement (on LevelDB
+        StoredSessions.take_queue, in a cluster ClusterState.take_queue; Nones for messages not stored)."""
         if self.stored is not None:
             return self.stored.take_queue(clientid, messages, kept)
         if self._cluster.state is not None:
-            self._cluster.state.drop_queue(clientid)
+            return await self._cluster.state.take_queue(clientid, messages, kept)
         return [None] * len(messages)
 
-    def sent(self, sends: list[tuple[str, str, int, bytes]]) -> list[Any]:
-        """``(clientid, topic, QoS, payload)`` messages about to be sent to connected persistent sessions: stored on
-        LevelDB before the publisher's PUBACK (StoredSessions.store_sends), their keys returned; a cluster stores none
-        (Nones: a node's crash loses them, as before)."""
-        return self.stored.store_sends(sends) if self.stored is not None else [None] * len(sends)
+    async def sent(self, sends: list[tuple[str, str, int, bytes]]) -> list[Any]:
+        """``(clientid, topic, QoS, payload)`` messages about to be sent to connected persistent sessions, stored
+        before the publisher's PUBACK (StoredSessions.store_sends, or in a cluster ClusterState.store_sends on the
+        link's loop, awaited): their keys (None: not stored)."""
+        if self.stored is not None:
+            return self.stored.store_sends(sends)
+        if self._cluster.state is not None and self._cluster.bus is not None:
+            return await self._cluster.bus.link.submit(self._cluster.state.store_sends(sends))
+        return [None] * len(sends)
 
     def settled(self, keys: list[Any]) -> None:
         """Delete the stored copies of messages sent (keys from :meth:`sent` or :meth:`queue_taken`)."""
-        if self.stored is not None:
-            self.stored.settle_sends(keys)
+        if self.store is not None:
+            self.store.settle_sends(keys)

@@ -37,6 +37,10 @@ class SessionStore(Protocol):
         """Store a QoS 1/2 message queued for ``clientid``'s offline persistent session (at most
         ``session_max_queued`` kept, the oldest dropped)."""
 
+    def settle_sends(self, keys: list[Any]) -> None:
+        """Delete the stored copies of messages sent to connected sessions (``amqtt_hooks.stored_sends``), their
+        clients having acknowledged them: those of one event-loop turn together."""
+
 
 @dataclass
 class SessionState:

@@ -23,7 +23,8 @@ amqtt's Session (4.9 KiB traced, 20-40 KiB of RSS). Kept in amqtt's memory inste
 Will waits for its delay, and one holding packet ids its reconnect must see again (a send not acknowledged, a
 client's QoS 2 PUBLISH not released: MQTT 3.1.1 section 4.4 resends with the same id, which the store does not keep),
 and a member of a shared subscription group (its group's messages go to it while no member is connected).
-A cluster (``backend: jetstream``) keeps every offline session in memory, to hand it over to another broker.
+A cluster (``backend: jetstream``) keeps every offline session in memory, to hand it over to another broker, and
+its sends and queues in JetStream (``cluster_state.ClusterState``: the same store_sends, settle_sends and take_queue).
 
 After a restart, amqtt holds none of them: a session is restored when its client id CONNECTs (:meth:`claim`, through
 the same adopt-on-CONNECT path as a session the cluster hands over, ``amqtt_hooks.cluster``), with CONNACK session

@@ -275,9 +275,10 @@ def store_offline_queues_in_the_cluster() -> None:
     that broker died or restarted, they were lost with it. MQTT 3.1.1 section 3.1.2.4 keeps them with the session,
     so each one queued is also handed to the plugin for its session store, the cluster's or the embedded one
     (:meth:`EcqHooksTarget.session_message_queued`). When the queue is taken for sending
-    (:meth:`EcqHooksTarget.session_queue_taken`) the embedded store keeps it, with the session's sends not yet
-    acknowledged, each message until its acknowledgement (``stored_sends``: a broker killed meanwhile sends them
-    again after its restart); the cluster's copy is dropped."""
+    (:meth:`EcqHooksTarget.session_queue_taken`) the store keeps it, with the session's sends not yet acknowledged,
+    each message until its acknowledgement (``stored_sends``: after a broker killed meanwhile, the client's next
+    CONNECT, to its restart or in a cluster to another broker, gets them again). A message queued while that store
+    is awaited (a cluster's) goes out with the queue, unstored as a send but kept in the session's stored queue."""
     original_queue = Broker._retain_broadcast_message
 
     async def retain_broadcast_message(broker: Broker, broadcast: dict[str, Any], qos: int,
@@ -288,12 +289,12 @@ def store_offline_queues_in_the_cluster() -> None:
             plugin.session_message_queued(target_session.client_id, broadcast["topic"], qos,
                                           bytes(broadcast["data"] or b""))
 
-    def keep_the_taken_queue_until_acknowledged(broker: Broker, session: Any) -> None:
+    async def keep_the_taken_queue_until_acknowledged(broker: Broker, session: Any) -> None:
         plugin = find_target(broker.plugins_manager)
         if plugin is not None and not session.retained_messages.empty():
             messages = [(m.topic, m.qos, bytes(m.data)) for m in session.retained_messages.items()]
-            stored_sends.queue_taken(session, plugin.session_queue_taken(session.client_id, messages,
-                                                                          stored_sends.held_keys(session)))
+            stored_sends.queue_taken(session, await plugin.session_queue_taken(session.client_id, messages,
+                                                                                stored_sends.held_keys(session)))
 
     replace(Broker, "_retain_broadcast_message", retain_broadcast_message)
     step(Broker, "_publish_session_retained_messages", before=keep_the_taken_queue_until_acknowledged)

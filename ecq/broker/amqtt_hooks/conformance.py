@@ -323,8 +323,7 @@ async def _fan_out(broker: Broker, plugin: EcqHooksTarget, broadcast: dict[str, 
             continue
         if session.transitions.state != "connected" or (qos > QOS_0 and id(session) in _resuming):
             if not session.clean_session and qos > QOS_0:
-                _make_room(session.retained_messages, plugin, session.client_id)
-                await broker._retain_broadcast_message(broadcast, qos, session)
+                await _queue_for_offline(broker, plugin, broadcast, qos, session)
             continue
         if (handler := broker._get_handler(session)) is None:
             continue
@@ -333,10 +332,29 @@ async def _fan_out(broker: Broker, plugin: EcqHooksTarget, broadcast: dict[str, 
         else:
             flow.send_or_drop(handler, plugin, topic, broadcast["data"], qos)
     if persistent:
-        keys = plugin.session_sends.sent([(session.client_id, topic, qos, broadcast["data"])
-                                          for _handler, session, qos in persistent])
-        for (handler, _session, qos), key in zip(persistent, keys, strict=True):
-            flow.send_or_drop(handler, plugin, topic, broadcast["data"], qos, key)
+        keys = await plugin.session_sends.sent([(session.client_id, topic, qos, broadcast["data"])
+                                                for _handler, session, qos in persistent])
+        for (handler, session, qos), key in zip(persistent, keys, strict=True):
+            if _still_connected(broker, handler, session):
+                flow.send_or_drop(handler, plugin, topic, broadcast["data"], qos, key)
+                continue
+            if key is not None:  # its connection ended or was replaced while the store was awaited: queued instead
+                plugin.session_sends.settled([key])
+            await _queue_for_offline(broker, plugin, broadcast, qos, session)
+
+
+def _still_connected(broker: Broker, handler: BrokerProtocolHandler, session: Any) -> bool:
+    """True while ``handler`` is still the connection of ``session``, connected and not resuming its queue."""
+    return (handler is broker._get_handler(session) and session.transitions.state == "connected"
+            and id(session) not in _resuming)
+
+
+async def _queue_for_offline(broker: Broker, plugin: EcqHooksTarget, broadcast: dict[str, Any], qos: int,
+                             session: Any) -> None:
+    """Queue ``broadcast`` at ``qos`` for ``session``, a persistent session not connected (or resuming), within
+    ``session_max_queued`` (amqtt's ``_retain_broadcast_message``)."""
+    _make_room(session.retained_messages, plugin, session.client_id)
+    await broker._retain_broadcast_message(broadcast, qos, session)
 
 
 def _make_room(queue: asyncio.Queue, plugin: EcqHooksTarget, clientid: str) -> None:

@@ -15,7 +15,9 @@ drops it (``session_max_inflight``, the connection's outgoing bound) or when the
 client has not acknowledged: after a restart its CONNECT gets them as new PUBLISHes, before newer ones. A QoS 2
 message whose PUBREC came stays stored until its PUBCOMP: a broker killed in between sends it again after its restart
 as a new PUBLISH (at least once; the PUBREL with its packet id is resent only after a SIGTERM, which stores it).
-LevelDB only: a cluster's store keeps none of these sends (its keys are None), so a node's crash loses them.
+On a cluster the same holds: its store (``cluster_state.ClusterState``, JetStream) keeps each send under its stream
+sequence, and a node's ``kill -9`` loses none, whether the client reconnects to the restarted node or another one.
+A key is None for a message not stored (a failed write, NATS unreachable): it is sent all the same.
 """
 
 from __future__ import annotations

@@ -41,9 +41,10 @@ class HandedOverSession(Protocol):
 class SessionSends(Protocol):
     """The session store's copies of the messages of ordinary topics sent at QoS 1/2 to connected persistent sessions
     (``ecq.broker.session_keeper.SessionKeeper``), so that a broker killed before their acknowledgement still has
-    them. A key is opaque; None stands for a message not stored (a cluster, a failed write)."""
+    them. A key is opaque (a LevelDB key, a JetStream stream sequence); None stands for a message not stored (a failed
+    write, NATS unreachable)."""
 
-    def sent(self, sends: list[tuple[str, str, int, bytes]]) -> list[Any]:
+    async def sent(self, sends: list[tuple[str, str, int, bytes]]) -> list[Any]:
         """Store each ``(clientid, topic, QoS, payload)`` about to be sent, before the publisher's PUBACK: a key
         each."""
 
@@ -116,10 +117,11 @@ class EcqHooksTarget(Protocol):
         session store only, that no CONNECT has claimed yet (none on a cluster); returns ``[(clientid, topic)]`` of
         the older messages dropped from their full queues (``session_max_queued``)."""
 
-    def session_queue_taken(self, clientid: str, messages: list[tuple[str, int, bytes]], kept: frozenset) -> list:
+    async def session_queue_taken(self, clientid: str, messages: list[tuple[str, int, bytes]],
+                                  kept: frozenset) -> list:
         """A persistent session's queued ``messages`` ``[(topic, QoS, payload)]`` are being sent: the session store
-        keeps the sends of ``kept`` keys (:class:`SessionSends`) and these, and returns their keys (LevelDB), or
-        drops its copy of the queue (a cluster: Nones)."""
+        keeps the sends of ``kept`` keys (:class:`SessionSends`) and these, and returns their keys (None: a message
+        not stored)."""
 
     def session_evicted(self, clientid: str, session: Any, messages: list[tuple[str, int, bytes]]) -> bool:
         """Keep ``clientid``'s offline persistent ``session`` (``cluster.PersistentSession``) and the ``messages``
