@@ -171,8 +171,7 @@ class EcqPlugin(BaseTopicPlugin):
     def queue_for_stored_sessions(self, topic: str, data: bytes, qos: int) -> list[tuple[str, str]]:
         return self.kept_sessions.queue_for_stored(topic, data, qos)
 
-    async def session_queue_taken(self, clientid: str, messages: list[tuple[str, int, bytes]],
-                                  kept: frozenset) -> list:
+    async def session_queue_taken(self, clientid: str, messages: list[tuple[str, int, bytes]], kept: frozenset) -> list:
         return await self.kept_sessions.queue_taken(clientid, messages, kept)
 
     async def session_expired(self, clientid: str) -> None:
