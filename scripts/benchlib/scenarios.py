@@ -805,3 +805,13 @@ def fanout(bench: Bench, out: ScenarioResult) -> None:
 
 
 SCENARIOS["fanout"] = fanout
+
+
+def floor(bench: Bench, out: ScenarioResult) -> None:
+    """The floor scenario (issue 32: what a Python server costs per device), in benchlib.floor (imported when it
+    runs, since it builds on this module)."""
+    from benchlib.floor import floor as floor_scenario
+    floor_scenario(bench, out)
+
+
+SCENARIOS["floor"] = floor
