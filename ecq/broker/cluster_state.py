@@ -53,8 +53,8 @@ from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
 from ecq.broker.amqtt_hooks import PersistentSession, cluster_form, from_cluster_form
-from ecq.broker.session_state import (SessionState, retained_message, retained_value,  # noqa: F401 (bus, tests)
-                                      subscriptions_value)
+from ecq.broker.session_state import (SessionState, TurnBatch, retained_message, retained_value,  # noqa: F401
+                                      subscriptions_value)  # SessionState, subscriptions_value: for bus, tests
 from ecq.config import EcqSettings
 from ecq.store.jetstream_publish import BatchPublisher, Publish
 from ecq.store.jsapi import REQUEST_TIMEOUT_S, JetStreamApi, Retry, token, until, untoken
@@ -91,7 +91,7 @@ class ClusterState:
         self._api = JetStreamApi(link)
         self._queues = f"{settings.jetstream_namespace}_SESSIONS"  # the stream of offline sessions' queues
         self._writes: asyncio.Queue | None = None  # (coroutine function, args) run in order on the link's loop
-        self._settling: list[int] = []  # sequences of settled sends, deleted at the broker loop's next turn
+        self._settling = TurnBatch(self._delete_settled)  # sequences of settled sends, deleted at the next turn
         self._publisher = BatchPublisher(link, observe=lambda _seconds: None)  # the sends to connected sessions
         self._ids, self._sent = uuid.uuid4().hex, itertools.count()  # their Nats-Msg-Id: a retry is stored once
         self._delete_replies: str | None = None  # the subject of the answers to deletes of settled sends
@@ -226,16 +226,9 @@ class ClusterState:
         deleted together, in call order with the other writes (returns at once); one JetStream dropped already
         (``session_max_queued``) is no error, another refusal is logged. A broker killed before the deletes landed
         sends them once more (QoS 1 allows it)."""
-        self._settling += keys
-        if len(self._settling) > len(keys):
-            return
-        try:
-            asyncio.get_running_loop().call_soon(self._delete_settled)
-        except RuntimeError:
-            self._delete_settled()
+        self._settling.add(keys)
 
-    def _delete_settled(self) -> None:
-        keys, self._settling = self._settling, []
+    def _delete_settled(self, keys: list[int]) -> None:
         self._enqueue(self._delete_sends, f"the deletes of {len(keys)} acknowledged messages", keys)
 
     async def _delete_sends(self, _what: str, keys: list[int]) -> None:

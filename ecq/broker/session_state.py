@@ -6,9 +6,11 @@ implement. Free of NATS, so the embedded broker imports it without the ``[cluste
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -16,6 +18,31 @@ from ecq.broker.amqtt_hooks import PersistentSession, Subscription, cluster_form
 
 NO_QOS = 3                 # the QoS byte of a retained message stored without a QoS (amqtt's ``qos=None``)
 WITH_MQTT5 = 0x80          # the QoS byte's flag: an MQTT 5.0 message's cluster form follows it
+
+
+class TurnBatch:
+    """Keys given during one turn of the event loop, handed together to ``flush(keys)`` at its next turn (at once when
+    no loop runs, or on :meth:`flush`): both stores delete the copies of the sends settled in one turn in one write."""
+
+    def __init__(self, flush: Callable[[list[Any]], None]) -> None:
+        self._flush = flush
+        self._keys: list[Any] = []
+
+    def add(self, keys: list[Any]) -> None:
+        """Gather ``keys`` for the next turn's flush."""
+        self._keys += keys
+        if len(self._keys) > len(keys):  # a flush is due already
+            return
+        try:
+            asyncio.get_running_loop().call_soon(self.flush)
+        except RuntimeError:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand every key gathered so far to ``flush`` now (nothing when there is none)."""
+        keys, self._keys = self._keys, []
+        if keys:
+            self._flush(keys)
 
 
 class SessionStore(Protocol):

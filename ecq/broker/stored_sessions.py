@@ -51,16 +51,16 @@ take them).
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from ecq.broker.amqtt_hooks import HeldSession, PersistentSession
-from ecq.broker.session_state import SessionState, message_value, read_message, subscriptions_value
+from ecq.broker.session_state import SessionState, TurnBatch, message_value, read_message, subscriptions_value
 from ecq.config import EcqSettings
 from ecq.queue.deadlines import DeadlineHeap
 from ecq.queue.topic_tree import TopicTree
@@ -101,7 +101,7 @@ class StoredSessions:
         self._deadlines, self._expire = deadlines, expire
         self._at_deadline = self._expire_if_due  # one bound method, the value of every stored session's deadline
         self._started_ms = _now_ms()
-        self._settling: list[bytes] = []  # keys of settled sends, deleted at the event loop's next turn
+        self._settling = TurnBatch(partial(self._write, "acknowledged messages", self._table.delete_messages))
 
     @classmethod
     def load(cls, settings: EcqSettings, store: Any, deadlines: DeadlineHeap,
@@ -162,7 +162,7 @@ class StoredSessions:
         and not acknowledged, or QoS 2 releases owed, gets them stored too (its stored queue becomes what its client
         has not received, oldest first), so that they come again after the restart (MQTT 3.1.1 section 4.4; as new
         PUBLISHes, the PUBRELs with their packet ids)."""
-        self._delete_settled()
+        self._settling.flush()
         for clientid, (session, messages, releases) in sessions.items():
             offline = session._replace(offline=True)
             if not messages and not releases:
@@ -199,18 +199,7 @@ class StoredSessions:
         all those settled before it (at once without a running loop): 6-7 us per delivery with the fan-out's write
         instead of 15-23 us with a write per PUBACK (200 sessions a fan-out, on the 2-core test machine); a broker
         killed before that turn sends them once more (QoS 1 allows it)."""
-        self._settling += keys
-        if len(self._settling) > len(keys):
-            return
-        try:
-            asyncio.get_running_loop().call_soon(self._delete_settled)
-        except RuntimeError:
-            self._delete_settled()
-
-    def _delete_settled(self) -> None:
-        keys, self._settling = self._settling, []
-        if keys:
-            self._write("acknowledged messages", self._table.delete_messages, keys)
+        self._settling.add(keys)
 
     def take_queue(self, clientid: str, messages: list[tuple[str, int, bytes]], kept: frozenset[bytes]) -> list[Any]:
         """``clientid``'s queued ``messages`` ``[(topic, QoS, payload)]`` are being sent: its stored queue becomes the

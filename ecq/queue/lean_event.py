@@ -1,9 +1,9 @@
 """An ``asyncio.Event`` that costs a few dozen bytes until something waits on it.
 
 ``asyncio.Event`` gives each instance a ``collections.deque`` of waiters from the start: 760 bytes on CPython 3.11,
-even while nobody waits. A fleet's connections each hold a few events (a consumer's wake-up, amqtt's reader ready
-and stopped), most of them never or rarely waited on, so those deques were about 2.3 KiB of every connected
-consumer (``scripts/benchlib/heapprobe.py --trace``).
+even while nobody waits. A fleet's connections each held a few events (a consumer's wake-up, since then a callback;
+amqtt's reader ready and stopped), most of them never or rarely waited on, so those deques were about 2.3 KiB of
+every connected consumer (``scripts/benchlib/heapprobe.py --trace``).
 """
 
 from __future__ import annotations
