@@ -209,12 +209,7 @@ def _one_wrapper(owner: type, name: str, original: Callable[..., Any], steps: tu
             for each in outermost_first:
                 if each.before is not None:
                     given = each.before(*args)
-                    if each.before_awaits:
-                        given = await given
-                    if type(given) is Result or type(given) is Instead:
-                        decided = given
-                    elif given is not None:
-                        args = given
+                    decided, args = _taken(await given if each.before_awaits else given, args)
                 ran += 1
                 if decided is not None:
                     break
@@ -222,14 +217,12 @@ def _one_wrapper(owner: type, name: str, original: Callable[..., Any], steps: tu
                 result = await body(*args)
             else:
                 result = decided.value if type(decided) is Result else await decided.awaitable
-            for index in range(ran - 1 if decided is not None else ran, 0, -1):
-                each = outermost_first[index - 1]
-                if each.after is not None:
-                    given = each.after(result, *args)
-                    if each.after_awaits:
-                        given = await given
-                    if given is not None:
-                        result = given.value
+            for each in _afters_due(outermost_first, ran, decided):
+                given = each.after(result, *args)
+                if each.after_awaits:
+                    given = await given
+                if given is not None:
+                    result = given.value
             return result
         finally:
             _leave(outermost_first, ran, args)
@@ -241,18 +234,13 @@ def _one_wrapper(owner: type, name: str, original: Callable[..., Any], steps: tu
             decided = None
             for each in outermost_first:
                 if each.before is not None:
-                    given = each.before(*args)
-                    if type(given) is Result:
-                        decided = given
-                    elif given is not None:
-                        args = given
+                    decided, args = _taken(each.before(*args), args)
                 ran += 1
                 if decided is not None:
                     break
             result = decided.value if decided is not None else body(*args)
-            for index in range(ran - 1 if decided is not None else ran, 0, -1):
-                each = outermost_first[index - 1]
-                if each.after is not None and (given := each.after(result, *args)) is not None:
+            for each in _afters_due(outermost_first, ran, decided):
+                if (given := each.after(result, *args)) is not None:
                     result = given.value
             return result
         finally:
@@ -263,6 +251,21 @@ def _one_wrapper(owner: type, name: str, original: Callable[..., Any], steps: tu
     wrapper.__code__ = wrapper.__code__.replace(co_name=name, co_qualname=f"{owner.__qualname__}.{name}")
     wrapper.__name__, wrapper.__qualname__ = name, f"{owner.__qualname__}.{name}"
     return wrapper
+
+
+def _taken(given: Any, args: tuple[Any, ...]) -> tuple[Result | Instead | None, tuple[Any, ...]]:
+    """What a ``before`` gave, as (the :class:`Result` or :class:`Instead` deciding the call, else None; the
+    arguments to go on with: the new ones it gave, or ``args``)."""
+    if type(given) is Result or type(given) is Instead:
+        return given, args
+    return None, args if given is None else given
+
+
+def _afters_due(outermost_first: tuple[Step, ...], ran: int, decided: Result | Instead | None) -> list[Step]:
+    """The steps whose ``after`` runs, innermost first: those among the first ``ran`` of ``outermost_first`` whose
+    ``before`` ran, but the one whose before ``decided`` the result, and that have an ``after``."""
+    due = outermost_first[:ran - 1 if decided is not None else ran]
+    return [each for each in reversed(due) if each.after is not None]
 
 
 def _positional_arguments(function: Callable[..., Any]) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, ...]]:
