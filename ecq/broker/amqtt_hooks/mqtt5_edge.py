@@ -24,7 +24,7 @@ from typing import Any
 
 import mqtt5
 from amqtt.adapters import ReaderAdapter, WriterAdapter
-from amqtt.errors import AMQTTError, MQTTError
+from amqtt.errors import AMQTTError
 from amqtt.mqtt.connack import ConnackPacket
 from amqtt.codecs_amqtt import encode_data_with_length
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
